@@ -1,0 +1,12 @@
+"""kvops: KV-cache operations as ``torch.library`` custom ops.
+
+Each op has a schema (``kvops/_library.py``), one validator shared by its eager kernels and its fake rule
+(``kvops/_checks/``), a CPU kernel (``kvops/reference/``), a Triton kernel for CUDA (``kvops/triton/``) and an Inductor
+lowering (``lowering/``). ``import kvops`` registers all of them; nothing is compiled and no global config is changed.
+"""
+
+from . import _library  # noqa: F401
+from .ops import cache_roll, cache_write
+
+__all__ = ["cache_write", "cache_roll"]
+__version__ = "0.1.0"

@@ -1,0 +1,98 @@
+"""Validators for the contiguous-cache ops (``kvops::cache_write``, ``kvops::cache_roll``).
+
+Caches are ``[B, S, H_cache, D]`` (``D_v`` for values); writers carry ``[B, T, H_in, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import (
+    as_int,
+    check_head_slice,
+    require_dim_match,
+    require_ndim,
+    require_same_device,
+    require_same_dtype,
+)
+
+CACHE_LAYOUT = "[batch, cache_len, num_kv_heads, head_dim]"
+TOKENS_LAYOUT = "[batch, num_new_tokens, num_heads, head_dim]"
+
+
+def check_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None) -> None:
+    """K and V caches: both present, 4-D, same dtype, device, batch, length and heads (``D_v`` may differ)."""
+    if v_cache is None:
+        raise ValueError("v_cache must be provided")
+    require_ndim(op, "k_cache", k_cache, 4, CACHE_LAYOUT)
+    require_ndim(op, "v_cache", v_cache, 4, CACHE_LAYOUT)
+    require_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
+    require_same_device(op, "v_cache", v_cache, "k_cache", k_cache)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"{op}: k_cache shape {tuple(k_cache.shape)} and v_cache shape {tuple(v_cache.shape)} must agree in "
+            f"[batch, cache_len, num_kv_heads]; only head_dim may differ."
+        )
+
+
+def check_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    start,
+    cache_head_start: int | None,
+    op: str = "kvops.cache_write",
+) -> int:
+    """Validate a write of ``T`` tokens at rows ``[start, start + T)``; returns the first cache head written."""
+    check_caches(op, k_cache, v_cache)
+    if value is None:
+        raise ValueError(f"{op}: value must be provided (got value=None with a v_cache); pass value [B, T, H_in, D_v].")
+    require_ndim(op, "key", key, 4, TOKENS_LAYOUT)
+    require_ndim(op, "value", value, 4, TOKENS_LAYOUT)
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(
+            f"{op}: key shape {tuple(key.shape)} and value shape {tuple(value.shape)} must agree in "
+            f"[batch, num_new_tokens, num_heads]."
+        )
+    for name, t, cache_name, cache in (("key", key, "k_cache", k_cache), ("value", value, "v_cache", v_cache)):
+        require_same_dtype(op, name, t, cache_name, cache)
+        require_same_device(op, name, t, cache_name, cache)
+        require_dim_match(op, "batch", name, t, 0, cache_name, cache, 0)
+        require_dim_match(op, "head_dim", name, t, 3, cache_name, cache, 3)
+    h0 = check_head_slice(op, k_cache.shape[2], key.shape[2], cache_head_start)
+    num_new, cache_len = key.shape[1], k_cache.shape[1]
+    if start < 0 or start + num_new > cache_len:
+        s = as_int(start)
+        raise RuntimeError(
+            f"Invalid {op} write range: local=[{s}, {s + num_new}), kv_cache_size={cache_len}, "
+            f"num_new_tokens={num_new}. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size."
+        )
+    return h0
+
+
+def check_cache_roll(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    src,
+    dst,
+    num_tokens,
+    cache_head_start: int | None,
+    num_heads: int | None,
+    op: str = "kvops.cache_roll",
+) -> tuple[int, int]:
+    """Validate moving rows ``[src, src + n)`` to ``[dst, dst + n)``; returns the head slice ``(h0, h1)``."""
+    check_caches(op, k_cache, v_cache)
+    cache_heads, cache_len = k_cache.shape[2], k_cache.shape[1]
+    if num_heads is None:
+        num_heads = cache_heads - (cache_head_start or 0)
+    if num_heads <= 0:
+        raise ValueError(f"{op}: num_heads must be positive, got {num_heads}.")
+    h0 = check_head_slice(op, cache_heads, num_heads, cache_head_start if cache_head_start is not None else 0)
+    if num_tokens < 0 or src < 0 or dst < 0 or src + num_tokens > cache_len or dst + num_tokens > cache_len:
+        s, d, n = as_int(src), as_int(dst), as_int(num_tokens)
+        raise RuntimeError(
+            f"Invalid {op} range: src=[{s}, {s + n}), dst=[{d}, {d + n}), kv_cache_size={cache_len}, "
+            f"num_tokens={n}. Both ranges must lie in [0, kv_cache_size) and num_tokens must be >= 0."
+        )
+    return h0, h0 + num_heads

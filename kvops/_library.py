@@ -1,0 +1,28 @@
+"""Every kvops schema string, in one place.
+
+Mutation annotations are honest: a cache an op writes is declared ``Tensor(a!)``, and nothing else is mutated.
+Token positions and counts are ``SymInt`` so a loop whose positions change every step does not recompile per step;
+sizes that define kernels (head counts, ``head_dim``, ``block_size``) come from tensor shapes and may specialize.
+
+The fake rules, CPU kernels and CUDA kernels are registered next to each op's public wrapper in ``kvops/ops/``.
+"""
+
+import torch
+
+lib = torch.library.Library("kvops", "DEF")
+
+# --- contiguous caches [B, S, H_cache, D] (kvops/ops/contiguous.py) ---------------------------------------------
+lib.define(
+    "cache_write(Tensor key, Tensor? value, Tensor(a!) k_cache, Tensor(b!)? v_cache, SymInt start, "
+    "int? cache_head_start=None) -> ()"
+)
+lib.define(
+    "cache_roll(Tensor(a!) k_cache, Tensor(b!)? v_cache, SymInt src, SymInt dst, SymInt num_tokens, "
+    "int? cache_head_start=None, int? num_heads=None) -> ()"
+)
+
+# --- paged caches [P, block_size, H_kv, D] (kvops/ops/paged_write.py, kvops/ops/paged_attention.py) -------------
+lib.define(
+    "paged_cache_write(Tensor key, Tensor? value, Tensor(a!) k_cache, Tensor(b!)? v_cache, Tensor slot_mapping, "
+    "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+)

@@ -1,0 +1,28 @@
+"""CPU kernels (and readable references) for the contiguous-cache ops.
+
+They use slicing on the caches as given, so strided views (a head slice of a larger cache, K and V as two views of
+one ``[B, S, 2, H, D]`` allocation) are written in place and never copied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cache_write(key, value, k_cache, v_cache, start: int, h0: int) -> None:
+    """Copy ``key``/``value`` ``[B, T, H_in, D]`` into rows ``[start, start+T)``, heads ``[h0, h0+H_in)``."""
+    t, h = key.shape[1], key.shape[2]
+    k_cache[:, start : start + t, h0 : h0 + h].copy_(key)
+    v_cache[:, start : start + t, h0 : h0 + h].copy_(value)
+
+
+def cache_roll(k_cache, v_cache, src: int, dst: int, n: int, h0: int, h1: int) -> None:
+    """Move rows ``[src, src+n)`` to ``[dst, dst+n)`` within heads ``[h0, h1)``; correct when the ranges overlap."""
+    if n == 0 or src == dst:
+        return
+    overlap = abs(src - dst) < n
+    for cache in (k_cache, v_cache):
+        moved = cache[:, src : src + n, h0:h1]
+        if overlap:  # copy_ refuses partially overlapping memory: stage the moved rows (not the cache)
+            moved = moved.clone()
+        cache[:, dst : dst + n, h0:h1].copy_(moved)

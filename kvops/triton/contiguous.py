@@ -1,0 +1,55 @@
+"""Triton kernels for the contiguous-cache ops: a strided row copy used by write and roll."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src_ptr, dst_ptr,
+    T, H, D,
+    s_b, s_t, s_h, s_d,
+    d_b, d_t, d_h, d_d,
+    dst_row0, dst_head0,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (batch, token): src[b, t, :H, :D] -> dst[b, dst_row0 + t, dst_head0 + :H, :D]."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
+    d = tl.arange(0, BLOCK_D)[None, :].to(tl.int64)
+    mask = (h < H) & (d < D)
+    x = tl.load(src_ptr + b * s_b + t * s_t + h * s_h + d * s_d, mask=mask)
+    tl.store(dst_ptr + b * d_b + (dst_row0 + t) * d_t + (dst_head0 + h) * d_h + d * d_d, x, mask=mask)
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, dst_row0: int, dst_head0: int) -> None:
+    """``dst[:, dst_row0:dst_row0+T, dst_head0:dst_head0+H] = src`` for ``src [B, T, H, D]`` (any strides)."""
+    b, t, h, d = src.shape
+    if b * t == 0:
+        return
+    _copy_rows_kernel[(b * t,)](
+        src, dst, t, h, d, *src.stride(), *dst.stride(), dst_row0, dst_head0,
+        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+def cache_write(key, value, k_cache, v_cache, start: int, h0: int) -> None:
+    copy_rows(key, k_cache, start, h0)
+    copy_rows(value, v_cache, start, h0)
+
+
+def cache_roll(k_cache, v_cache, src: int, dst: int, n: int, h0: int, h1: int) -> None:
+    if n == 0 or src == dst:
+        return
+    for cache in (k_cache, v_cache):
+        moved = cache[:, src : src + n, h0:h1]
+        if abs(src - dst) < n:  # overlapping ranges: stage the moved rows, then write them back
+            staged = torch.empty(moved.shape, dtype=cache.dtype, device=cache.device)
+            copy_rows(moved, staged, 0, 0)
+            moved = staged
+        copy_rows(moved, cache, dst, h0)

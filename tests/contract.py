@@ -1,0 +1,51 @@
+"""Test helper: a contract error must be the same in eager, ``torch.compile(fullgraph=True)`` and ``torch.export``.
+
+Usage in a test (``expecttest.TestCase``)::
+
+    msg = raises_everywhere(self, ValueError, lambda k, v: kvops.cache_write(...), (k, v))
+    self.assertExpectedInline(msg, '''...''')
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def raises_everywhere(test, exc_type: type[BaseException], fn, args, modes=("eager", "compile", "export")) -> str:
+    """Run ``fn(*args)`` in each mode; assert it raises ``exc_type`` with one message everywhere; return it.
+
+    - eager: the exception itself.
+    - export: the original exception propagates unchanged (same type, same message).
+    - compile (fullgraph=True): raised at trace time; Dynamo wraps it in ``TorchRuntimeError`` whose text carries
+      ``TypeName('message')``.
+    """
+    message = None
+    if "eager" in modes:
+        with test.assertRaises(exc_type) as cm:
+            fn(*args)
+        assert type(cm.exception) is exc_type, type(cm.exception)
+        message = str(cm.exception)
+    if "export" in modes:
+        with test.assertRaises(exc_type) as cm:
+            torch.export.export(_Wrap(fn), tuple(args), strict=False)
+        assert type(cm.exception) is exc_type, type(cm.exception)
+        if message is None:
+            message = str(cm.exception)
+        test.assertEqual(str(cm.exception), message)
+    if "compile" in modes:
+        torch._dynamo.reset()
+        with test.assertRaises(torch._dynamo.exc.TorchRuntimeError) as cm:
+            torch.compile(fn, fullgraph=True, backend="eager")(*args)
+        text = str(cm.exception)
+        test.assertIn(f"{exc_type.__name__}({message!r})", text)
+    return message
