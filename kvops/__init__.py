@@ -7,6 +7,7 @@ lowering (``lowering/``). ``import kvops`` registers all of them; nothing is com
 
 from . import _library  # noqa: F401
 from .ops import cache_roll, cache_write
+from .ops import check_slot_mapping, paged_cache_write
 
-__all__ = ["cache_write", "cache_roll"]
+__all__ = ["cache_write", "cache_roll", "paged_cache_write", "check_slot_mapping"]
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
 """Public, documented wrappers around ``torch.ops.kvops.*``; importing a module registers its kernels."""
 
 from .contiguous import cache_roll, cache_write
+from .paged_write import check_slot_mapping, paged_cache_write
 
-__all__ = ["cache_write", "cache_roll"]
+__all__ = ["cache_write", "cache_roll", "paged_cache_write", "check_slot_mapping"]

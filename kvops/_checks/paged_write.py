@@ -1,0 +1,127 @@
+"""Validator for ``kvops::paged_cache_write`` (semantics.md §3).
+
+Caches are ``[P, block_size, H_kv, D]`` (NHD; ``D_v`` for values); writers carry ``[N', H_in, D]`` and ``slot_mapping``
+``[N]`` with ``N' >= N``. Only metadata is checked here: slot *values* (negative = skip, ``< P * block_size``) are
+content and are documented, not checked at trace time (see ``kvops.ops.paged_write.check_slot_mapping``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import (
+    as_int,
+    check_head_slice,
+    require_dim_match,
+    require_ndim,
+    require_same_device,
+    require_same_dtype,
+)
+
+OP = "kvops.paged_cache_write"
+CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
+TOKENS_LAYOUT = "[num_tokens, num_heads, head_dim]"
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_paged_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None) -> None:
+    """K and V paged caches: both present, 4-D NHD, same dtype, device, blocks, block_size and heads."""
+    if v_cache is None:
+        raise ValueError("v_cache must be provided")
+    require_ndim(op, "k_cache", k_cache, 4, CACHE_LAYOUT)
+    require_ndim(op, "v_cache", v_cache, 4, CACHE_LAYOUT)
+    require_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
+    require_same_device(op, "v_cache", v_cache, "k_cache", k_cache)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"{op}: k_cache shape {tuple(k_cache.shape)} and v_cache shape {tuple(v_cache.shape)} must agree in "
+            f"[num_blocks, block_size, num_kv_heads]; only head_dim may differ."
+        )
+
+
+def _check_scale(op: str, name: str, scale: torch.Tensor, cache: torch.Tensor) -> None:
+    num_kv_heads = cache.shape[2]
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{op}: {name} must be float32, got {scale.dtype}. Pass {name}.float().")
+    if scale.dim() != 1 or scale.shape[0] not in (1, num_kv_heads):
+        raise ValueError(
+            f"{op}: {name} must have shape [1] (per tensor) or [{num_kv_heads}] (per KV head of the cache), got "
+            f"shape {tuple(scale.shape)}."
+        )
+    require_same_device(op, name, scale, "k_cache", cache)
+
+
+def check_paged_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    cache_head_start: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    op: str = OP,
+) -> int:
+    """Validate a paged write of ``N = slot_mapping.shape[0]`` tokens; returns the first cache head written.
+
+    Raises ``ValueError`` for: a missing ``v_cache`` (``"v_cache must be provided"``) or ``value``; ranks; a
+    ``slot_mapping`` that is not 1-D int32/int64 on the caches' device; ``key`` shorter than ``slot_mapping``
+    (``N' < N``); key/value dtype, device, token-count, head and head_dim mismatches; a head slice outside the cache;
+    an fp8 cache without ``k_scale``/``v_scale``; scales for a non-fp8 cache; scales that are not fp32 ``[1]`` or
+    ``[H_kv]``.
+    """
+    check_paged_caches(op, k_cache, v_cache)
+    if value is None:
+        raise ValueError(f"{op}: value must be provided (got value=None with a v_cache); pass value [N, H_in, D_v].")
+    require_ndim(op, "key", key, 3, TOKENS_LAYOUT)
+    require_ndim(op, "value", value, 3, TOKENS_LAYOUT)
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(
+            f"{op}: key shape {tuple(key.shape)} and value shape {tuple(value.shape)} must agree in "
+            f"[num_tokens, num_heads]."
+        )
+
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{op}: slot_mapping must be a 1-D int32 or int64 tensor [num_tokens], got shape "
+            f"{tuple(slot_mapping.shape)} and dtype {slot_mapping.dtype}."
+        )
+    require_same_device(op, "slot_mapping", slot_mapping, "k_cache", k_cache)
+    if key.shape[0] < slot_mapping.shape[0]:
+        raise ValueError(
+            f"{op}: key has {as_int(key.shape[0])} tokens but slot_mapping has {as_int(slot_mapping.shape[0])}; "
+            f"key and value need at least one row per slot (extra rows are ignored). Pad key/value or trim "
+            f"slot_mapping."
+        )
+
+    fp8 = k_cache.dtype == FP8_DTYPE
+    for name, t, cache_name, cache in (("key", key, "k_cache", k_cache), ("value", value, "v_cache", v_cache)):
+        if fp8:
+            if t.dtype not in SOURCE_DTYPES:
+                raise ValueError(
+                    f"{op}: {name} dtype {t.dtype} cannot be quantized into a {FP8_DTYPE} {cache_name}; pass "
+                    f"{name} as float32, bfloat16 or float16."
+                )
+        else:
+            require_same_dtype(op, name, t, cache_name, cache)
+        require_same_device(op, name, t, cache_name, cache)
+        require_dim_match(op, "head_dim", name, t, 2, cache_name, cache, 3)
+    h0 = check_head_slice(op, k_cache.shape[2], key.shape[1], cache_head_start)
+
+    if fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError(
+                f"{op}: a {FP8_DTYPE} cache needs k_scale and v_scale (float32, shape [1] or "
+                f"[{k_cache.shape[2]}]); the cache stores x / scale. Pass both scales."
+            )
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(
+            f"{op}: k_scale/v_scale were given but the cache dtype is {k_cache.dtype}; scales apply only to "
+            f"{FP8_DTYPE} caches. Drop the scales or allocate the cache as {FP8_DTYPE}."
+        )
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None:
+            _check_scale(op, name, scale, k_cache)
+    return h0

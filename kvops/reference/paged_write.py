@@ -1,0 +1,84 @@
+"""CPU kernel (and readable reference) for ``kvops::paged_cache_write`` (semantics.md §3).
+
+Vectorized: one ``index_copy_`` per cache on a ``[P * block_size, H_kv, D]`` *view* of the cache when the block and
+row dims can be merged without a copy (contiguous caches, K/V views of a ``[P, block_size, 2, H_kv, D]`` allocation);
+otherwise (e.g. K/V views of a ``[P, 2, block_size, H_kv, D]`` allocation) one ``index_put_`` with (block, row)
+indices, which also writes in place. The cache is never copied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, h0: int, dtype: torch.dtype) -> torch.Tensor:
+    """``x [N, H_in, D] / scale`` in fp32, saturated to ``±448``, cast to ``dtype`` (round to nearest even).
+
+    ``scale`` is fp32 ``[1]`` or ``[H_kv]``; with ``[H_kv]``, input head ``i`` uses the scale of cache head ``h0 + i``.
+    """
+    s = scale if scale.shape[0] == 1 else scale[h0 : h0 + x.shape[1]]
+    return (x.to(torch.float32) / s.view(1, -1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def _flat_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """``cache [P, block_size, H, D]`` viewed as ``[P * block_size, H, D]`` without a copy, or None if impossible."""
+    try:
+        return cache.view(-1, *cache.shape[2:])
+    except RuntimeError:  # block and row dims cannot be merged for these strides
+        return None
+
+
+def scatter_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, h0: int) -> None:
+    """``cache[slot // block_size, slot % block_size, h0:h0+H_in] = x[i]`` for every (non-negative) ``slots[i]``."""
+    h = x.shape[1]
+    if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:  # fp8: index_copy_ has no fp8 CPU kernel
+        cache, x = cache.view(torch.uint8), x.view(torch.uint8)  # same-size reinterpretation, still a view
+    flat = _flat_rows(cache)
+    if flat is not None:
+        flat[:, h0 : h0 + h].index_copy_(0, slots, x)
+    else:
+        block_size = cache.shape[1]
+        cache[:, :, h0 : h0 + h].index_put_((slots // block_size, slots % block_size), x)
+
+
+def paged_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    h0: int,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Write token ``i`` of ``key``/``value`` into slot ``slot_mapping[i]`` (skipped when negative), in place.
+
+    Arguments were validated by ``kvops._checks.paged_write.check_paged_cache_write`` (which returned ``h0``).
+    Raises ``IndexError`` for a slot ``>= P * block_size`` (the CPU kernel reads the slots anyway, so this is free).
+    Duplicate non-negative slots in one call: which token lands is unspecified (as in vLLM).
+    """
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    slots = slot_mapping.to(torch.int64)
+    key, value = key[:n], value[:n]
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+        if slots.numel() == 0:
+            return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    top = int(slots.max())
+    if top >= num_slots:
+        raise IndexError(
+            f"kvops.paged_cache_write: slot_mapping holds slot {top} but the cache has only {num_slots} slots "
+            f"({k_cache.shape[0]} blocks x block_size {k_cache.shape[1]}); valid slots are [0, {num_slots}) or "
+            f"negative (skip)."
+        )
+    if k_scale is not None:
+        key = quantize_fp8(key, k_scale, h0, k_cache.dtype)
+        value = quantize_fp8(value, v_scale, h0, v_cache.dtype)
+    scatter_rows(key, k_cache, slots, h0)
+    scatter_rows(value, v_cache, slots, h0)
