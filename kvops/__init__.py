@@ -8,6 +8,15 @@ lowering (``lowering/``). ``import kvops`` registers all of them; nothing is com
 from . import _library  # noqa: F401
 from .ops import cache_roll, cache_write
 from .ops import check_slot_mapping, paged_cache_write
+from .ops import paged_attention
+from .ops import check_kvcache_capacity, flash_attn_with_kvcache
+from .cache import CausalKVCache
+from .cache import PagedKVCache
 
-__all__ = ["cache_write", "cache_roll", "paged_cache_write", "check_slot_mapping"]
+__all__ = ["cache_write", "cache_roll", "paged_cache_write", "check_slot_mapping", "paged_attention", "CausalKVCache", "PagedKVCache",
+           "flash_attn_with_kvcache", "check_kvcache_capacity"]
 __version__ = "0.1.0"
+
+from lowering import register as _register_lowerings  # noqa: E402  (the one call into lowering/: Inductor fuses writes)
+
+_register_lowerings()

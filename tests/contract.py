@@ -21,13 +21,22 @@ class _Wrap(torch.nn.Module):
         return self.fn(*args)
 
 
-def raises_everywhere(test, exc_type: type[BaseException], fn, args, modes=("eager", "compile", "export")) -> str:
+def raises_everywhere(
+    test,
+    exc_type: type[BaseException],
+    fn,
+    args,
+    modes=("eager", "compile", "export"),
+    compile_exc: type[BaseException] = torch._dynamo.exc.TorchRuntimeError,
+) -> str:
     """Run ``fn(*args)`` in each mode; assert it raises ``exc_type`` with one message everywhere; return it.
 
     - eager: the exception itself.
     - export: the original exception propagates unchanged (same type, same message).
-    - compile (fullgraph=True): raised at trace time; Dynamo wraps it in ``TorchRuntimeError`` whose text carries
-      ``TypeName('message')``.
+    - compile (fullgraph=True): raised at trace time; Dynamo wraps it in ``compile_exc`` whose text carries
+      ``TypeName('message')``: ``TorchRuntimeError`` for an error raised by a fake rule (the default),
+      ``torch._dynamo.exc.Unsupported`` ("Observed exception") for one raised by Python code Dynamo traces (e.g. a
+      cache module's bookkeeping).
     """
     message = None
     if "eager" in modes:
@@ -44,7 +53,7 @@ def raises_everywhere(test, exc_type: type[BaseException], fn, args, modes=("eag
         test.assertEqual(str(cm.exception), message)
     if "compile" in modes:
         torch._dynamo.reset()
-        with test.assertRaises(torch._dynamo.exc.TorchRuntimeError) as cm:
+        with test.assertRaises(compile_exc) as cm:
             torch.compile(fn, fullgraph=True, backend="eager")(*args)
         text = str(cm.exception)
         test.assertIn(f"{exc_type.__name__}({message!r})", text)

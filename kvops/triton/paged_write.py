@@ -10,7 +10,25 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+
+@triton.jit
+def _e4m3_bits(y):
+    """fp32 ``y`` -> float8_e4m3fn bit pattern (int32 in [0, 255]), exactly as torch's ``y.clamp(-448, 448).to(fp8)``.
+
+    Saturates to ``±448``, rounds to nearest (ties to even), keeps the sign of zero, NaN -> 0x7F | sign. Encoded by
+    hand with integer ops, so the GPU and the Triton interpreter agree bit for bit (the interpreter's own fp32->fp8
+    cast is wrong for NaN, at binade carries such as 124.0 and for fp8 subnormals) and no fp8 hardware is needed.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.minimum(tl.abs(y), 448.0)  # (NaN is replaced below)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 a); -127 for 0 and fp32 subnormals
+    e = tl.maximum(e, -6)  # e4m3 binade of a; below 2^-6 (subnormals) the spacing stays 2^-9
+    inv_spacing = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)  # 2^(3-e): e4m3 has 3 mantissa bits
+    magic = 12582912.0  # 1.5 * 2^23: (t + magic) - magic rounds 0 <= t < 2^22 to an integer, ties to even
+    m = ((a * inv_spacing + magic) - magic).to(tl.int32)  # the product is exact (power of two); m in [0, 16]
+    code = (e + 6) * 8 + m  # exponent field e + 7, mantissa m - 8; m == 16 carries into the next binade
+    return tl.where(y != y, 0x7F, code) | sign
 
 
 @triton.jit
@@ -20,24 +38,22 @@ def _paged_scatter_kernel(
     s_n, s_h, s_d,
     c_p, c_b, c_h, c_d,
     head0, scale_stride,
-    QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program ``i``: ``cache[slot // block_size, slot % block_size, head0 + :H, :D] = src[i, :H, :D]``."""
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
-    valid = slot >= 0
+    num_heads = tl.where(slot >= 0, H, 0)  # a negative slot (padding) masks out every element
     blk = slot // block_size
     row = slot % block_size
     h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
     d = tl.arange(0, BLOCK_D)[None, :].to(tl.int64)
-    mask = (h < H) & (d < D) & valid
+    mask = (h < num_heads) & (d < D)
     x = tl.load(src_ptr + i * s_n + h * s_h + d * s_d, mask=mask, other=0.0)
     if QUANT:
         scale = tl.load(scale_ptr + (head0 + h) * scale_stride, mask=h < H, other=1.0)
-        y = tl.math.div_rn(x.to(tl.float32), scale)
-        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-        x = y.to(cache_ptr.dtype.element_ty)
+        x = _e4m3_bits(tl.math.div_rn(x.to(tl.float32), scale)).to(tl.uint8)  # cache_ptr: the cache as uint8
     tl.store(cache_ptr + blk * c_p + row * c_b + (head0 + h) * c_h + d * c_d, x, mask=mask)
 
 
@@ -51,12 +67,14 @@ def scatter_tokens(
     _, h, d = src.shape
     scale_arg = scale if scale is not None else slot_mapping  # unused pointer when QUANT is off
     scale_stride = 0 if scale is None or scale.shape[0] == 1 else scale.stride(0)
+    if scale is not None:  # fp8 cache: the kernel stores the encoded bytes into a uint8 view of it (same strides)
+        cache = cache.view(torch.uint8)
     _paged_scatter_kernel[(n,)](
         src, cache, slot_mapping, scale_arg,
         h, d, cache.shape[1],
         *src.stride(), *cache.stride(),
         h0, scale_stride,
-        QUANT=scale is not None, FP8_MAX=FP8_MAX,
+        QUANT=scale is not None,
         BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
     )
 

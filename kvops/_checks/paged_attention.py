@@ -1,0 +1,129 @@
+"""Validator for ``kvops::paged_attention`` (semantics.md §4).
+
+``q [T_q, H_q, D]`` packed (varlen); caches ``[P, block_size, H_kv, D]`` / ``[P, block_size, H_kv, D_v]`` (NHD);
+``cu_seqlens_q [B + 1]``, ``seq_lens [B]``, ``block_table [B, max_blocks]``, all int32. Only metadata and the scalar
+arguments are checked. Value contracts that depend on tensor *contents* are documented on the public wrapper and not
+checked (no host sync): ``cu_seqlens_q`` non-decreasing from 0 to ``T_q``, every ``q_len <= max_seqlen_q``,
+``seq_len <= max_blocks * block_size``, and table entries of the first ``ceil(seq_len / block_size)`` blocks
+in ``[0, P)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import as_int, require_dim_match, require_ndim, require_same_device
+from .paged_write import FP8_DTYPE, check_paged_caches
+
+OP = "kvops.paged_attention"
+Q_LAYOUT = "[num_tokens, num_heads, head_dim]"
+Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_index(name: str, t: torch.Tensor, ndim: int, layout: str, q: torch.Tensor) -> None:
+    if t.dim() != ndim or t.dtype != torch.int32:
+        raise ValueError(
+            f"{OP}: {name} must be a {ndim}-D int32 tensor {layout}, got shape {tuple(t.shape)} and dtype {t.dtype}. "
+            + (f"Reshape {name} to {layout}." if t.dim() != ndim else f"Pass {name}.to(torch.int32).")
+        )
+    require_same_device(OP, name, t, "q", q)
+
+
+def _check_scale(name: str, scale: torch.Tensor, num_kv_heads: int, q: torch.Tensor) -> None:
+    if scale.dtype != torch.float32 or scale.dim() != 1 or scale.shape[0] not in (1, num_kv_heads):
+        raise ValueError(
+            f"{OP}: {name} must be a float32 tensor of shape [1] (per tensor) or [{num_kv_heads}] (per KV head), "
+            f"got shape {tuple(scale.shape)} and dtype {scale.dtype}."
+        )
+    require_same_device(OP, name, scale, "q", q)
+
+
+def check_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q,
+    scale: float | None,
+    causal: bool,
+    window_left: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> float:
+    """Validate a paged attention call; returns the resolved softmax scale (``D ** -0.5`` when ``scale`` is None).
+
+    Raises ``ValueError`` (same type and message in eager, under ``torch.compile`` and ``torch.export``) for: a missing
+    ``v_cache`` (``"v_cache must be provided"``); ranks; K/V caches that disagree in dtype, device, ``P``,
+    ``block_size`` or ``H_kv``; a q dtype other than fp32/bf16/fp16; a non-fp8 cache whose dtype differs from q's;
+    ``head_dim`` of q vs ``k_cache``; ``H_q % H_kv != 0``; index tensors that are not int32 or have the wrong rank;
+    ``block_table``/``seq_lens``/``cu_seqlens_q`` inconsistent in ``B``; devices; ``sinks`` not fp32 ``[H_q]``;
+    an fp8 cache without ``k_scale``/``v_scale``, scales with a non-fp8 cache, scales not fp32 ``[1]``/``[H_kv]``;
+    ``max_seqlen_q < 1`` while q has tokens; ``window_left < -1``; ``softcap < 0``.
+    """
+    check_paged_caches(OP, k_cache, v_cache)  # raises ValueError("v_cache must be provided") first
+    require_ndim(OP, "q", q, 3, Q_LAYOUT)
+    require_same_device(OP, "k_cache", k_cache, "q", q)
+    if q.dtype not in Q_DTYPES:
+        raise ValueError(f"{OP}: q dtype {q.dtype} is not supported; pass q as float32, bfloat16 or float16.")
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if not fp8 and k_cache.dtype != q.dtype:
+        raise ValueError(
+            f"{OP}: k_cache dtype {k_cache.dtype} does not match q dtype {q.dtype}. Caches must have q's dtype or be "
+            f"{FP8_DTYPE} (with k_scale/v_scale); cast q or allocate the caches as {q.dtype}."
+        )
+    require_dim_match(OP, "head_dim", "q", q, 2, "k_cache", k_cache, 3)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{OP}: num_heads ({as_int(num_heads)}) must be a multiple of num_kv_heads ({as_int(num_kv_heads)}) "
+            f"(GQA: query head h reads KV head h // (num_heads // num_kv_heads)). Pass q with a multiple of "
+            f"{as_int(num_kv_heads)} heads."
+        )
+
+    _check_index("block_table", block_table, 2, "[batch, max_blocks_per_seq]", q)
+    _check_index("seq_lens", seq_lens, 1, "[batch]", q)
+    _check_index("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]", q)
+    batch = block_table.shape[0]
+    if seq_lens.shape[0] != batch or cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(
+            f"{OP}: inconsistent batch size: block_table has {as_int(batch)} rows, seq_lens has "
+            f"{as_int(seq_lens.shape[0])} entries and cu_seqlens_q has {as_int(cu_seqlens_q.shape[0])}; expected "
+            f"seq_lens [B] and cu_seqlens_q [B + 1] for block_table [B, max_blocks_per_seq]."
+        )
+    if q.shape[0] > 0 and max_seqlen_q < 1:
+        raise ValueError(
+            f"{OP}: max_seqlen_q must be >= 1 (the longest query length in the batch) when q has tokens, got "
+            f"{as_int(max_seqlen_q)} for {as_int(q.shape[0])} tokens."
+        )
+    if window_left < -1:
+        raise ValueError(f"{OP}: window_left must be -1 (no window) or >= 0, got {window_left}.")
+    if softcap < 0:
+        raise ValueError(f"{OP}: softcap must be >= 0 (0 disables it), got {softcap}.")
+
+    if sinks is not None:
+        if sinks.dtype != torch.float32 or sinks.dim() != 1 or sinks.shape[0] != num_heads:
+            raise ValueError(
+                f"{OP}: sinks must be a float32 tensor of shape [{as_int(num_heads)}] (one logit per query head), got "
+                f"shape {tuple(sinks.shape)} and dtype {sinks.dtype}."
+            )
+        require_same_device(OP, "sinks", sinks, "q", q)
+
+    if fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError(
+                f"{OP}: a {FP8_DTYPE} cache needs k_scale and v_scale (float32, shape [1] or "
+                f"[{as_int(num_kv_heads)}]); it is dequantized as cache.float() * scale. Pass both scales."
+            )
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(
+            f"{OP}: k_scale/v_scale were given but the cache dtype is {k_cache.dtype}; scales apply only to "
+            f"{FP8_DTYPE} caches. Drop the scales or pass {FP8_DTYPE} caches."
+        )
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None:
+            _check_scale(name, s, num_kv_heads, q)
+    return float(q.shape[2]) ** -0.5 if scale is None else scale

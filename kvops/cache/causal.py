@@ -1,0 +1,474 @@
+"""``CausalKVCache``: one transformer block's K/V for block-causal streaming (semantics.md §1).
+
+Bookkeeping is plain Python ints; every tensor write and move goes through ``kvops.cache_write`` / ``kvops.cache_roll``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._checks.common import require_ndim
+from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write, check_caches
+from ..ops.contiguous import cache_roll, cache_write
+
+
+class CausalKVView(NamedTuple):
+    """What :meth:`CausalKVCache.update_and_get_attention_kv` returns.
+
+    ``k``/``v`` are the visible rows ``[B, V, H_in, D]`` / ``[B, V, H_in, D_v]`` (a view of the cache when they are
+    one contiguous row range, else a ``torch.cat`` of the sink rows and the window). The four ints are cache rows
+    (``local_*``) and token positions (``*_global_*``): the chunk was written at rows
+    ``[local_start_index, local_end_index)``; ``visible_local_end`` is the cache's local end after the update (``L'``)
+    and ``visible_global_end`` its global end (``G'``).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    local_start_index: int
+    local_end_index: int
+    visible_local_end: int
+    visible_global_end: int
+
+
+class _Cursors:
+    """Cursors of one head slice: ``global_end`` (G), ``local_end`` (L) and the pinned chunk (rows)."""
+
+    __slots__ = ("global_end", "local_end", "pinned_start", "pinned_len")
+
+    def __init__(self) -> None:
+        self.global_end = 0
+        self.local_end = 0
+        self.pinned_start = -1
+        self.pinned_len = 0
+
+
+class CausalKVCache:
+    """Streaming K/V cache of one attention layer for block-causal generation, as in semantics.md §1.
+
+    Used by causal video diffusion (Self-Forcing, CausVid, LingBot-world, LongLive) and streaming LLMs with attention
+    sinks; the behaviour follows sglang's ``CausalSelfAttentionKVCache`` (and LongLive-2's pinned "shot" sink).
+
+    State:
+        k, v: ``[B, S, H_cache, D]`` / ``[B, S, H_cache, D_v]`` (any strides; K and V may be views of one
+            ``[B, S, 2, H_cache, D]`` allocation, see :meth:`allocate`). Rows are tokens; ``S`` is the capacity.
+        global_end (``G``): tokens generated so far (the global end of the cached window).
+        local_end (``L``): rows in use; row ``i >= sink`` holds the token at global position ``G - L + i``.
+        sink_tokens (``K``), global_sink_tokens, attention_window_size (``W``, default ``S``), allow_growth.
+        A pinned ("shot") chunk set by :meth:`pin_current_chunk`. Without a pin the effective sink is
+        ``E = max(global_sink_tokens, K)`` rows; with a pin it is ``global_sink_tokens + pinned_len`` once the pinned
+        rows sit right after the global sink, else ``global_sink_tokens`` (the pinned rows are then kept and shown
+        separately, and move down with the rows after the sink on eviction).
+
+    Cursors are Python ints: nothing reads a tensor to decide where to write, so there is no host sync, and under
+    ``torch.compile`` the eviction branches and the write-range errors are decided at trace time.
+
+    Recommended usage under ``torch.compile`` (measured on torch 2.13, see tests/test_causal_compile.py)::
+
+        caches = [CausalKVCache.allocate(B, S, H_kv, D, dtype=torch.bfloat16, device="cuda", sink_tokens=K)
+                  for _ in range(num_layers)]
+
+        class Model(torch.nn.Module):            # holds weights only, never the caches
+            def forward(self, x, caches, current_chunk_start: int):
+                for block, cache in zip(self.blocks, caches):
+                    x = block(x, cache, current_chunk_start)   # calls cache.update_and_get_attention_kv(...)
+                return x
+
+        model = torch.compile(model, fullgraph=True)
+        for chunk in range(num_chunks):
+            s = chunk * tokens_per_chunk
+            for step in denoising_steps:        # append on the first step, rewrites after
+                x = model(x_noisy, caches, s)
+            model(x_clean, caches, s)           # context pass (a rewrite)
+
+    Pass the caches (a list, or any plain object holding them) as an **argument** of the compiled function. Dynamo
+    then treats their int cursors as inputs: after one recompile they become dynamic ``SymInt``s and the loop runs
+    on a small, fixed set of graphs (first call, first rewrite, first append with and without eviction; about 6 in
+    the tests, none after the first eviction). Do **not** store the caches as attributes of an ``nn.Module``: Dynamo
+    treats int attributes reached through a module as constants, so the advancing cursors recompile every call until
+    the recompile limit, a hard ``FailOnRecompileLimitHit`` under ``fullgraph=True``. Growth (``allow_growth``)
+    changes the buffer's shape and costs one more recompile per growth. The cache is a plain object, not a module,
+    for the same reason. Errors raised by the cache (below) are raised while tracing: with ``fullgraph=True`` Dynamo
+    reports them as ``torch._dynamo.exc.Unsupported`` ("Observed exception") whose text carries the original
+    exception, e.g. ``RuntimeError('Invalid CausalKVCache write range: ...')``; without ``fullgraph`` the original
+    exception propagates.
+
+    Head slices: a writer carrying ``H_in < H_cache`` heads (tensor/Ulysses parallelism) passes ``cache_head_start``;
+    its write, eviction move and visible K/V are restricted to heads ``[h0, h0 + H_in)`` and other heads are never
+    touched. Each head slice keeps its own cursors, so several writers can fill one cache in lockstep (each calling
+    with the same ``current_chunk_start``); slices must be disjoint or identical. The ``global_end``/``local_end``
+    properties read the common cursors (an error while the slices disagree).
+
+    Args:
+        k, v: the cache buffers, ``[B, S, H_cache, D]`` and ``[B, S, H_cache, D_v]``, same dtype/device/B/S/H_cache.
+        sink_tokens: ``K``, rows at the start never evicted (attention sinks); also the pinned chunk's max length.
+        global_sink_tokens: rows kept in front of a pinned chunk (default 0).
+        attention_window_size: ``W`` rows visible before the sink is prepended (default ``S``).
+        allow_growth: grow the buffers (to ``max(L + a, 2 S)`` rows, copying rows ``[0, L)``) instead of evicting.
+        name: used in error messages (default ``"CausalKVCache"``).
+
+    Raises:
+        ValueError: invalid buffers (ranks, dtypes, devices, shapes as ``kvops.cache_write``), negative sink sizes,
+            ``attention_window_size < 1``.
+    """
+
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        sink_tokens: int = 0,
+        global_sink_tokens: int = 0,
+        attention_window_size: int | None = None,
+        allow_growth: bool = False,
+        name: str = "CausalKVCache",
+    ) -> None:
+        check_caches(name, k, v)
+        if sink_tokens < 0 or global_sink_tokens < 0:
+            raise ValueError(
+                f"{name}: sink_tokens ({sink_tokens}) and global_sink_tokens ({global_sink_tokens}) must be >= 0."
+            )
+        if attention_window_size is not None and attention_window_size < 1:
+            raise ValueError(
+                f"{name}: attention_window_size must be >= 1 (or None for the cache size), got {attention_window_size}."
+            )
+        self.k = k
+        self.v = v
+        self.name = name
+        self.sink_tokens = sink_tokens
+        self.global_sink_tokens = global_sink_tokens
+        self.attention_window_size = k.shape[1] if attention_window_size is None else attention_window_size
+        self.allow_growth = allow_growth
+        # Growth keeps K and V in one allocation when they share one (checked once, here, outside any trace).
+        self._fused_kv = k.shape[3] == v.shape[3] and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        # Cursors per head slice; the full-head entry exists from the start (its ints are then seen by Dynamo on the
+        # first call, which saves a recompile) and is dropped when head-sliced writers start instead.
+        self._cursors: dict[tuple[int, int], _Cursors] = {(0, k.shape[2]): _Cursors()}
+
+    @classmethod
+    def allocate(
+        cls,
+        batch_size: int,
+        cache_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        head_dim_v: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        fused_kv: bool = False,
+        **kwargs,
+    ) -> CausalKVCache:
+        """Allocate the buffers (uninitialized) and build a cache.
+
+        ``k`` is ``[B, S, H_kv, D]`` and ``v`` ``[B, S, H_kv, D_v]`` (``D_v = head_dim_v or head_dim``) in ``dtype``
+        (default: torch's default dtype) on ``device``. With ``fused_kv=True`` both are views of one
+        ``[B, S, 2, H_kv, D]`` allocation (requires ``D_v == D``). ``kwargs`` go to the constructor.
+        """
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if fused_kv:
+            if head_dim_v != head_dim:
+                raise ValueError(f"fused_kv needs head_dim_v == head_dim, got {head_dim_v} and {head_dim}.")
+            kv = torch.empty(batch_size, cache_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+            return cls(kv[:, :, 0], kv[:, :, 1], **kwargs)
+        k = torch.empty(batch_size, cache_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        v = torch.empty(batch_size, cache_size, num_kv_heads, head_dim_v, dtype=dtype, device=device)
+        return cls(k, v, **kwargs)
+
+    # --- cursors ------------------------------------------------------------------------------------------------
+    @property
+    def cache_size(self) -> int:
+        """``S``, the buffers' capacity in rows."""
+        return self.k.shape[1]
+
+    def _common(self, field: str) -> int:
+        values = {getattr(c, field) for c in self._cursors.values()}
+        if not values:
+            return getattr(_Cursors(), field)
+        if len(values) > 1:
+            raise RuntimeError(
+                f"{self.name}: head slices {sorted(self._cursors)} are at different {field} values {sorted(values)} "
+                f"(a lockstep step is half done); read {field} after every writer of the step has written."
+            )
+        return values.pop()
+
+    @property
+    def global_end(self) -> int:
+        """``G``: tokens generated so far (0 after :meth:`reset_indices`)."""
+        return self._common("global_end")
+
+    @property
+    def local_end(self) -> int:
+        """``L``: cache rows in use."""
+        return self._common("local_end")
+
+    @property
+    def pinned_start(self) -> int:
+        """First row of the pinned chunk, or -1 without a pin."""
+        return self._common("pinned_start")
+
+    @property
+    def pinned_len(self) -> int:
+        """Rows of the pinned chunk (0 without a pin)."""
+        return self._common("pinned_len")
+
+    def reset_indices(self) -> None:
+        """Forget every cursor and the pin (a new stream starts at position 0); the buffers are not touched.
+
+        The cursor objects are zeroed in place, so a compiled stream loop reuses its graphs for the next stream.
+        """
+        for c in self._cursors.values():
+            c.global_end, c.local_end, c.pinned_start, c.pinned_len = 0, 0, -1, 0
+
+    def can_direct_current_attention(self, num_new_tokens: int) -> bool:
+        """True when ``K == 0`` and ``S == W == num_new_tokens``: the chunk alone is the visible window, so the
+        caller may attend to it directly and skip the cache."""
+        return (
+            self.sink_tokens == 0
+            and self.cache_size == num_new_tokens
+            and self.attention_window_size == num_new_tokens
+        )
+
+    def pin_current_chunk(self, num_tokens: int) -> None:
+        """Pin the chunk just written (the last ``num_tokens`` rows in use) as a "shot" sink of ``min(K, n)`` rows.
+
+        Rows ``[L - n, L - n + min(K, n))`` are kept from then on: they move down with the rows after the global sink
+        on eviction until they sit right after it, and then belong to the effective sink. With ``K == 0`` or
+        ``num_tokens <= 0`` the pin is cleared instead. Applies to every head slice (each slice's own rows).
+
+        Raises:
+            ValueError: when ``L - n`` is negative or inside the global sink ``[0, global_sink_tokens)`` (the chunk
+                was not appended after the global sink).
+        """
+        if self.sink_tokens <= 0 or num_tokens <= 0:
+            for c in self._cursors.values():
+                c.pinned_start, c.pinned_len = -1, 0
+            return
+        states = list(self._cursors.values()) or [_Cursors()]
+        for c in states:
+            start = c.local_end - num_tokens
+            if start < self.global_sink_tokens or start < 0:
+                raise ValueError(
+                    f"{self.name}.pin_current_chunk({num_tokens}): the chunk would start at row {start} "
+                    f"(local_end={c.local_end} minus {num_tokens}), which is before row 0 or inside the global sink "
+                    f"[0, {self.global_sink_tokens}). Pin a chunk right after appending it past the global sink."
+                )
+        for c in self._cursors.values():
+            c.pinned_start, c.pinned_len = c.local_end - num_tokens, min(self.sink_tokens, num_tokens)
+
+    def _effective_sink(self, c: _Cursors) -> int:
+        if c.pinned_len > 0:
+            if c.pinned_start == self.global_sink_tokens:
+                return self.global_sink_tokens + c.pinned_len
+            return self.global_sink_tokens
+        return max(self.global_sink_tokens, self.sink_tokens)
+
+    def _slice_cursors(self, h0: int, h1: int) -> _Cursors:
+        c = self._cursors.get((h0, h1))
+        if c is None:
+            for (a, b), other in list(self._cursors.items()):
+                if not (a < h1 and h0 < b):
+                    continue
+                if other.global_end == 0 and other.local_end == 0 and other.pinned_len == 0:
+                    del self._cursors[(a, b)]  # never written: another slicing of the heads takes over
+                else:
+                    raise ValueError(
+                        f"{self.name}: head slice [{h0}, {h1}) overlaps head slice [{a}, {b}), which holds tokens "
+                        f"(global_end={other.global_end}). Writers must use disjoint head slices (or the same one); "
+                        f"call reset_indices() before streaming with another slicing of the heads."
+                    )
+            c = _Cursors()
+            self._cursors[(h0, h1)] = c
+        return c
+
+    # --- the update ---------------------------------------------------------------------------------------------
+    def update_and_get_attention_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+    ) -> CausalKVView:
+        """Write a chunk of K/V at its global position and return the rows the chunk attends to (semantics.md §1).
+
+        Args:
+            key: ``[B, n, H_in, D]``, value: ``[B, n, H_in, D_v]`` (cache dtype/device/B/D).
+            current_chunk_start: ``s``, global position of the chunk's first token (an int; a SymInt under compile).
+            cache_head_start: ``h0`` when ``H_in != H_cache``: only heads ``[h0, h0 + H_in)`` are written, moved
+                and returned.
+            recent_window_tokens: ``r`` (optional): return the sink rows and only the ``r`` rows before the chunk
+                plus the rows from the chunk to ``L'``, instead of the ``W``-row window.
+
+        With ``e = s + n``:
+
+        - rewrite (``e <= G``; later denoising steps, the clean context pass): rows ``[s - (G - L), … + n)``;
+          cursors unchanged.
+        - append (``e > G``, ``a = e - G`` new tokens): with ``allow_growth`` and ``L + a > S`` the buffers first
+          grow to ``max(L + a, 2 S)`` rows (``W`` grows too if it equalled ``S``). If still ``L + a > S``,
+          ``ev = L + a - S`` rows after the effective sink ``E`` are evicted (rows ``[E + ev, L)`` move down to
+          ``E``, overlap-safe, via ``kvops.cache_roll``) and the chunk is written at rows ``[S - n, S)``; else at
+          ``[L + a - n, L + a)``. Then ``G = e`` and ``L`` = the written end. An unsettled pinned chunk is never
+          evicted: rows between the sink and the pin go first, then the pin moves right after the global sink and
+          rows after it are evicted.
+        - visible rows: the window ``[max(0, L' - W), L')`` (or ``[max(E', ls - r), L')`` with
+          ``recent_window_tokens``), preceded by the sink rows ``[0, min(E', L'))`` and an unsettled pinned chunk,
+          without duplicates. One contiguous range is returned as a view of the cache, several as a ``torch.cat``.
+
+        Returns:
+            :class:`CausalKVView` ``(k, v, local_start_index, local_end_index, visible_local_end,
+            visible_global_end)``.
+
+        Raises (before anything is written or moved):
+            ValueError: ``"recent_window_tokens must be non-negative or None"``;
+                ``"{name} requires cache_head_start when cache heads ({H_cache}) differ from input heads ({H_in})."``;
+                a head slice outside ``[0, H_cache)`` or overlapping another slice's; rank, dtype, device, batch or
+                head_dim mismatches (as ``kvops.cache_write``).
+            RuntimeError: ``"Invalid {name} write range: local=[ls, le), global_end=G, prev_local_end=L,
+                kv_cache_size=S, num_new_tokens=n, current_start=s, current_end=e"`` when the rows leave
+                ``[0, S)`` (``S`` after a planned growth), e.g. rewriting a chunk that was already evicted or a
+                chunk longer than the buffer. The same message with a reason appended in parentheses when a rewrite
+                would land on the global sink after tokens were evicted (an evicted chunk), or when ``s > G`` (an
+                append that would leave positions ``[G, s)`` unwritten).
+        """
+        name = self.name
+        if recent_window_tokens is not None and recent_window_tokens < 0:
+            raise ValueError("recent_window_tokens must be non-negative or None")
+        require_ndim(name, "key", key, 4, TOKENS_LAYOUT)
+        require_ndim(name, "value", value, 4, TOKENS_LAYOUT)
+        # Metadata contract of the write op, checked before anything moves (zero rows: the row range is ours).
+        h0 = check_cache_write(key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k, self.v, 0, cache_head_start, op=name)
+        h1 = h0 + key.shape[2]
+        c = self._slice_cursors(h0, h1)
+
+        # The arithmetic below is branch-free (sym_max/sym_min): under torch.compile a rewrite, an append and an
+        # append that evicts run the same graph; only the pin's state (none/unsettled/settled) and the shape of the
+        # visible window (a view or a cat) are Python branches.
+        n = key.shape[1]
+        s = current_chunk_start
+        e = s + n
+        g, l = c.global_end, c.local_end
+        capacity = self.cache_size
+        added = _max(0, e - g)  # tokens appended (0 for a rewrite)
+        if self.allow_growth and l + added > capacity:
+            capacity = max(l + added, 2 * capacity)
+        evicted = _max(0, l + added - capacity)
+        ls = l + s - g - evicted  # = s - (G - L) for a rewrite, L + a - n or S - n for an append
+        le = ls + n
+        pinned = c.pinned_len > 0
+        unsettled_pin = pinned and c.pinned_start != self.global_sink_tokens
+        sink = self._effective_sink(c)
+        protected = self.global_sink_tokens if pinned else sink  # rows that never follow position = G - L + row
+        # Each check is one comparison of a min (a single guard under torch.compile; a compound SymBool trips
+        # torch 2.13's guard builder): rows inside [0, S) and no gap after G; and not a rewrite (e <= G) landing on
+        # the sink rows [0, protected) after tokens were evicted (G > L), i.e. a rewrite of an evicted chunk.
+        if _min(_min(ls, capacity - le), g - s) < 0 or _min(_min(g - e, ls), _min(protected - 1 - ls, g - l - 1)) >= 0:
+            self._raise_write_range(ls, le, g, l, capacity, n, s, e, protected)
+
+        if capacity != self.cache_size:
+            self._grow(capacity)
+        if unsettled_pin:
+            moves, pinned_start = _moves_with_pin(l, evicted, capacity, self.global_sink_tokens, c)
+        else:
+            moves, pinned_start = [_move(sink + evicted, sink, l - evicted - sink, evicted, capacity)], c.pinned_start
+        for src, dst, count in moves:
+            if torch.compiler.is_compiling() or count > 0:  # count is 0 unless rows are evicted
+                cache_roll(self.k, self.v, src, dst, count, h0, h1 - h0)
+        head_start = None if cache_head_start is None else h0
+        cache_write(key, value, self.k, self.v, ls, head_start)
+        c.global_end, c.local_end, c.pinned_start = g + added, l + added - evicted, pinned_start
+
+        k, v = self._visible(c, ls, c.local_end, recent_window_tokens, h0, h1, head_start is not None)
+        return CausalKVView(k, v, ls, le, c.local_end, c.global_end)
+
+    def _raise_write_range(self, ls, le, g, l, capacity, n, s, e, protected) -> None:
+        ls, le, g, l, capacity, s, e = (int(x) for x in (ls, le, g, l, capacity, s, e))  # concrete values
+        reason = ""
+        if ls >= 0 and le <= capacity:
+            if s > g:
+                reason = f" (current_start is past global_end: positions [{g}, {s}) would never be written)"
+            else:
+                reason = f" (rows [0, {protected}) hold the sink; the chunk was already evicted)"
+        raise RuntimeError(
+            f"Invalid {self.name} write range: local=[{ls}, {le}), global_end={g}, prev_local_end={l}, "
+            f"kv_cache_size={capacity}, num_new_tokens={n}, current_start={s}, current_end={e}{reason}"
+        )
+
+    def _grow(self, new_size: int) -> None:
+        """Reallocate the buffers with ``new_size`` rows, copying the rows in use (all heads) through the write op."""
+        k, v = self.k, self.v
+        old_size = k.shape[1]
+        rows = max(c.local_end for c in self._cursors.values())
+        b, _, h, d = k.shape
+        if self._fused_kv:
+            kv = k.new_zeros(b, new_size, 2, h, d)
+            new_k, new_v = kv[:, :, 0], kv[:, :, 1]
+        else:
+            new_k, new_v = k.new_zeros(b, new_size, h, d), v.new_zeros(b, new_size, h, v.shape[3])
+        if rows > 0:
+            cache_write(k[:, :rows], v[:, :rows], new_k, new_v, 0)
+        self.k, self.v = new_k, new_v
+        if self.attention_window_size == old_size:
+            self.attention_window_size = new_size
+
+    def _visible(self, c: _Cursors, ls: int, end: int, recent: int | None, h0: int, h1: int, sliced: bool):
+        """Rows ``[0, min(E, L'))`` + an unsettled pinned chunk + the window, merged; a view when contiguous."""
+
+        def rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            return t[:, a:b, h0:h1] if sliced else t[:, a:b]
+
+        sink = self._effective_sink(c)
+        unsettled_pin = c.pinned_len > 0 and c.pinned_start != self.global_sink_tokens
+        if sink == 0 and not unsettled_pin:  # one range, no guard under torch.compile
+            start = _max(0, end - self.attention_window_size if recent is None else ls - recent)
+            return rows(self.k, start, end), rows(self.v, start, end)
+        sink_end = _min(sink, end)
+        if recent is None:
+            start = _max(0, end - self.attention_window_size)
+        else:
+            start = _max(sink_end, ls - recent)
+        ranges = [(0, sink_end)]
+        if unsettled_pin:
+            pin = (c.pinned_start, _min(c.pinned_start + c.pinned_len, end))
+            ranges += [pin, (start, end)] if pin[0] < start else [(start, end), pin]
+        else:
+            ranges.append((start, end))
+        merged: list[tuple[int, int]] = []
+        for a, b in ranges:
+            if b <= a:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], _max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        if len(merged) <= 1:
+            a, b = merged[0] if merged else (0, 0)
+            return rows(self.k, a, b), rows(self.v, a, b)
+        return (
+            torch.cat([rows(self.k, a, b) for a, b in merged], dim=1),
+            torch.cat([rows(self.v, a, b) for a, b in merged], dim=1),
+        )
+
+
+_max, _min = torch.sym_max, torch.sym_min  # plain max/min on ints; no guard on SymInts under torch.compile
+
+
+def _move(src, dst, count, evicted, capacity):
+    """A row move ``(src, dst, count)`` that is empty unless rows are evicted, with in-range rows either way."""
+    return _min(src, capacity), _min(dst, capacity), _min(_max(0, count), evicted * capacity)
+
+
+def _moves_with_pin(l, evicted, capacity, global_sink, c: _Cursors):
+    """Eviction moves when a pinned chunk sits past the global sink, and the pin's new start.
+
+    The rows between the global sink and the pin are evicted first (the pin moves down with the rows after it); once
+    the pin sits right after the global sink, the remaining rows are evicted after the pin. The pin is never evicted.
+    """
+    pin_start, pin_end = c.pinned_start, c.pinned_start + c.pinned_len
+    before = _min(evicted, pin_start - global_sink)  # evicted between the sink and the pin
+    after = evicted - before  # evicted after the pin
+    return [
+        _move(global_sink + before, global_sink, pin_end - global_sink - before, before, capacity),
+        _move(pin_end + after, pin_end - before, l - pin_end - after, evicted, capacity),
+    ], pin_start - before

@@ -1,0 +1,320 @@
+"""``PagedKVCache``: per-layer paged K/V caches and a block manager for a batch of sequences (vLLM-style).
+
+Bookkeeping (block lists, lengths, reference counts) is plain Python ints, kept outside compiled regions; the tensors a
+step needs are built by :meth:`PagedKVCache.prepare` and every cache write goes through ``kvops.paged_cache_write``
+(reads through ``kvops.paged_attention``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Mapping
+
+import torch
+
+from ..ops.paged_attention import paged_attention
+from ..ops.paged_write import paged_cache_write
+
+
+class OutOfBlocksError(RuntimeError):
+    """Raised when an allocation needs more free blocks than the cache has; nothing was allocated."""
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """Metadata of one forward step, as tensors for the ops (all on the cache's device).
+
+    Attributes:
+        block_table: ``[B', max_blocks]`` int32 physical block ids per sequence; entries past a sequence's blocks are 0
+            (never read: attention reads only ``ceil(seq_len / block_size)`` blocks).
+        seq_lens: ``[B']`` int32 KV length of each sequence *after* this step's tokens.
+        cu_seqlens_q: ``[B' + 1]`` int32 cumulative new-token counts; ``cu_seqlens_q[-1]`` equals the padded token
+            count, so it matches ``q``'s rows.
+        slot_mapping: ``[N_pad]`` int64 slot of each new token (``block * block_size + row``), ``-1`` for padding.
+        max_seqlen_q: the largest per-row query length (a Python int).
+        num_tokens: ``N``, the real new tokens (rows ``[N, N_pad)`` of ``q``/``key``/``value`` are padding).
+        seq_ids: the sequences of rows ``[0, B)``; rows ``[B, B')`` are padding rows (``seq_len`` 0, their query rows
+            see no key and yield zeros).
+    """
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_seqlen_q: int
+    num_tokens: int
+    seq_ids: tuple
+
+
+class _Seq:
+    __slots__ = ("blocks", "length")
+
+    def __init__(self, blocks: list[int], length: int) -> None:
+        self.blocks = blocks
+        self.length = length
+
+
+class PagedKVCache:
+    """Paged K/V caches ``[P, block_size, H_kv, D]`` (NHD) per layer, with a block manager for many sequences.
+
+    Block manager: sequences are added with :meth:`add_sequence`, grown with :meth:`extend` or a whole batch at once
+    with :meth:`prepare` (blocks are allocated as needed, lowest free id first, so freed blocks are reused), released
+    with :meth:`free`. :meth:`fork` shares a prefix of *full* blocks read-only between sequences (reference counts);
+    there is **no copy-on-write**: a shared block is always full, so no holder ever writes into it, and only
+    block-aligned prefixes can be shared (the tail of a forked prefix is re-written by the child). Allocation is
+    atomic: when the free blocks do not suffice, :class:`OutOfBlocksError` is raised and nothing changes.
+
+    Per step, :meth:`prepare` returns a :class:`PagedStep` (``block_table``, ``seq_lens``, ``cu_seqlens_q``,
+    ``slot_mapping``); with ``pad_tokens``/``pad_batch``/``max_blocks`` every tensor has a fixed shape, so a compiled
+    decode step does not recompile as sequences grow. The slot mapping stays valid for every layer.
+
+    Args:
+        num_blocks: ``P``, physical blocks per layer.
+        block_size: tokens per block.
+        num_kv_heads: ``H_kv``. head_dim: ``D``. head_dim_v: ``D_v`` (default ``D``).
+        num_layers: caches allocated (one ``k_caches[l]``/``v_caches[l]`` pair per layer).
+        dtype, device: of the caches (``torch.float8_e4m3fn`` needs ``k_scale``/``v_scale``).
+        joint: allocate K and V of a layer as views ``kv[:, :, 0]``/``kv[:, :, 1]`` of one
+            ``[P, block_size, 2, H_kv, D]`` tensor (needs ``D_v == D``).
+        k_scale, v_scale: float32 ``[1]`` or ``[H_kv]`` fp8 scales, passed to the write and attention ops.
+
+    Raises:
+        ValueError: non-positive sizes, ``joint`` with ``D_v != D``; from the methods: unknown or duplicate sequence
+            ids, negative token counts, a non-block-aligned fork, padding targets smaller than the step.
+        OutOfBlocksError: (a ``RuntimeError``) not enough free blocks; nothing is allocated.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        head_dim_v: int | None = None,
+        num_layers: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        joint: bool = False,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        for name, x in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("head_dim_v", head_dim_v), ("num_layers", num_layers)):
+            if x <= 0:
+                raise ValueError(f"PagedKVCache: {name} must be positive, got {x}.")
+        if joint and head_dim_v != head_dim:
+            raise ValueError(
+                f"PagedKVCache: joint=True views K and V of one [P, block_size, 2, H_kv, D] allocation and needs "
+                f"head_dim_v == head_dim, got {head_dim_v} and {head_dim}. Pass joint=False."
+            )
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.device = torch.device(device)
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        for _ in range(num_layers):
+            if joint:
+                kv = torch.zeros(num_blocks, block_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+                k, v = kv[:, :, 0], kv[:, :, 1]
+            else:
+                k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                v = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim_v, dtype=dtype, device=device)
+            self.k_caches.append(k)
+            self.v_caches.append(v)
+        self._free: list[int] = list(range(num_blocks))  # a heap: lowest free block id first
+        self._refs = [0] * num_blocks
+        self._seqs: dict[Hashable, _Seq] = {}
+
+    # --- block manager ------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self._get(seq_id).length
+
+    def block_ids(self, seq_id: Hashable) -> list[int]:
+        """Physical blocks of a sequence, in order (a copy)."""
+        return list(self._get(seq_id).blocks)
+
+    def ref_count(self, block: int) -> int:
+        """How many sequences hold ``block`` (0: free)."""
+        return self._refs[block]
+
+    def _get(self, seq_id: Hashable) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"PagedKVCache: unknown sequence {seq_id!r}; add it with add_sequence first.") from None
+
+    def add_sequence(self, seq_id: Hashable) -> None:
+        """Start an empty sequence (no blocks until it is extended)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"PagedKVCache: sequence {seq_id!r} already exists; free it first or use a new id.")
+        self._seqs[seq_id] = _Seq([], 0)
+
+    def _blocks_needed(self, seq: _Seq, num_tokens: int) -> int:
+        return -(-(seq.length + num_tokens) // self.block_size) - len(seq.blocks)
+
+    def _raise_out_of_blocks(self, needed: int, what: str) -> None:
+        raise OutOfBlocksError(
+            f"PagedKVCache: out of blocks: {what} needs {needed} new blocks of {self.block_size} tokens but only "
+            f"{len(self._free)} of {self.num_blocks} are free; nothing was allocated. Free finished sequences or "
+            f"allocate more blocks."
+        )
+
+    def _grow(self, seq: _Seq, num_tokens: int) -> list[int]:
+        """Allocate blocks (already known to be available) and return the slots of the new tokens."""
+        for _ in range(self._blocks_needed(seq, num_tokens)):
+            block = heapq.heappop(self._free)
+            self._refs[block] = 1
+            seq.blocks.append(block)
+        bs, start = self.block_size, seq.length
+        seq.length += num_tokens
+        return [seq.blocks[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
+
+    def extend(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Grow a sequence by ``num_tokens`` positions; returns their slots (``block * block_size + row``).
+
+        Raises ``OutOfBlocksError`` (allocating nothing) when the free blocks do not suffice.
+        """
+        seq = self._get(seq_id)
+        if num_tokens < 0:
+            raise ValueError(f"PagedKVCache: num_tokens must be >= 0, got {num_tokens} for sequence {seq_id!r}.")
+        needed = self._blocks_needed(seq, num_tokens)
+        if needed > len(self._free):
+            self._raise_out_of_blocks(needed, f"extending sequence {seq_id!r} by {num_tokens} tokens")
+        return self._grow(seq, num_tokens)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop a sequence; its blocks return to the free pool when no other sequence shares them."""
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        for block in seq.blocks:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                heapq.heappush(self._free, block)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int | None = None) -> int:
+        """Start ``child_id`` sharing the parent's first ``num_tokens`` tokens (read-only, by reference count).
+
+        ``num_tokens`` defaults to the parent's length rounded down to a whole block and must be a multiple of
+        ``block_size`` (no copy-on-write: a partly filled block cannot be shared, the child re-writes that tail).
+        Returns the number of shared tokens (the child's length).
+        """
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"PagedKVCache: sequence {child_id!r} already exists; fork into a new id.")
+        bs = self.block_size
+        n = parent.length // bs * bs if num_tokens is None else num_tokens
+        if n < 0 or n > parent.length or n % bs:
+            raise ValueError(
+                f"PagedKVCache: fork of {parent_id!r} can share only whole blocks of its {parent.length} tokens "
+                f"(block_size {bs}; no copy-on-write), got num_tokens={n}. Pass a multiple of {bs} up to "
+                f"{parent.length // bs * bs}."
+            )
+        blocks = parent.blocks[: n // bs]
+        for block in blocks:
+            self._refs[block] += 1
+        self._seqs[child_id] = _Seq(list(blocks), n)
+        return n
+
+    # --- per-step metadata --------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        new_tokens: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]],
+        *,
+        pad_tokens: int | None = None,
+        pad_batch: int | None = None,
+        max_blocks: int | None = None,
+    ) -> PagedStep:
+        """Extend every listed sequence by its new-token count and return the step's metadata tensors.
+
+        Args:
+            new_tokens: ``{seq_id: num_new_tokens}`` (or pairs) in batch order: prefill chunks and decode (1) mixed.
+            pad_tokens: pad ``slot_mapping`` to this many tokens with ``-1`` (skipped by the write op); the padding
+                query rows go to padding batch rows (``seq_len`` 0: they see no key and yield zeros).
+            pad_batch: pad the batch to this many rows (``seq_len`` 0). Needed (``> B``) when ``pad_tokens`` adds
+                tokens; defaults to ``B + 1`` then. Padding tokens are spread over the padding rows, so a decode
+                step with ``pad_tokens == pad_batch`` keeps ``max_seqlen_q == 1``.
+            max_blocks: width of ``block_table`` (default: the longest sequence's block count).
+
+        Atomic: every check (ids, counts, free blocks, ``max_blocks``, padding) runs before anything is allocated.
+        Raises ``ValueError`` for unknown or repeated ids, negative counts and padding/width targets that are too
+        small; ``OutOfBlocksError`` when the step needs more blocks than are free.
+        """
+        items = list(new_tokens.items()) if isinstance(new_tokens, Mapping) else list(new_tokens)
+        ids = [seq_id for seq_id, _ in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"PagedKVCache.prepare: a sequence appears twice in one step: {ids}.")
+        seqs = [self._get(seq_id) for seq_id in ids]
+        for seq_id, n in items:
+            if n < 0:
+                raise ValueError(f"PagedKVCache: num_tokens must be >= 0, got {n} for sequence {seq_id!r}.")
+        bs = self.block_size
+        needed = sum(self._blocks_needed(seq, n) for seq, (_, n) in zip(seqs, items))
+        widths = [-(-(seq.length + n) // bs) for seq, (_, n) in zip(seqs, items)]
+        width = max(widths, default=0) if max_blocks is None else max_blocks
+        if max(widths, default=0) > width:
+            raise ValueError(
+                f"PagedKVCache.prepare: a sequence needs {max(widths)} blocks but max_blocks={max_blocks}; raise "
+                f"max_blocks to at least {max(widths)}."
+            )
+        num_tokens = sum(n for _, n in items)
+        pad_tokens = num_tokens if pad_tokens is None else pad_tokens
+        if pad_tokens < num_tokens:
+            raise ValueError(f"PagedKVCache.prepare: pad_tokens={pad_tokens} is less than the step's {num_tokens} tokens.")
+        extra = pad_tokens - num_tokens
+        batch = len(items)
+        if pad_batch is None:
+            pad_batch = batch + 1 if extra else batch
+        if pad_batch < batch or (extra and pad_batch == batch):
+            raise ValueError(
+                f"PagedKVCache.prepare: pad_batch={pad_batch} must be >= the {batch} sequences of the step, and "
+                f"larger when pad_tokens adds tokens (padding tokens need a padding row)."
+            )
+        if needed > len(self._free):
+            self._raise_out_of_blocks(needed, f"a step of {num_tokens} tokens over {batch} sequences")
+
+        slots = [s for seq, (_, n) in zip(seqs, items) for s in self._grow(seq, n)] + [-1] * extra
+        q_lens = [n for _, n in items]
+        pad_rows = pad_batch - batch
+        if pad_rows:  # spread the padding tokens over the padding rows
+            q_lens += [extra // pad_rows + (i < extra % pad_rows) for i in range(pad_rows)]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        table = [seq.blocks + [0] * (width - len(seq.blocks)) for seq in seqs] + [[0] * width] * pad_rows
+        dev = self.device
+        return PagedStep(
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev).view(pad_batch, width),
+            seq_lens=torch.tensor([seq.length for seq in seqs] + [0] * pad_rows, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_seqlen_q=max(q_lens, default=0),
+            num_tokens=num_tokens,
+            seq_ids=tuple(ids),
+        )
+
+    # --- tensor work through the ops ----------------------------------------------------------------------------
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, step: PagedStep,
+              cache_head_start: int | None = None) -> None:
+        """Write the step's new ``key``/``value`` ``[N_pad, H_in, D]`` of ``layer`` via ``kvops.paged_cache_write``."""
+        paged_cache_write(key, value, self.k_caches[layer], self.v_caches[layer], step.slot_mapping,
+                          cache_head_start, self.k_scale, self.v_scale)
+
+    def attention(self, layer: int, q: torch.Tensor, step: PagedStep, **kwargs):
+        """``kvops.paged_attention`` of ``q [N_pad, H_q, D]`` over ``layer``'s cache with the step's metadata.
+
+        ``kwargs``: ``scale``, ``causal`` (default True), ``window_left``, ``softcap``, ``sinks``, ``return_lse``.
+        """
+        return paged_attention(q, self.k_caches[layer], self.v_caches[layer], step.cu_seqlens_q, step.seq_lens,
+                               step.block_table, max(step.max_seqlen_q, 1), k_scale=self.k_scale,
+                               v_scale=self.v_scale, **kwargs)

@@ -1,0 +1,240 @@
+"""``flash_attn_with_kvcache``: FlashAttention's KV-cache entry point on kvops ops (semantics.md §5).
+
+Not an op of its own: it appends ``k``/``v`` with ``kvops::paged_cache_write`` and attends with
+``kvops::paged_attention``; the metadata between them (slot mapping, sequence lengths) is computed on the device with
+no host sync. Its own argument checks are plain Python on shapes, dtypes and Python ints, so they run at trace time
+under ``torch.compile`` (Dynamo reports them as an "Observed exception" carrying the original error) and
+``torch.export``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged_attention import paged_attention
+from .paged_write import paged_cache_write
+
+OP = "flash_attn_with_kvcache"
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+):
+    """Append new K/V to a KV cache and attend, with FlashAttention 2's ``flash_attn_with_kvcache`` signature.
+
+    For each sequence ``b``: ``k[b]``/``v[b]`` (``S_new`` tokens) are written at positions
+    ``[cache_seqlens[b], cache_seqlens[b] + S_new)`` through ``kvops.paged_cache_write``, then ``q[b]`` attends to
+    positions ``[0, cache_seqlens[b] + S_new)`` through ``kvops.paged_attention``.
+
+    Args:
+        q: ``[B, S_q, H_q, D]`` float32/bfloat16/float16.
+        k_cache: paged ``[P, block_size, H_kv, D]`` (NHD) when ``block_table`` is given, else contiguous-form
+            ``[B, S, H_kv, D]`` (read as ``B`` blocks of ``block_size = S``, one per sequence: a view, no copy). Any
+            strides; mutated in place when ``k`` is given.
+        v_cache: like ``k_cache`` with ``D_v``.
+        k, v: optional ``[B, S_new, H_kv, D]`` / ``[B, S_new, H_kv, D_v]`` new tokens (together or not at all).
+        cache_seqlens: int or ``[B]`` int32 tensor, tokens already in each sequence's cache (before ``k``). ``None``
+            (only without ``k``): every sequence fills its capacity ``max_blocks * block_size``.
+        block_table: ``[B, max_blocks]`` int32 physical block ids (entries past a sequence's blocks are never read).
+        softmax_scale: default ``D ** -0.5``.
+        causal: bottom-right aligned causal mask: query ``i`` sits at position ``seq_len - S_q + i``.
+        window_size: ``(left, right)``; ``left = -1`` is unbounded. ``right`` must be ``-1`` (unbounded) or ``0``
+            (``0`` equals ``causal=True``); with ``causal=True`` it is ignored (0), as in FlashAttention.
+        softcap: ``> 0`` applies ``softcap * tanh(score / softcap)`` before masking.
+        return_softmax_lse: also return the log-sum-exp ``[B, H_q, S_q]`` float32 (natural log; ``-inf`` for a query
+            that sees no key).
+        num_splits: a scheduling hint; ignored. rotary_interleaved: only used with rotary (unsupported).
+        k_scale, v_scale: (kvops extension, keyword-only) float32 ``[1]`` or ``[H_kv]`` scales for
+            ``float8_e4m3fn`` caches (written as ``x / scale``, read as ``cache * scale``).
+
+    Returns:
+        ``out [B, S_q, H_q, D_v]`` in q's dtype, or ``(out, softmax_lse)``.
+
+    Raises:
+        ValueError: ``"v_cache must be provided"``; ``k_cache`` None (it can only be None for MLA's
+            ``only_qv=True`` path, which kvops does not support); ``k`` without ``v`` or ``v`` without ``k``; ranks;
+            ``block_table`` not 2-D int32 or its batch not ``B``; ``cache_seqlens`` not an int or a ``[B]`` int32
+            tensor; ``k`` without ``cache_seqlens``; ``H_q % H_kv != 0``; ``k``/``v`` shapes that disagree with
+            ``q`` (batch) or the cache (heads, head_dim); a contiguous-form cache whose batch is not ``B``; a write
+            past the capacity ``max_blocks * block_size`` when it is known from shapes and Python ints
+            (``S_new > capacity``, or ``cache_seqlens + S_new > capacity`` for an int ``cache_seqlens``). Errors of
+            the ops (dtypes, devices, fp8 scales, ``window_left < -1``, ``softcap < 0``) propagate from their
+            validators.
+        NotImplementedError: ``rotary_cos``/``rotary_sin``, ``cache_batch_idx``, ``cache_leftpad``,
+            ``alibi_slopes``, or ``window_size[1] > 0`` without ``causal``.
+
+    Content-dependent capacity overflow (a ``cache_seqlens`` tensor value with ``cache_seqlens[b] + S_new >
+    capacity``, or a negative one) cannot be checked without a host sync: those positions are neither written
+    (their slot is -1) nor read (``seq_lens`` is clamped to the capacity), so no other sequence's blocks are touched,
+    but the result is meaningless. Check with :func:`check_kvcache_capacity` outside compiled regions.
+    """
+    _check_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, causal, window_size, alibi_slopes)
+    batch, s_q = q.shape[0], q.shape[1]
+    device = q.device
+    if block_table is None:  # contiguous form: sequence b is block b of block_size S
+        block_table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+    block_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * block_size
+    s_new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        base = torch.full((batch,), capacity, dtype=torch.int64, device=device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        base = cache_seqlens.to(torch.int64)
+    else:
+        base = torch.full((batch,), cache_seqlens, dtype=torch.int64, device=device)
+
+    if k is not None and s_new > 0:
+        pos = base[:, None] + torch.arange(s_new, dtype=torch.int64, device=device)[None, :]  # [B, S_new]
+        inside = (pos >= 0) & (pos < capacity)
+        blocks = block_table.gather(1, pos.clamp(0, capacity - 1) // block_size).to(torch.int64)
+        slots = torch.where(inside, blocks * block_size + pos % block_size, -1).view(-1)
+        paged_cache_write(k.reshape(batch * s_new, *k.shape[2:]), v.reshape(batch * s_new, *v.shape[2:]),
+                          k_cache, v_cache, slots, None, k_scale, v_scale)
+
+    seq_lens = (base + s_new).clamp(0, capacity).to(torch.int32)
+    cu_seqlens_q = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * s_q
+    right = 0 if causal else window_size[1]
+    out, lse = paged_attention(
+        q.reshape(batch * s_q, *q.shape[2:]), k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s_q,
+        scale=softmax_scale, causal=right == 0, window_left=window_size[0], softcap=softcap, k_scale=k_scale,
+        v_scale=v_scale, return_lse=True,
+    )
+    out = out.view(batch, s_q, *out.shape[1:])
+    if not return_softmax_lse:
+        return out
+    return out, lse.view(lse.shape[0], batch, s_q).transpose(0, 1).contiguous()
+
+
+def _check_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, causal, window_size, alibi_slopes) -> None:
+    """Shape/dtype/Python-int contract of :func:`flash_attn_with_kvcache` (no tensor contents are read)."""
+    unsupported = {"rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx,
+                   "cache_leftpad": cache_leftpad, "alibi_slopes": alibi_slopes}
+    for name, value in unsupported.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"{OP}: {name} is not supported by kvops; apply it before the call (e.g. rotary embeddings to q and "
+                f"k) or pass {name}=None."
+            )
+    if not causal and window_size[1] > 0:
+        raise NotImplementedError(
+            f"{OP}: window_size={tuple(window_size)}: a right window > 0 is not supported; use window_size[1] = -1 "
+            f"(unbounded) or 0 (causal)."
+        )
+    if v_cache is None:
+        raise ValueError("v_cache must be provided")
+    if k_cache is None:
+        raise ValueError(
+            f"{OP}: k_cache must be provided. (k_cache can only be None when only_qv=True, the MLA q-only path, "
+            f"which kvops does not support.)"
+        )
+    if (k is None) != (v is None):
+        raise ValueError(f"{OP}: k and v must be given together (got {'k' if k is not None else 'v'} only).")
+    if q.dim() != 4:
+        raise ValueError(f"{OP}: q must be 4-D [batch, seqlen_q, num_heads, head_dim], got shape {tuple(q.shape)}.")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4:
+            raise ValueError(
+                f"{OP}: {name} must be 4-D: [num_blocks, block_size, num_kv_heads, head_dim] with block_table, or "
+                f"[batch, seqlen_cache, num_kv_heads, head_dim] without; got shape {tuple(cache.shape)}."
+            )
+    batch, num_heads, num_kv_heads = q.shape[0], q.shape[2], k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{OP}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) (GQA); got q shape "
+            f"{tuple(q.shape)} and k_cache shape {tuple(k_cache.shape)}."
+        )
+    if block_table is not None:
+        if block_table.dtype != torch.int32 or block_table.dim() != 2:
+            raise ValueError(
+                f"{OP}: block_table must be a 2-D int32 tensor [batch, max_blocks], got shape "
+                f"{tuple(block_table.shape)} and dtype {block_table.dtype}. Pass block_table.to(torch.int32)."
+            )
+        if block_table.shape[0] != batch:
+            raise ValueError(f"{OP}: block_table has {block_table.shape[0]} rows but q has batch {batch}.")
+    elif k_cache.shape[0] != batch:
+        raise ValueError(
+            f"{OP}: without block_table, k_cache is [batch, seqlen_cache, num_kv_heads, head_dim] and its batch "
+            f"({k_cache.shape[0]}) must equal q's ({batch}); cache_batch_idx is not supported."
+        )
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
+            raise ValueError(
+                f"{OP}: cache_seqlens must be an int or an int32 tensor of shape [{batch}], got shape "
+                f"{tuple(cache_seqlens.shape)} and dtype {cache_seqlens.dtype}."
+            )
+    capacity = (1 if block_table is None else block_table.shape[1]) * k_cache.shape[1]
+    if k is None:
+        return
+    if cache_seqlens is None:
+        raise ValueError(f"{OP}: k/v were given without cache_seqlens; pass cache_seqlens to say where they go.")
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if t.dim() != 4 or t.shape[0] != batch or t.shape[1] != k.shape[1] or t.shape[2:] != cache.shape[2:]:
+            raise ValueError(
+                f"{OP}: {name} must be [batch={batch}, seqlen_new, num_kv_heads={cache.shape[2]}, "
+                f"head_dim={cache.shape[3]}] (k and v with the same seqlen_new), got shape {tuple(t.shape)}."
+            )
+    s_new = k.shape[1]
+    start = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else 0
+    if start < 0 or start + s_new > capacity:
+        where = f"at cache_seqlens={cache_seqlens} " if not isinstance(cache_seqlens, torch.Tensor) else ""
+        raise ValueError(
+            f"{OP}: writing {s_new} new tokens {where}exceeds the capacity addressable by the cache: "
+            f"{capacity} tokens (max_blocks {capacity // k_cache.shape[1]} x block_size {k_cache.shape[1]}). Give "
+            f"block_table more blocks or write fewer tokens."
+        )
+
+
+def check_kvcache_capacity(
+    k_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | int,
+    block_table: torch.Tensor | None = None,
+    num_new_tokens: int = 0,
+) -> None:
+    """Debug check of the value contract of :func:`flash_attn_with_kvcache` (eager only: it reads ``cache_seqlens``
+    and ``block_table``, a host sync on CUDA; do not call it inside compiled regions).
+
+    Raises ``ValueError`` when a sequence has ``cache_seqlens[b] < 0`` or ``cache_seqlens[b] + num_new_tokens`` past
+    the capacity ``max_blocks * block_size``, and ``IndexError`` when a block id it uses is outside ``[0, P)``.
+    """
+    batch = k_cache.shape[0] if block_table is None else block_table.shape[0]
+    width = 1 if block_table is None else block_table.shape[1]
+    capacity = width * k_cache.shape[1]
+    lens = torch.as_tensor(cache_seqlens).to(torch.int64).cpu().expand(batch)
+    for b, n in enumerate(lens.tolist()):
+        if n < 0 or n + num_new_tokens > capacity:
+            raise ValueError(
+                f"{OP}: sequence {b} has cache_seqlens={n}; with {num_new_tokens} new tokens it needs positions "
+                f"[0, {n + num_new_tokens}) but the capacity is {capacity} tokens and cache_seqlens must be >= 0."
+            )
+    if block_table is not None:
+        table = block_table.cpu()
+        for b, n in enumerate(lens.tolist()):
+            used = table[b, : -(-(n + num_new_tokens) // k_cache.shape[1])]
+            bad = used[(used < 0) | (used >= k_cache.shape[0])]
+            if bad.numel():
+                raise IndexError(
+                    f"{OP}: block_table[{b}] uses block {int(bad[0])} but the cache has {k_cache.shape[0]} blocks."
+                )

@@ -1,0 +1,137 @@
+"""Paged attention: ``kvops::paged_attention`` (semantics.md §4), decode and chunked prefill in one varlen batch.
+
+Registered with ``torch.library.triton_op`` (schema inferred from the annotations of ``_paged_attention_op``; it is
+written out in ``kvops/_library.py``). One function serves every face of the op:
+
+* it first calls the validator (``kvops/_checks/paged_attention.py``), so eager calls, the fake rule (``triton_op``
+  registers the function itself as the fake kernel) and ``torch.export`` raise the same errors;
+* on CUDA tensors it launches the Triton kernels (``kvops/triton/paged_attention.py``) through
+  ``torch.library.wrap_triton``, so ``torch.compile`` on CUDA sees the Triton kernels rather than an opaque call;
+* on other devices (CPU) it runs the vectorized torch kernel (``kvops/reference/paged_attention.py``), which has no
+  host syncs, so ``torch.compile`` on CPU traces it into the graph as ordinary torch ops.
+"""
+
+from typing import Optional
+
+import torch
+
+from .. import _library  # noqa: F401  (other schemas; this op's schema is inferred by triton_op)
+from .._checks.paged_attention import check_paged_attention
+from ..reference.paged_attention import paged_attention as _cpu_paged_attention
+from ..triton import HAS_TRITON
+
+if HAS_TRITON:
+    from ..triton.paged_attention import paged_attention as _triton_paged_attention
+
+
+@torch.library.triton_op("kvops::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q: int,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sm_scale = check_paged_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
+        sinks, k_scale, v_scale,
+    )
+    if q.device.type == "cuda":
+        if not HAS_TRITON:
+            raise RuntimeError("kvops.paged_attention: CUDA tensors need triton; pip install triton.")
+        return _triton_paged_attention(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
+            softcap, sinks, k_scale, v_scale,
+        )
+    return _cpu_paged_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
+        softcap, sinks, k_scale, v_scale,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float | None = None,
+    causal: bool = True,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """Attention of packed queries over a paged KV cache: decode and chunked prefill in one varlen batch.
+
+    Semantics as vLLM's / FlashAttention's varlen paged attention (``flash_attn_varlen_func`` with ``block_table`` and
+    ``seqused_k``): sequence ``b`` owns query rows ``[cu_seqlens_q[b], cu_seqlens_q[b+1])`` (``q_len`` new tokens,
+    already written to the cache) and KV positions ``[0, seq_lens[b])``, position ``j`` stored in block
+    ``block_table[b, j // block_size]``, row ``j % block_size``.
+
+    Args:
+        q: ``[T_q, H_q, D]`` float32/bfloat16/float16, packed queries of all sequences (any strides).
+        k_cache: ``[P, block_size, H_kv, D]`` (NHD), q's dtype or ``float8_e4m3fn``; any strides (e.g. K and V as
+            views of one ``[P, block_size, 2, H_kv, D]`` allocation); never copied.
+        v_cache: ``[P, block_size, H_kv, D_v]``, same dtype, ``P``, ``block_size`` and ``H_kv`` as ``k_cache``.
+        cu_seqlens_q: ``[B + 1]`` int32, cumulative query lengths (``0 = cu[0] <= cu[1] <= ... <= cu[B] = T_q``).
+        seq_lens: ``[B]`` int32, KV length of each sequence including its new tokens (normally ``q_len <=
+            seq_len``; a query whose position ``seq_len - q_len + i`` is negative sees no key under ``causal``).
+        block_table: ``[B, max_blocks]`` int32 physical block ids; entries past ``ceil(seq_len / block_size)`` are
+            never read (any value, e.g. -1 padding). Blocks may be shared between sequences (prefix sharing).
+        max_seqlen_q: int, ``>= max_b q_len`` (as FlashAttention's varlen API; sizes grids without a host sync).
+            Decode batches pass 1.
+        scale: softmax scale on ``q·k`` (default ``D ** -0.5``).
+        causal: bottom-right aligned causal mask: query ``i`` of a sequence sits at position ``seq_len - q_len + i``
+            and sees positions ``<=`` its own. With ``causal=False`` every query sees ``[0, seq_len)``.
+        window_left: sliding window (``-1``: none): keeps positions ``> pos - window_left - 1``, i.e. the query's
+            own position and ``window_left`` before it (FlashAttention's ``window_size[0]``; vLLM passes a model's
+            ``sliding_window`` W as ``W - 1``). No right bound beyond ``causal``.
+        softcap: if ``> 0``, scores become ``softcap * tanh(score / softcap)`` *before* masking (Gemma-2).
+        sinks: ``[H_q]`` float32 attention-sink logits (gpt-oss), natural-log units, not multiplied by ``scale``:
+            ``exp(sinks[h])`` joins head ``h``'s softmax denominator and contributes no value.
+        k_scale, v_scale: float32 ``[1]`` or ``[H_kv]``, required for (and only allowed with) fp8 caches, which are
+            dequantized as ``cache.float() * scale`` (the inverse of ``kvops.paged_cache_write``'s ``x / scale``).
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out [T_q, H_q, D_v]`` in q's dtype (fp32 accumulation), or ``(out, lse)`` with ``lse [H_q, T_q]`` float32,
+        natural log (FlashAttention's varlen ``softmax_lse`` layout) of the softmax denominator **including the sink
+        term** ``exp(sinks[h])`` (as FlashAttention's ``learnable_sink`` in ``flash_attn/cute``), so
+        ``out == sum_j exp(s_j - lse) v_j`` holds in every case. A query with no visible key gets ``out = 0``
+        (never NaN) and ``lse = -inf`` (or ``sinks[h]`` when sinks are given). GQA: query head ``h`` reads KV head
+        ``h // (H_q // H_kv)``. Values stored in slots at or beyond ``seq_len`` never reach the output, even when
+        NaN/inf.
+
+    Raises:
+        ValueError: ``"v_cache must be provided"``; ``H_q % H_kv != 0``; ``head_dim`` of q vs ``k_cache``; index
+            tensors not int32 or of the wrong rank; ``block_table``/``seq_lens``/``cu_seqlens_q`` inconsistent with
+            ``B``; K/V caches disagreeing in dtype, ``P``, ``block_size`` or ``H_kv``; a non-fp8 cache dtype
+            different from q's; ``sinks`` not float32 ``[H_q]``; an fp8 cache without scales (or scales without
+            one, or scales not float32 ``[1]``/``[H_kv]``); devices; ``max_seqlen_q < 1`` with tokens;
+            ``window_left < -1``; ``softcap < 0``. Raised by the fake rule too (trace time under ``torch.compile``
+            and ``torch.export``). Value contracts (``cu_seqlens_q`` non-decreasing from 0 to ``T_q``,
+            ``q_len <= max_seqlen_q``, ``seq_len <= max_blocks * block_size``, block ids in ``[0, P)``) are not
+            checked (that would need a host sync).
+
+    Kernels: CPU: vectorized torch with an online softmax over tiles of blocks (memory bounded by the tile). CUDA:
+    Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
+    """
+    out, lse = torch.ops.kvops.paged_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
+        sinks, k_scale, v_scale,
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,162 @@
+"""CPU kernel for ``kvops::paged_attention`` (semantics.md §4): vectorized torch, fp32 accumulation.
+
+Layout of the computation. Queries are gathered from the packed ``[T_q, H_q, D]`` into a padded
+``[B, H_kv, max_seqlen_q * G, D]`` (``G = H_q // H_kv``, rows ordered (query, group head)), so each (sequence, KV head)
+pair is one GEMM and GQA never repeats K/V. K/V are gathered through ``block_table`` one *tile* of positions at a
+time into ``[B, N, H_kv, D]`` (one ``index_select`` of whole token rows on the ``[P * block_size, H_kv, D]`` view of
+the cache when its block and row dims merge, else a (block, row) gather; the cache is never copied) and folded in
+with an online softmax (running max ``m``, sum ``l``, accumulator ``acc``). Memory is bounded by the tile, not the
+context: tiles are sized so that one tile's fp32 scores and gathered K/V stay under ``_TILE_BUDGET`` elements. A decode
+batch (``max_seqlen_q == 1``, e.g. batch 8 x context 1000) is one tile. The padding costs ``B * max_seqlen_q`` query
+rows and the gathers cover the table's capacity (``max_blocks * block_size``) for every sequence: a batch mixing one
+long prefill (or one long context) with many short sequences pays for both (callers may split such batches). The
+GEMMs loop over the ``H_kv`` KV heads (strided operands, no copies), never over tokens.
+
+Garbage safety without multiplying by masks: positions at or beyond ``seq_len`` (and unused table entries) are
+*redirected* to the sequence's position 0 before the gather, so NaN/inf stored in unused slots or unreferenced blocks is
+never even read; their scores are set to ``-inf`` with ``torch.where``. A sequence with ``seq_len == 0`` has no
+position 0: what its rows gather is never used, because a row with no visible key is set to exactly 0 by ``where``.
+
+Every loop bound comes from tensor metadata (``max_blocks * block_size`` is the context capacity) and no tensor is read
+on the host, so the function traces under ``torch.compile(fullgraph=True)`` and ``make_fx`` without host syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_TILE_BUDGET = 1 << 22  # fp32 elements of one tile's scores plus its gathered K and V (16 MiB)
+
+
+def _tiles(batch, rows: int, num_kv_heads: int, d: int, d_v: int, block_size: int, max_blocks):
+    """``[(first_block, num_blocks), ...]`` covering the table with tiles that fit ``_TILE_BUDGET``.
+
+    When the whole table fits (decode), there is one tile and ``max_blocks`` stays symbolic under tracing (only the
+    inequality is guarded); otherwise the tile loop specializes on the table width.
+    """
+    fit = _TILE_BUDGET // (batch * block_size * num_kv_heads * (rows + d + d_v))
+    if max_blocks <= fit:
+        return [(0, max_blocks)]
+    nb = max(1, int(fit))
+    return [(b0, min(nb, max_blocks - b0)) for b0 in range(0, int(max_blocks), nb)]
+
+
+def _gather_tokens(cache, blocks, rows, scale):
+    """fp32 ``[B, N, H_kv, D]`` of slots ``(blocks, rows)`` (``[B, N]`` each), dequantized for fp8 caches."""
+    p, block_size = cache.shape[0], cache.shape[1]
+    if p == 1 or block_size == 1 or cache.stride(0) == block_size * cache.stride(1):  # (P, block_size) merge: a view
+        flat = cache.view(p * block_size, *cache.shape[2:])
+        x = flat.index_select(0, (blocks * block_size + rows).flatten()).view(*blocks.shape, *cache.shape[2:])
+    else:  # e.g. K/V interleaved per block ([P, 2, block_size, H_kv, D] allocation)
+        x = cache[blocks, rows]
+    x = x.to(torch.float32)
+    if scale is not None:
+        x = x * scale.view(1, 1, -1, 1)
+    return x
+
+
+def _per_kv_head_matmul(a, b, num_kv_heads: int):
+    """``a [B, H_kv, R, K] @ b[:, :, h] [B, K, C]`` for every KV head ``h`` -> ``[B, H_kv, R, C]``.
+
+    ``b`` is ``[B, K, H_kv, C]`` (the gathered token-major layout); its per-head slices are strided matrices that the
+    GEMM reads in place, so K/V are never transposed into a head-major copy.
+    """
+    return torch.stack([torch.matmul(a[:, h], b[:, :, h]) for h in range(num_kv_heads)], dim=1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention on validated arguments (see ``kvops.paged_attention``); returns ``(out, lse)``.
+
+    ``out [T_q, H_q, D_v]`` in q's dtype, ``lse [H_q, T_q]`` fp32 (natural log, sinks included; ``-inf`` for a query
+    with no visible key and no sink).
+    """
+    num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
+    # sizes that define the computation (heads, head_dim, block_size) specialize under tracing; token counts, batch and
+    # table width stay symbolic
+    num_heads, d = int(q.shape[1]), int(q.shape[2])
+    block_size, num_kv_heads, d_v = int(v_cache.shape[1]), int(v_cache.shape[2]), int(v_cache.shape[3])
+    group = num_heads // num_kv_heads
+    device = q.device
+    if num_tokens == 0 or batch == 0:
+        return (q.new_zeros(num_tokens, num_heads, d_v),
+                torch.full((num_heads, num_tokens), float("-inf"), dtype=torch.float32, device=device))
+    m_q = max_seqlen_q
+    rows = m_q * group
+
+    # padded queries: row (b, i) <- packed token cu_seqlens_q[b] + i (clamped; rows i >= q_len are never stored back)
+    starts = cu_seqlens_q[:-1].long()
+    q_lens = cu_seqlens_q[1:].long() - starts
+    qi = torch.arange(m_q, device=device)
+    src = (starts[:, None] + qi).clamp(0, num_tokens - 1)  # [B, M]
+    qp = q[src].to(torch.float32) * scale  # [B, M, H_q, D]
+    qp = qp.view(batch, m_q, num_kv_heads, group, d).permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, d)
+    kv_len = seq_lens.long()
+    pos = (kv_len - q_lens)[:, None] + qi  # [B, M] position of query i of sequence b
+
+    m = torch.full((batch, num_kv_heads, rows), float("-inf"), dtype=torch.float32, device=device)
+    l = torch.zeros((batch, num_kv_heads, rows), dtype=torch.float32, device=device)
+    acc = torch.zeros((batch, num_kv_heads, rows, d_v), dtype=torch.float32, device=device)
+    for b0, nbt in _tiles(batch, rows, num_kv_heads, d, d_v, block_size, max_blocks):
+        n = nbt * block_size
+        kpos = b0 * block_size + torch.arange(n, device=device)  # [N] logical positions of this tile
+        in_seq = kpos < kv_len[:, None]  # [B, N]
+        first_block = torch.where(kv_len > 0, block_table[:, 0].long(), 0)[:, None]
+        blocks = torch.where(in_seq, block_table[:, kpos // block_size].long(), first_block)  # [B, N]
+        rows_in_block = torch.where(in_seq, kpos % block_size, 0)
+        k = _gather_tokens(k_cache, blocks, rows_in_block, k_scale)  # [B, N, H_kv, D]
+        v = _gather_tokens(v_cache, blocks, rows_in_block, v_scale)  # [B, N, H_kv, D_v]
+
+        s = _per_kv_head_matmul(qp, k.transpose(1, 3), num_kv_heads)  # [B, H_kv, M*G, N]
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
+        visible = in_seq[:, None, :]  # [B, M, N]
+        if causal:
+            visible = visible & (kpos <= pos[:, :, None])
+        if window_left >= 0:
+            visible = visible & (kpos >= pos[:, :, None] - window_left)
+        s = torch.where(visible[:, None, :, None, :], s.view(batch, num_kv_heads, m_q, group, n), float("-inf"))
+        s = s.view(batch, num_kv_heads, rows, n)
+
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows: avoid -inf - -inf
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe[..., None])
+        l = l * alpha + p.sum(dim=-1)
+        acc = acc * alpha[..., None] + _per_kv_head_matmul(p, v, num_kv_heads)  # [B, H_kv, M*G, D_v]
+        m = m_new
+
+    has_keys = l > 0
+    if sinks is not None:  # exp(sink_h) joins each head's denominator (gpt-oss); it carries no value
+        sink = sinks.view(1, num_kv_heads, 1, group).expand(batch, num_kv_heads, m_q, group).reshape(m.shape)
+        m_new = torch.maximum(m, sink)
+        alpha = torch.exp(m - m_new)
+        l = l * alpha + torch.exp(sink - m_new)
+        acc = acc * alpha[..., None]
+        m = m_new
+    m_safe = torch.where(m == float("-inf"), 0.0, m)
+    o = torch.where(has_keys[..., None], acc / torch.where(has_keys, l, 1.0)[..., None], 0.0)
+    row_lse = torch.where(l > 0, m_safe + torch.log(torch.where(l > 0, l, 1.0)), float("-inf"))
+
+    # unpad: packed token t of sequence b(t) is row i = t - cu_seqlens_q[b(t)]
+    t = torch.arange(num_tokens, device=device)
+    seq = torch.searchsorted(cu_seqlens_q, t.to(cu_seqlens_q.dtype), right=True).long() - 1
+    seq = seq.clamp(0, batch - 1)
+    i = (t - starts[seq]).clamp(0, m_q - 1)
+    o = o.view(batch, num_kv_heads, m_q, group, d_v).permute(0, 2, 1, 3, 4).reshape(batch, m_q, num_heads, d_v)
+    row_lse = row_lse.view(batch, num_kv_heads, m_q, group).permute(0, 2, 1, 3).reshape(batch, m_q, num_heads)
+    return o[seq, i].to(q.dtype), row_lse[seq, i].t().contiguous()

@@ -1,0 +1,322 @@
+"""Triton kernels for ``kvops::paged_attention`` (semantics.md §4): split-KV decode + merge, and (chunked) prefill.
+
+* ``_decode_split_kernel`` (batches with ``max_seqlen_q == 1``): one program per (sequence, KV head, KV split). The
+  ``G = H_q // H_kv`` query heads that share a KV head are packed into the rows of one program, so each K/V tile is
+  read once per KV head. Each split writes a normalized partial output and its LSE; ``_decode_merge_kernel`` combines
+  the splits (and the attention sink) per (sequence, query head).
+* ``_prefill_kernel`` (any batch, e.g. chunked prefill mixed with decodes): one program per (query tile, sequence, KV
+  head); rows are (query token, group head) pairs; an online softmax runs over KV tiles read through ``block_table``
+  between the causal/window bounds of the tile. The grid uses ``max_seqlen_q`` (as FlashAttention's varlen API), so no
+  host sync is needed; programs past a sequence's ``q_len`` do no work.
+
+All offsets into q, the caches and the outputs are int64. Loads of bf16/fp16/fp8 are converted to fp32 before any
+arithmetic; ``tl.dot`` runs with ``input_precision="ieee"`` for fp32 inputs and ``"tf32"`` otherwise. Slots at or
+beyond ``seq_len`` are never loaded (masked loads), and unused block-table entries are never read, so NaN garbage there
+cannot reach the output. Tested on CPU tensors with ``TRITON_INTERPRET=1`` by calling ``paged_attention`` here.
+
+The launchers call the kernels through ``torch.library.wrap_triton`` so that, inside the ``triton_op`` of
+``kvops/ops/paged_attention.py``, ``torch.compile`` on CUDA sees the Triton kernels themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+_TARGET_PROGRAMS = 256  # decode: aim for about this many (sequence, KV head, split) programs (~2 per SM on H100/H200)
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)  # saturates to +-1 without inf/inf
+
+
+@triton.jit
+def _load_kv(cache_ptr, bt_row_ptr, kpos, in_seq, block_size, s_p, s_b, s_h, s_d, kv_head, offs_d, dim,
+             scale_ptr, IS_FP8: tl.constexpr, SCALE_PER_HEAD: tl.constexpr):
+    """fp32 ``[BLOCK_N, BLOCK_D]`` tile of logical positions ``kpos`` of one KV head (0 where ``~in_seq``)."""
+    blk = tl.load(bt_row_ptr + kpos // block_size, mask=in_seq, other=0).to(tl.int64)
+    off = blk[:, None] * s_p + (kpos % block_size)[:, None] * s_b + kv_head * s_h + offs_d[None, :] * s_d
+    x = tl.load(cache_ptr + off, mask=in_seq[:, None] & (offs_d[None, :] < dim), other=0.0).to(tl.float32)
+    if IS_FP8:
+        if SCALE_PER_HEAD:
+            x = x * tl.load(scale_ptr + kv_head)
+        else:
+            x = x * tl.load(scale_ptr)
+    return x
+
+
+@triton.jit
+def _scores(q, k, kpos, pos, kv_len, window_left, softcap,
+            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PREC: tl.constexpr):
+    """``softcap(q @ k^T)`` with invisible keys at ``-inf`` (softcap first, then masking, as semantics.md §4)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    vis = (kpos < kv_len)[None, :]
+    if CAUSAL:
+        vis = vis & (kpos[None, :] <= pos[:, None])
+    if HAS_WINDOW:
+        vis = vis & (kpos[None, :] >= pos[:, None] - window_left)
+    return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _online_update(s, v, m_i, l_i, acc, PREC: tl.constexpr):
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, k_scale_ptr, v_scale_ptr, part_o_ptr, part_lse_ptr,
+    s_qt, s_qh, s_qd, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, s_bt,
+    num_splits, block_size, capacity, group, head_dim, head_dim_v, tokens_per_split,
+    scale, softcap, window_left,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PER_HEAD: tl.constexpr,
+    PREC: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), capacity)
+    q_start = tl.load(cu_q_ptr + b).to(tl.int64)
+    q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    heads = kv_head * group + offs_g
+    q_mask = (offs_g < group) & (offs_g * 0 + q_len > 0)  # (vector & scalar-bool masks trip the interpreter)
+    q = tl.load(q_ptr + q_start * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=q_mask[:, None] & (offs_d[None, :] < head_dim), other=0.0).to(tl.float32) * scale
+    pos = tl.full([BLOCK_G], 0, tl.int32) + (kv_len - 1)  # the single query sits at the last position (causal no-op)
+
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, kv_len)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, kv_len - 1 - window_left)
+    hi = tl.where(q_len > 0, hi, lo)
+    bt_row = bt_ptr + b * s_bt
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        in_seq = kpos < hi
+        k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
+                     k_scale_ptr, IS_FP8, SCALE_PER_HEAD)
+        v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv, head_dim_v,
+                     v_scale_ptr, IS_FP8, SCALE_PER_HEAD)
+        s = _scores(q, k, kpos, pos, hi, window_left, softcap, False, HAS_WINDOW, HAS_SOFTCAP, PREC)
+        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
+
+    has = l_i > 0
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(has, m_safe + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    row = (b * group * tl.num_programs(1) + heads) * num_splits + split  # part_* are [B, H_q, num_splits, (D_v)]
+    g_ok = offs_g < group
+    tl.store(part_lse_ptr + row, lse, mask=g_ok)
+    tl.store(part_o_ptr + row[:, None] * head_dim_v + offs_dv[None, :], o,
+             mask=g_ok[:, None] & (offs_dv[None, :] < head_dim_v))
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, sinks_ptr, cu_q_ptr, out_ptr, lse_ptr,
+    s_ot, s_oh, s_od, s_lh, num_splits, head_dim_v,
+    HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    q_start = tl.load(cu_q_ptr + b).to(tl.int64)
+    q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row = (b * tl.num_programs(1) + head) * num_splits + offs_s
+    lse_s = tl.load(part_lse_ptr + row, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)
+    den = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        den += tl.exp(sink - m_safe)
+    o_s = tl.load(part_o_ptr + row[:, None] * head_dim_v + offs_dv[None, :],
+                  mask=(offs_s[:, None] < num_splits) & (offs_dv[None, :] < head_dim_v), other=0.0)
+    has = den > 0
+    o = tl.sum(w[:, None] * o_s, axis=0) / tl.where(has, den, 1.0)
+    lse = tl.where(has, m_safe + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+    tl.store(out_ptr + q_start * s_ot + head * s_oh + offs_dv * s_od, o.to(out_ptr.dtype.element_ty),
+             mask=(offs_dv < head_dim_v) & (offs_dv * 0 + q_len > 0))
+    tl.store(lse_ptr + head * s_lh + q_start, lse, mask=q_len > 0)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr, lse_ptr,
+    s_qt, s_qh, s_qd, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, s_bt, s_ot, s_oh, s_od, s_lh,
+    block_size, capacity, group, head_dim, head_dim_v,
+    scale, softcap, window_left,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    IS_FP8: tl.constexpr, SCALE_PER_HEAD: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(2).to(tl.int64)
+    kv_len = tl.load(seq_lens_ptr + b)
+    q_start = tl.load(cu_q_ptr + b).to(tl.int64)
+    q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
+    BLOCK_M: tl.constexpr = BLOCK_T * BLOCK_G
+    offs_m = tl.arange(0, BLOCK_M)
+    t_loc = tile * BLOCK_T + offs_m // BLOCK_G  # query index within the sequence
+    g = offs_m % BLOCK_G
+    row_ok = (t_loc < q_len) & (g < group)
+    heads = kv_head * group + g
+    tok = q_start + t_loc.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + tok[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0).to(tl.float32) * scale
+    pos = kv_len - q_len + t_loc
+
+    first = kv_len - q_len + tile * BLOCK_T  # position of the tile's first query
+    last = kv_len - q_len + tl.minimum(tile * BLOCK_T + BLOCK_T, q_len) - 1
+    kv_lim = tl.minimum(kv_len, capacity)
+    lo = kv_lim * 0
+    hi = kv_lim
+    if CAUSAL:
+        hi = tl.minimum(hi, last + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(first - window_left, 0)
+    hi = tl.where(tile * BLOCK_T < q_len, hi, lo)  # programs past this sequence's queries do no work
+    bt_row = bt_ptr + b * s_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        in_seq = kpos < kv_lim
+        k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
+                     k_scale_ptr, IS_FP8, SCALE_PER_HEAD)
+        v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv, head_dim_v,
+                     v_scale_ptr, IS_FP8, SCALE_PER_HEAD)
+        s = _scores(q, k, kpos, pos, kv_lim, window_left, softcap, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, PREC)
+        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
+
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=g < group, other=0.0)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    has = l_i > 0
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(has, m_safe + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + tok[:, None] * s_ot + heads[:, None] * s_oh + offs_dv[None, :] * s_od,
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dim_v))
+    tl.store(lse_ptr + heads * s_lh + tok, lse, mask=row_ok)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    *,
+    force_prefill: bool = False,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    block_m: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernels on validated arguments (see ``kvops.paged_attention``); returns ``(out, lse)``.
+
+    ``out [T_q, H_q, D_v]`` in q's dtype, ``lse [H_q, T_q]`` fp32 (natural log, sinks included). Batches with
+    ``max_seqlen_q == 1`` use split-KV decode + merge (``num_splits`` defaults to a heuristic filling about
+    ``_TARGET_PROGRAMS`` programs); others, or ``force_prefill=True``, use the prefill kernel. ``block_n`` is the KV
+    tile (tokens; default 64, 32 for head dims > 128), ``block_m`` the prefill program's rows (query tokens x padded
+    group heads). Rows of ``out`` that belong to no sequence (only possible when ``cu_seqlens_q`` violates its
+    contract) are left uninitialized.
+    """
+    num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
+    # sizes that define the kernels specialize under tracing (constexpr tile sizes derive from them)
+    num_heads, d = int(q.shape[1]), int(q.shape[2])
+    block_size, num_kv_heads, d_v = int(v_cache.shape[1]), int(v_cache.shape[2]), int(v_cache.shape[3])
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_tokens, num_heads, d_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or batch == 0:
+        return out, lse
+    capacity = max_blocks * block_size
+    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_sc = k_scale if k_scale is not None else seq_lens  # unused placeholders when not fp8 / no sinks
+    v_sc = v_scale if v_scale is not None else seq_lens
+    per_head = is_fp8 and k_scale.shape[0] > 1
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_g = _pow2(group)
+    block_d, block_dv = _pow2(d), _pow2(d_v)
+    if block_n is None:  # keep a K/V tile of <= 64 x 128 fp32 values in registers
+        block_n = 64 if max(block_d, block_dv) <= 128 else 32
+    common = dict(
+        HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, IS_FP8=is_fp8, SCALE_PER_HEAD=per_head, PREC=prec,
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+    )
+    if max_seqlen_q == 1 and not force_prefill:
+        if num_splits is None:
+            fill = triton.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
+            num_splits = max(1, min(triton.cdiv(capacity, block_n), fill))
+        # grid sizes: concrete ints (under dynamic shapes this guards on their values, not on every batch size)
+        tokens_per_split = int(triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n)
+        num_splits = int(max(1, triton.cdiv(capacity, tokens_per_split)))
+        part_o = torch.empty((batch, num_heads, num_splits, d_v), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        wrap_triton(_decode_split_kernel)[(batch, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_sc, v_sc, part_o, part_lse,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+            num_splits, block_size, capacity, group, d, d_v, tokens_per_split,
+            scale, softcap, window_left, **common,
+        )
+        wrap_triton(_decode_merge_kernel)[(batch, num_heads)](
+            part_o, part_lse, sinks if sinks is not None else part_lse, cu_seqlens_q, out, lse,
+            *out.stride(), lse.stride(0), num_splits, d_v,
+            HAS_SINKS=sinks is not None, BLOCK_S=_pow2(num_splits, 1), BLOCK_DV=block_dv,
+        )
+        return out, lse
+    block_g = triton.next_power_of_2(group)  # prefill rows are (token, head) pairs: only BLOCK_T * BLOCK_G >= 16
+    block_t = max(block_m // block_g, triton.cdiv(16, block_g), 1)
+    common["BLOCK_G"] = block_g
+    wrap_triton(_prefill_kernel)[(triton.cdiv(max_seqlen_q, block_t), batch, num_kv_heads)](
+        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_sc, v_sc,
+        sinks if sinks is not None else q, out, lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(), lse.stride(0),
+        block_size, capacity, group, d, d_v, scale, softcap, window_left,
+        CAUSAL=causal, HAS_SINKS=sinks is not None, BLOCK_T=block_t, **common,
+    )
+    return out, lse

@@ -1,0 +1,101 @@
+"""Inductor lowerings for ``kvops::cache_write`` and ``kvops::cache_roll`` (contiguous caches ``[B, S, H_cache, D]``).
+
+A write is lowered the way Inductor lowers its own ``index_put_``: an ``ir.Scatter`` whose values come from the
+producer's loader (so RoPE / norm / projection epilogues are computed inside the store loop, never materialized) and
+whose output is the mutated cache (``ir.MutationLayoutSHOULDREMOVE``). The store index is expressed in the cache
+view's own coordinates, and the mutation layout indexes through that view, so head slices, SymInt row starts and
+strided caches (K and V as two views of one ``[B, S, 2, H, D]`` allocation) are written in place.
+
+How the op reaches Inductor: functionalization wraps the mutable op in ``auto_functionalized_v2``; Inductor's
+reinplacing pass drops the clones of caches that may be written in place (graph inputs, module buffers), and
+``decompose_auto_functionalized`` turns the node back into ``torch.ops.kvops.cache_write.default`` called on the
+caches (or ``as_strided`` views of their common base). That call is what these lowerings replace.
+
+Nothing is checked here: the fake rule already ran the op's validator at trace time, with the same arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor import ir
+from torch._inductor import lowering as L
+from torch._inductor.virtualized import V
+
+aten = torch.ops.aten
+
+
+def buffer_names(*nodes) -> set[str]:
+    """Names of the buffers behind ``nodes`` (a view's name is its underlying buffer's)."""
+    return {n.get_name() for n in nodes}
+
+
+def scatter_into(cache, src, index_fn) -> None:
+    """Store ``src`` (any IR value of the iteration shape) into ``cache`` in place: ``cache[index_fn(i)] = src[i]``.
+
+    ``cache`` may be a view; ``index_fn`` maps an iteration index of ``src`` to an index in the view's coordinates.
+    The values are computed by ``src``'s loader inside the store loop, which is what lets the producer fuse.
+    """
+    layout = ir.MutationLayoutSHOULDREMOVE(cache)  # marks the buffer mutated; earlier readers get realized first
+    scatter = ir.Scatter(
+        device=cache.get_device(),
+        dtype=cache.get_dtype(),
+        inner_fn=src.make_loader(),
+        ranges=list(src.get_size()),
+        output_indexer=index_fn,
+        scatter_mode=None,
+    )
+    buffer = ir.ComputedBuffer(name=None, layout=layout, data=scatter)
+    buffer.name = V.graph.register_buffer(buffer)
+    V.graph.register_operation(buffer)
+
+
+def rows_and_heads(row0, head0):
+    """Index map ``[b, t, h, d] -> [b, row0 + t, head0 + h, d]`` (``row0`` may be a SymInt expression)."""
+
+    def index_fn(idx):
+        b, t, h, d = idx
+        return [b, row0 + t, head0 + h, d]
+
+    return index_fn
+
+
+def opaque_copy(x):
+    """A copy of ``x`` made by an extern ``aten.clone`` call, which the scheduler never fuses.
+
+    Used for values read from the cache that is about to be written (roll; a key computed from cache rows). A
+    Pointwise copy would be safe in principle, but Inductor's in-place fusion check (``Scheduler.fusable_weak_dep``)
+    compares the copy's read against the buffer's original name, while the read carries the name of the buffer's
+    latest mutation; once the cache was mutated earlier in the graph (even by this op's K store when K and V share a
+    base) it fuses the copy into the store loop, which then reads rows it has already overwritten.
+    """
+    return L.fallback_handler(aten.clone.default, add_to_fallback_set=False)(x)
+
+
+def cache_write(key, value, k_cache, v_cache, start, cache_head_start=None):
+    """Lowering of ``kvops::cache_write``: rows ``[start, start + T)``, heads ``[h0, h0 + H_in)`` of both caches."""
+    h0 = cache_head_start or 0
+    k_cache.realize()
+    v_cache.realize()
+    written = buffer_names(k_cache, v_cache)
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        aliased = bool(src.get_read_names() & written)
+        if aliased:  # the values are (computed from) cache rows: copy them out first
+            src = opaque_copy(src)
+        scatter_into(cache, src, rows_and_heads(start, h0))
+
+
+def cache_roll(k_cache, v_cache, src, dst, num_tokens, cache_head_start=None, num_heads=None):
+    """Lowering of ``kvops::cache_roll``: rows ``[src, src + n)`` to ``[dst, dst + n)`` within a head slice.
+
+    Overlap-safe by construction: the moved rows are first copied into a temporary buffer (an extern clone, see
+    ``opaque_copy``), then scattered into place (both stores in one kernel).
+    """
+    h0 = cache_head_start or 0
+    moved = []
+    for cache in (k_cache, v_cache):
+        cache.realize()
+        h1 = h0 + num_heads if num_heads is not None else cache.get_size()[2]
+        rows = L.slice_(cache, 1, src, src + num_tokens, clamp=False)
+        moved.append(opaque_copy(L.slice_(rows, 2, h0, h1, clamp=False)))
+    for cache, rows in zip((k_cache, v_cache), moved):
+        scatter_into(cache, rows, rows_and_heads(dst, h0))

@@ -1,0 +1,135 @@
+"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, semantics.md §3).
+
+Like the contiguous write (``lowering/inductor_contiguous.py``): an ``ir.Scatter`` over tokens ``[N, H_in, D]`` whose
+values come from the producer's loader (RoPE, norm, and for ``float8_e4m3fn`` caches the quantization
+``clamp(x / scale, ±448)``), stored into the mutated cache through indirect indices ``slot // block_size``,
+``slot % block_size``. ``N`` is ``slot_mapping``'s length; key rows ``>= N`` are never read.
+
+**Negative slots (skip) without a masked store.** Inductor's C++ backend has no masked store (``ops.masked`` bodies
+may not store; see also the comment in Inductor's ``_unsafe_masked_index_put_accumulate`` lowering), and every
+iteration of a ``Scatter`` stores. So a skipped token is routed to an equivalent store:
+
+- if some token in ``[0, N)`` has a slot, let ``j`` be the first one; a skipped token stores token ``j``'s value
+  into token ``j``'s slot: the same bytes at the same address as token ``j``'s own store (the write is a duplicate,
+  not a dummy row; its only "race" is with an identical write);
+- if no token has a slot (e.g. an all-padding batch), each skipped token stores the current bits of cache row
+  (block 0, row 0) of its head back into that row. The select is done on integer bit patterns, so the row stays
+  bit-identical (NaN payloads included). This is the one case where the cache is stored to without a token being
+  written; it is invisible unless another stream writes that row concurrently with this op.
+
+A slot ``>= P * block_size`` fails Inductor's indirect-index bounds check (a ``RuntimeError`` on CPU). Nothing else
+is checked: the fake rule ran the op's validator at trace time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor import ir
+from torch._inductor import lowering as L
+from torch._inductor.virtualized import V, ops
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+from .inductor_contiguous import buffer_names, opaque_copy, scatter_into
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def first_slotted_token(slot_mapping, n):
+    """0-d int64: the first ``i < n`` with ``slot_mapping[i] >= 0``, or ``n`` when there is none."""
+    load = slot_mapping.make_loader()
+
+    def inner_fn(_, ridx):
+        i = ops.index_expr(ridx[0], torch.int64)
+        has_slot = ops.ge(ops.to_dtype(load(ridx), torch.int64), ops.constant(0, torch.int64))
+        return ops.where(has_slot, i, ops.index_expr(n, torch.int64))
+
+    first = ir.Reduction.create(
+        device=slot_mapping.get_device(),
+        dst_dtype=torch.int64,
+        src_dtype=torch.int64,
+        inner_fn=inner_fn,
+        ranges=[],
+        reduction_ranges=[n],
+        reduction_type="min",
+    )
+    first.realize()
+    return first
+
+
+class Router:
+    """Per token ``i``: the token whose value is stored (``src``) and the slot it goes to (``dst``), as ops values."""
+
+    def __init__(self, slot_mapping, first, n):
+        self.load_slot, self.load_first, self.n = slot_mapping.make_loader(), first.make_loader(), n
+
+    def route(self, i):
+        zero = ops.constant(0, torch.int64)
+        slot = ops.to_dtype(self.load_slot([i]), torch.int64)
+        has_slot = ops.ge(slot, zero)
+        first = self.load_first([])
+        any_slot = ops.lt(first, ops.index_expr(self.n, torch.int64))
+        first = ops.where(any_slot, first, zero)  # 0 when no token has a slot (then nothing below reads it)
+        first_index = ops.indirect_indexing(first, self.n, check=False, wrap_neg=False)
+        first_slot = ops.to_dtype(self.load_slot([first_index]), torch.int64)
+        src = ops.where(has_slot, ops.index_expr(i, torch.int64), first)
+        dst = ops.where(has_slot, slot, ops.where(any_slot, first_slot, zero))
+        return any_slot, src, dst
+
+
+def paged_scatter(src, cache, scale, slot_mapping, router, h0) -> None:
+    """``cache[dst // block_size, dst % block_size, h0 + h, d] = q(src[src_token, h, d])`` for every token."""
+    num_blocks, block_size = cache.get_size()[0], cache.get_size()[1]
+    dtype = cache.get_dtype()
+    bits = BITS[dtype.itemsize]
+    load_src = src.make_loader()
+    load_old_bits = L.to_dtype_bitcast(cache, bits).make_loader()
+    load_scale = scale.make_loader() if scale is not None else None
+    per_head_scale = scale is not None and scale.get_size()[0] != 1
+    num_src_rows, src_dtype = src.get_size()[0], src.get_dtype()
+
+    def value_fn(idx):
+        i, h, d = idx
+        any_slot, token, _ = router.route(i)
+        x = load_src([ops.indirect_indexing(token, num_src_rows, check=False, wrap_neg=False), h, d])
+        if load_scale is not None:  # fp8: x / scale in fp32, saturated to ±448, round to nearest even
+            if src_dtype != torch.float32:  # round to the key's dtype first, as eager does (Inductor may skip it)
+                x = ops.to_dtype(x, src_dtype, use_compute_types=False)
+            s = load_scale([h0 + h] if per_head_scale else [0])
+            x = ops.truediv(ops.to_dtype(x, torch.float32), s)
+            x = ops.maximum(x, ops.constant(-FP8_MAX, torch.float32))
+            x = ops.minimum(x, ops.constant(FP8_MAX, torch.float32))
+        new_bits = ops.to_dtype_bitcast(ops.to_dtype(x, dtype), bits, dtype)
+        old_bits = load_old_bits([0, 0, h0 + h, d])
+        return ops.to_dtype_bitcast(ops.where(any_slot, new_bits, old_bits), dtype, bits)
+
+    def index_fn(idx):
+        i, h, d = idx
+        _, _, dst = router.route(i)
+        slot = ops.indirect_indexing(dst, num_blocks * block_size, check=True, wrap_neg=False)
+        return [FloorDiv(slot, block_size), ModularIndexing(slot, 1, block_size), h0 + h, d]
+
+    scatter_into(cache, ir.Pointwise(device=cache.get_device(), dtype=dtype, inner_fn=value_fn,
+                                     ranges=[slot_mapping.get_size()[0], *src.get_size()[1:]]), index_fn)
+
+
+def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None, v_scale=None):
+    """Lowering of ``kvops::paged_cache_write``."""
+    h0 = cache_head_start or 0
+    n = slot_mapping.get_size()[0]
+    if V.graph.sizevars.statically_known_equals(n, 0):  # no tokens (a symbolic n is >= 2: Dynamo specializes 0/1)
+        return
+    k_cache.realize()
+    v_cache.realize()
+    written = buffer_names(k_cache, v_cache)
+    router = Router(slot_mapping, first_slotted_token(slot_mapping, n), n)
+    for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if src.get_read_names() & written:  # values computed from the cache itself: copy them out first
+            src = opaque_copy(src)
+        paged_scatter(src, cache, scale, slot_mapping, router, h0)
+
+
+def register(register_lowering) -> None:
+    """Register the lowering of ``kvops::paged_cache_write``."""
+    register_lowering(torch.ops.kvops.paged_cache_write.default, type_promotion_kind=None)(paged_cache_write)
