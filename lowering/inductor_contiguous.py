@@ -68,7 +68,7 @@ def opaque_copy(x):
     latest mutation; once the cache was mutated earlier in the graph (even by this op's K store when K and V share a
     base) it fuses the copy into the store loop, which then reads rows it has already overwritten.
     """
-    return L.fallback_handler(aten.clone.default, add_to_fallback_set=False)(x)
+    return L.fallback_handler(aten.clone.default, add_to_fallback_set=False)(x, memory_format=torch.contiguous_format)
 
 
 def cache_write(key, value, k_cache, v_cache, start, cache_head_start=None):

@@ -14,6 +14,7 @@ import unittest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
+import torch._inductor.config
 from torch._dynamo.utils import counters
 
 from kvops import CausalKVCache
@@ -125,16 +126,17 @@ class TestGraphCount(CompileCase):
     def test_sink(self):
         self.run_counted(max_graphs=3, warmup_chunks=2, sink_tokens=2)
 
-    def test_sink_window_smaller_than_cache_and_recent_window(self):
+    def test_sink_window_smaller_than_cache(self):
         # +1 graph when the window first starts past the sink (the view becomes a cat).
-        self.run_counted(max_graphs=4, warmup_chunks=4, sink_tokens=1, attention_window_size=3, chunks=7)
-        torch._dynamo.reset()
-        self.run_counted(max_graphs=4, warmup_chunks=4, sink_tokens=1, recent=1, chunks=7)
+        self.run_counted(max_graphs=4, warmup_chunks=4, layers=1, sink_tokens=1, attention_window_size=3, chunks=6)
+
+    def test_sink_recent_window(self):
+        self.run_counted(max_graphs=4, warmup_chunks=4, layers=1, sink_tokens=1, recent=1, chunks=6)
 
     def test_pinned_sink(self):
         # +3 graphs: the pin appears (unsettled: a 3-range cat), the eviction that settles it, the settled state.
-        self.run_counted(max_graphs=7, warmup_chunks=6, chunks=8, size=8, sink_tokens=2, global_sink_tokens=2,
-                         attention_window_size=6, pin_after=(2,))
+        self.run_counted(max_graphs=7, warmup_chunks=6, chunks=7, layers=1, size=8, sink_tokens=2,
+                         global_sink_tokens=2, attention_window_size=6, pin_after=(2,))
 
     def test_head_sliced_writers_in_lockstep(self):
         def sliced(x, caches, s):
@@ -143,11 +145,12 @@ class TestGraphCount(CompileCase):
                 x = torch.cat(halves, dim=2)
             return x
 
-        self.run_counted(max_graphs=3, warmup_chunks=2, fn=sliced, sink_tokens=1)
+        # +1 graph: the slices' cursors are created by the first call, so Dynamo first sees their ints on the second.
+        self.run_counted(max_graphs=4, warmup_chunks=2, fn=sliced, layers=1, sink_tokens=1, chunks=5)
 
     def test_growth(self):
         # One recompile per growth (the buffers change shape), bounded by log2 of the final size.
-        self.run_counted(max_graphs=6, warmup_chunks=6, chunks=6, size=2, allow_growth=True)
+        self.run_counted(max_graphs=6, warmup_chunks=5, chunks=5, layers=1, size=2, allow_growth=True, steps=1)
 
     def test_reset_reuses_the_graphs(self):
         counter = torch._dynamo.testing.CompileCounter()
@@ -182,18 +185,28 @@ class TestBackends(CompileCase):
     def test_aot_eager_fused_kv(self):
         """K and V as views of one [B, S, 2, H, D] allocation: two aliased, mutated graph inputs per cache."""
         eager_caches, caches = make_caches(fused=True, sink_tokens=1), make_caches(fused=True, sink_tokens=1)
-        eager_outs = stream(forward, eager_caches, chunks=5)
-        outs = stream(torch.compile(forward, fullgraph=True, backend="aot_eager"), caches, chunks=5)
+        eager_outs = stream(forward, eager_caches, chunks=5, steps=1)
+        outs = stream(torch.compile(forward, fullgraph=True, backend="aot_eager"), caches, chunks=5, steps=1)
         self.assert_same(eager_outs, outs, eager_caches, caches)
         self.assertLessEqual(counters["stats"]["unique_graphs"], 3)
 
     def test_inductor(self):
-        """The default backend (Inductor, with kvops' write lowerings), sink, past eviction."""
+        """The default backend (Inductor, with kvops' write lowerings), sink, past eviction.
+
+        4 graphs: Inductor adds one guard, ``roll count == 0`` (raised while computing the strides of the moved rows'
+        copy in the roll lowering), so appends that evict get their own graph. Inductor's on-disk FX graph cache is
+        off here: with a warm cache torch 2.13 imposes the guards of the cached artifacts and the same loop compiled
+        8 graphs (still none per chunk after warm-up, but at the default recompile_limit).
+        """
         eager_caches, caches = make_caches(layers=1, sink_tokens=1), make_caches(layers=1, sink_tokens=1)
         eager_outs = stream(forward, eager_caches, chunks=5, steps=1)
-        outs = stream(torch.compile(forward, fullgraph=True), caches, chunks=5, steps=1)
+        per_chunk = []
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            outs = stream(torch.compile(forward, fullgraph=True), caches, chunks=5, steps=1,
+                          on_chunk=lambda c: per_chunk.append(counters["stats"]["unique_graphs"]))
         self.assert_same(eager_outs, outs, eager_caches, caches)
-        self.assertLessEqual(counters["stats"]["unique_graphs"], 3)
+        self.assertLessEqual(per_chunk[-1], 4, per_chunk)
+        self.assertEqual(per_chunk[3], per_chunk[-1], per_chunk)
 
 
 if __name__ == "__main__":

@@ -258,7 +258,8 @@ class TestContracts(expecttest.TestCase):
         self.assertExpectedInline(msg, """flash_attn_with_kvcache: block_table has 1 rows but q has batch 2.""")
 
     def test_gqa_ratio(self):
-        msg = self.check(lambda q, kc, vc, bt: kvops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=1, block_table=bt),
+        f = kvops.flash_attn_with_kvcache
+        msg = self.check(lambda q, kc, vc, bt: f(q, kc, vc, cache_seqlens=1, block_table=bt),
                          torch.randn(2, 1, 3, 16), self.k_cache, self.v_cache, self.table)
         self.assertExpectedInline(
             msg,
@@ -308,7 +309,8 @@ class TestContracts(expecttest.TestCase):
 
     def test_unsupported(self):
         f = kvops.flash_attn_with_kvcache
-        msg = self.check(lambda q, kc, vc, bt, c: f(q, kc, vc, rotary_cos=c, rotary_sin=c, cache_seqlens=1, block_table=bt),
+        msg = self.check(lambda q, kc, vc, bt, c: f(q, kc, vc, rotary_cos=c, rotary_sin=c, cache_seqlens=1,
+                                                    block_table=bt),
                          self.q, self.k_cache, self.v_cache, self.table, torch.ones(12, 8), exc=NotImplementedError)
         self.assertExpectedInline(
             msg,

@@ -172,7 +172,8 @@ class TestBlockManagerModel(unittest.TestCase):
                 h.step(*op[2:])
             elif op[0] == "fork" and live:
                 parent = live[op[1] % len(live)]
-                self.assertEqual(h.cache.fork(parent, h.next_id), len(h.model.seqs[parent][0]) // block_size * block_size)
+                shared = len(h.model.seqs[parent][0]) // block_size * block_size
+                self.assertEqual(h.cache.fork(parent, h.next_id), shared)
                 h.model.fork(parent, h.next_id)
                 h.next_id += 1
             elif op[0] == "free" and live:
@@ -286,6 +287,38 @@ PagedKVCache: num_blocks must be positive, got 0.""",
         self.assertEqual(step.block_table.tolist(), [[0, 1, 0], [2, 0, 0], [0, 0, 0], [0, 0, 0]])
         self.assertEqual(step.slot_mapping.tolist(), [0, 1, 2, 3, 4, 8, -1, -1, -1])
         self.assertEqual(step.max_seqlen_q, 5)
+
+
+class TestWriteAndAttention(unittest.TestCase):
+    def test_prefill_then_decode_against_gathered_reference(self):
+        """cache.write + cache.attention (causal, GQA 2:1, fp32) equal softmax over each sequence's gathered K/V."""
+        torch.manual_seed(0)
+        h_q, h_kv, d = 4, 2, 8
+        c = PagedKVCache(12, 4, h_kv, d, dtype=torch.float32, num_layers=2)
+        history = {0: ([], []), 1: ([], [])}  # per sequence: all keys and values written so far
+        for s in history:
+            c.add_sequence(s)
+        for new in ({0: 6, 1: 3}, {0: 1, 1: 1}, {1: 2}):
+            step = c.prepare(new, pad_tokens=sum(new.values()) + 2, pad_batch=len(new) + 1)
+            n_pad = step.slot_mapping.shape[0]
+            q, k, v = torch.randn(n_pad, h_q, d), torch.randn(n_pad, h_kv, d), torch.randn(n_pad, h_kv, d)
+            c.write(1, k, v, step)
+            out = c.attention(1, q, step)
+            row = 0
+            for s, n in new.items():
+                history[s][0].append(k[row : row + n])
+                history[s][1].append(v[row : row + n])
+                keys, vals = torch.cat(history[s][0]).double(), torch.cat(history[s][1]).double()
+                length = keys.shape[0]
+                for i in range(n):
+                    pos = length - n + i
+                    for h in range(h_q):
+                        scores = keys[: pos + 1, h // 2] @ q[row + i, h].double() * d**-0.5
+                        want = torch.softmax(scores, 0) @ vals[: pos + 1, h // 2]
+                        torch.testing.assert_close(out[row + i, h].double(), want, atol=1e-5, rtol=1e-5)
+                row += n
+            self.assertTrue(torch.equal(out[row:], torch.zeros(n_pad - row, h_q, d)))  # padding rows
+        self.assertTrue(bool((c.k_caches[0] == 0).all()))  # layer 0 never written
 
 
 class TestPagedDecodeLoop(unittest.TestCase):

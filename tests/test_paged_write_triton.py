@@ -92,8 +92,9 @@ class TestPagedWriteTriton(expecttest.TestCase):
         up, down = torch.full_like(mids, 1e9), torch.full_like(mids, -1e9)
         g = torch.Generator().manual_seed(0)
         special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40, 464.0, 1e30, 124.0])
-        vals = torch.cat([fp8, mids, mids.nextafter(up), mids.nextafter(down), special,
-                          torch.exp2(torch.rand(1000, generator=g) * 26 - 16) * (torch.randint(0, 2, (1000,), generator=g) * 2 - 1)])
+        signs = torch.randint(0, 2, (1000,), generator=g) * 2 - 1
+        log_uniform = torch.exp2(torch.rand(1000, generator=g) * 26 - 16) * signs
+        vals = torch.cat([fp8, mids, mids.nextafter(up), mids.nextafter(down), special, log_uniform])
         d = 256
         rows = -(-vals.numel() // d)
         x = torch.cat([vals, torch.zeros(rows * d - vals.numel())]).view(rows, 1, d)

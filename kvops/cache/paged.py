@@ -270,7 +270,9 @@ class PagedKVCache:
         num_tokens = sum(n for _, n in items)
         pad_tokens = num_tokens if pad_tokens is None else pad_tokens
         if pad_tokens < num_tokens:
-            raise ValueError(f"PagedKVCache.prepare: pad_tokens={pad_tokens} is less than the step's {num_tokens} tokens.")
+            raise ValueError(
+                f"PagedKVCache.prepare: pad_tokens={pad_tokens} is less than the step's {num_tokens} tokens."
+            )
         extra = pad_tokens - num_tokens
         batch = len(items)
         if pad_batch is None:

@@ -24,10 +24,10 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, h0: int, dtype: torch.dty
 
 def _flat_rows(cache: torch.Tensor) -> torch.Tensor | None:
     """``cache [P, block_size, H, D]`` viewed as ``[P * block_size, H, D]`` without a copy, or None if impossible."""
-    try:
-        return cache.view(-1, *cache.shape[2:])
-    except RuntimeError:  # block and row dims cannot be merged for these strides
-        return None
+    p, block_size = cache.shape[0], cache.shape[1]
+    if p > 1 and block_size > 1 and cache.stride(0) != block_size * cache.stride(1):
+        return None  # block and row dims cannot be merged for these strides (e.g. kv[:, 0] of [P, 2, bs, H, D])
+    return cache.view(-1, *cache.shape[2:])
 
 
 def scatter_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, h0: int) -> None:
@@ -35,12 +35,14 @@ def scatter_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, h0: 
     h = x.shape[1]
     if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:  # fp8: index_copy_ has no fp8 CPU kernel
         cache, x = cache.view(torch.uint8), x.view(torch.uint8)  # same-size reinterpretation, still a view
+    if h != cache.shape[2]:
+        cache = cache[:, :, h0 : h0 + h]
     flat = _flat_rows(cache)
     if flat is not None:
-        flat[:, h0 : h0 + h].index_copy_(0, slots, x)
+        flat.index_copy_(0, slots, x)
     else:
         block_size = cache.shape[1]
-        cache[:, :, h0 : h0 + h].index_put_((slots // block_size, slots % block_size), x)
+        cache.index_put_((slots // block_size, slots % block_size), x)
 
 
 def paged_cache_write(
@@ -64,13 +66,13 @@ def paged_cache_write(
         return
     slots = slot_mapping.to(torch.int64)
     key, value = key[:n], value[:n]
-    keep = slots >= 0
-    if not bool(keep.all()):
+    low, top = (int(x) for x in torch.aminmax(slots))  # the CPU kernel may read the slots: one pass for both checks
+    if low < 0:  # padding: keep the non-negative slots
+        keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
         if slots.numel() == 0:
             return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    top = int(slots.max())
     if top >= num_slots:
         raise IndexError(
             f"kvops.paged_cache_write: slot_mapping holds slot {top} but the cache has only {num_slots} slots "
