@@ -1,4 +1,4 @@
-"""CausalKVCache (semantics.md §1) against a plain-Python oracle of token rows; worked examples; every documented error.
+"""CausalKVCache (semantics.md §1) against a plain-Python oracle of token rows; worked examples; documented errors.
 
 The oracle keeps, per cache head, a list of row labels (an int per token written, a negative label for a row's initial
 sentinel, ``None`` for rows a growth left uninitialized) and per head slice the cursors and the pin. Caches are filled
@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvops
 from kvops import CausalKVCache
 from tests.contract import raises_everywhere
 

@@ -82,17 +82,30 @@ class CausalKVCache:
                 x = model(x_noisy, caches, s)
             model(x_clean, caches, s)           # context pass (a rewrite)
 
-    Pass the caches (a list, or any plain object holding them) as an **argument** of the compiled function. Dynamo
-    then treats their int cursors as inputs: after one recompile they become dynamic ``SymInt``s and the loop runs
-    on a small, fixed set of graphs (first call, first rewrite, first append with and without eviction; about 6 in
-    the tests, none after the first eviction). Do **not** store the caches as attributes of an ``nn.Module``: Dynamo
-    treats int attributes reached through a module as constants, so the advancing cursors recompile every call until
-    the recompile limit, a hard ``FailOnRecompileLimitHit`` under ``fullgraph=True``. Growth (``allow_growth``)
-    changes the buffer's shape and costs one more recompile per growth. The cache is a plain object, not a module,
-    for the same reason. Errors raised by the cache (below) are raised while tracing: with ``fullgraph=True`` Dynamo
-    reports them as ``torch._dynamo.exc.Unsupported`` ("Observed exception") whose text carries the original
-    exception, e.g. ``RuntimeError('Invalid CausalKVCache write range: ...')``; without ``fullgraph`` the original
-    exception propagates.
+    Pass the caches (a list, or any plain object holding them) as an **argument** of the compiled function, and
+    build them outside it. Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
+    recompile they become dynamic ``SymInt``s. The bookkeeping is branch-free (``torch.sym_max``/``sym_min``), so
+    appends, rewrites and evictions run the same graph; the loop compiles a small fixed set of graphs during the
+    first chunks and none after (measured on torch 2.13, tests/test_causal_compile.py):
+
+    - 3 for a plain or sink stream: the first call (all static), the first rewrite (``current_chunk_start`` still a
+      static 0), then one dynamic graph for everything else;
+    - +1 when the window first starts past the sink (``W < S`` or ``recent_window_tokens``: the view becomes a cat);
+    - +3 with a pinned chunk (the pin appears, the eviction that moves it next to the global sink, the settled pin);
+    - +1 per growth (the buffers change shape); +1 when head-sliced writers create their cursors on the first call;
+    - +1 with Inductor, which guards on whether the eviction move has zero rows.
+
+    With a warm on-disk Inductor FX graph cache, torch 2.13 imposes the guards of the cached artifacts and the same
+    loop compiled twice as many graphs (4 -> 8), which reaches the default ``torch._dynamo.config.recompile_limit``
+    (8). Long generation loops should raise that limit (e.g. to 32) in their own setup; kvops changes no config.
+
+    Do **not** store the caches as attributes of an ``nn.Module``: Dynamo treats int attributes reached through a
+    module as constants, so the advancing cursors recompile every call until the recompile limit, a hard
+    ``FailOnRecompileLimitHit`` under ``fullgraph=True``. (The cache is a plain object, not a module, for the same
+    reason.) Errors raised by the cache (below) are raised while tracing: with ``fullgraph=True`` Dynamo reports them
+    as ``torch._dynamo.exc.Unsupported`` ("Observed exception") whose text carries the original exception, e.g.
+    ``RuntimeError('Invalid CausalKVCache write range: ...')``; without ``fullgraph`` the original exception
+    propagates.
 
     Head slices: a writer carrying ``H_in < H_cache`` heads (tensor/Ulysses parallelism) passes ``cache_head_start``;
     its write, eviction move and visible K/V are restricted to heads ``[h0, h0 + H_in)`` and other heads are never
@@ -105,7 +118,8 @@ class CausalKVCache:
         sink_tokens: ``K``, rows at the start never evicted (attention sinks); also the pinned chunk's max length.
         global_sink_tokens: rows kept in front of a pinned chunk (default 0).
         attention_window_size: ``W`` rows visible before the sink is prepended (default ``S``).
-        allow_growth: grow the buffers (to ``max(L + a, 2 S)`` rows, copying rows ``[0, L)``) instead of evicting.
+        allow_growth: grow the buffers (to ``max(L + a, 2 S)`` rows, copying rows ``[0, L)``; new rows are zero)
+            instead of evicting.
         name: used in error messages (default ``"CausalKVCache"``).
 
     Raises:
@@ -183,9 +197,7 @@ class CausalKVCache:
         return self.k.shape[1]
 
     def _common(self, field: str) -> int:
-        values = {getattr(c, field) for c in self._cursors.values()}
-        if not values:
-            return getattr(_Cursors(), field)
+        values = {getattr(c, field) for c in self._cursors.values()}  # never empty: one entry per head slice
         if len(values) > 1:
             raise RuntimeError(
                 f"{self.name}: head slices {sorted(self._cursors)} are at different {field} values {sorted(values)} "
@@ -245,8 +257,7 @@ class CausalKVCache:
             for c in self._cursors.values():
                 c.pinned_start, c.pinned_len = -1, 0
             return
-        states = list(self._cursors.values()) or [_Cursors()]
-        for c in states:
+        for c in self._cursors.values():
             start = c.local_end - num_tokens
             if start < self.global_sink_tokens or start < 0:
                 raise ValueError(
