@@ -6,17 +6,31 @@ lowering (``lowering/``). ``import kvops`` registers all of them; nothing is com
 """
 
 from . import _library  # noqa: F401
-from .ops import cache_roll, cache_write
-from .ops import check_slot_mapping, paged_cache_write
-from .ops import paged_attention
-from .ops import check_kvcache_capacity, flash_attn_with_kvcache
-from .cache import CausalKVCache
-from .cache import PagedKVCache
+from .cache import CausalKVCache, PagedKVCache
+from .ops import (
+    cache_roll,
+    cache_write,
+    check_kvcache_capacity,
+    check_slot_mapping,
+    flash_attn_with_kvcache,
+    paged_attention,
+    paged_cache_write,
+)
 
-__all__ = ["cache_write", "cache_roll", "paged_cache_write", "check_slot_mapping", "paged_attention", "CausalKVCache", "PagedKVCache",
-           "flash_attn_with_kvcache", "check_kvcache_capacity"]
+__all__ = [
+    "cache_write",
+    "cache_roll",
+    "paged_cache_write",
+    "paged_attention",
+    "flash_attn_with_kvcache",
+    "check_slot_mapping",
+    "check_kvcache_capacity",
+    "CausalKVCache",
+    "PagedKVCache",
+]
 __version__ = "0.1.0"
 
-from lowering import register as _register_lowerings  # noqa: E402  (the one call into lowering/: Inductor fuses writes)
+# The one call from kvops into lowering/: registers the Inductor lowerings so torch.compile fuses cache writes.
+from lowering import register as _register_lowerings  # noqa: E402
 
 _register_lowerings()

@@ -16,12 +16,8 @@ Nothing is checked here: the fake rule already ran the op's validator at trace t
 
 from __future__ import annotations
 
-import torch
 from torch._inductor import ir
-from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
-
-aten = torch.ops.aten
 
 
 def buffer_names(*nodes) -> set[str]:
@@ -59,16 +55,20 @@ def rows_and_heads(row0, head0):
     return index_fn
 
 
-def opaque_copy(x):
-    """A copy of ``x`` made by an extern ``aten.clone`` call, which the scheduler never fuses.
+def unfused_copy(x):
+    """A copy of ``x`` in a fresh buffer whose kernel the scheduler never fuses with another (``no_fuse_buffer_names``).
 
-    Used for values read from the cache that is about to be written (roll; a key computed from cache rows). A
-    Pointwise copy would be safe in principle, but Inductor's in-place fusion check (``Scheduler.fusable_weak_dep``)
-    compares the copy's read against the buffer's original name, while the read carries the name of the buffer's
-    latest mutation; once the cache was mutated earlier in the graph (even by this op's K store when K and V share a
-    base) it fuses the copy into the store loop, which then reads rows it has already overwritten.
+    Used for values read from the cache that is about to be written (roll; a key computed from cache rows). Fusing
+    the copy into the store loop would be unsafe, and Inductor does not always see it: its in-place fusion check
+    (``Scheduler.fusable_weak_dep``) compares the copy's read against the buffer's original name, while the read
+    carries the name of the buffer's latest mutation; once the cache was mutated earlier in the graph (even by this
+    op's K store when K and V share a base) it fuses the copy into the store loop, which then reads rows it has
+    already overwritten. (An extern ``aten.clone`` would also do, but its fake-tensor input adds guards on symbolic
+    row counts, i.e. recompiles.)
     """
-    return L.fallback_handler(aten.clone.default, add_to_fallback_set=False)(x, memory_format=torch.contiguous_format)
+    copy = ir.ExternKernel.copy_input(x)
+    V.graph.no_fuse_buffer_names.add(copy.get_name())
+    return copy
 
 
 def cache_write(key, value, k_cache, v_cache, start, cache_head_start=None):
@@ -77,25 +77,30 @@ def cache_write(key, value, k_cache, v_cache, start, cache_head_start=None):
     k_cache.realize()
     v_cache.realize()
     written = buffer_names(k_cache, v_cache)
-    for src, cache in ((key, k_cache), (value, v_cache)):
-        aliased = bool(src.get_read_names() & written)
-        if aliased:  # the values are (computed from) cache rows: copy them out first
-            src = opaque_copy(src)
+    # values computed from the caches themselves are copied out before either cache is written
+    sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
+    for src, cache in zip(sources, (k_cache, v_cache)):
         scatter_into(cache, src, rows_and_heads(start, h0))
 
 
 def cache_roll(k_cache, v_cache, src, dst, num_tokens, cache_head_start=None, num_heads=None):
     """Lowering of ``kvops::cache_roll``: rows ``[src, src + n)`` to ``[dst, dst + n)`` within a head slice.
 
-    Overlap-safe by construction: the moved rows are first copied into a temporary buffer (an extern clone, see
-    ``opaque_copy``), then scattered into place (both stores in one kernel).
+    Overlap-safe by construction: the moved rows of both caches are first copied into temporary buffers (see
+    ``unfused_copy``), then scattered into place (both stores in one kernel).
     """
     h0 = cache_head_start or 0
     moved = []
     for cache in (k_cache, v_cache):
         cache.realize()
-        h1 = h0 + num_heads if num_heads is not None else cache.get_size()[2]
-        rows = L.slice_(cache, 1, src, src + num_tokens, clamp=False)
-        moved.append(opaque_copy(L.slice_(rows, 2, h0, h1, clamp=False)))
+        batch, _, cache_heads, head_dim = cache.get_size()
+        heads = num_heads if num_heads is not None else cache_heads - h0
+        rows = ir.Pointwise(  # the view cache[:, src:src+n, h0:h0+heads], as a loader
+            device=cache.get_device(),
+            dtype=cache.get_dtype(),
+            inner_fn=lambda idx, read=cache.make_loader(): read(rows_and_heads(src, h0)(idx)),
+            ranges=[batch, num_tokens, heads, head_dim],
+        )
+        moved.append(unfused_copy(rows))
     for cache, rows in zip((k_cache, v_cache), moved):
         scatter_into(cache, rows, rows_and_heads(dst, h0))

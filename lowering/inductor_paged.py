@@ -17,8 +17,10 @@ iteration of a ``Scatter`` stores. So a skipped token is routed to an equivalent
   bit-identical (NaN payloads included). This is the one case where the cache is stored to without a token being
   written; it is invisible unless another stream writes that row concurrently with this op.
 
-A slot ``>= P * block_size`` fails Inductor's indirect-index bounds check (a ``RuntimeError`` on CPU). Nothing else
-is checked: the fake rule ran the op's validator at trace time.
+A slot ``>= P * block_size`` fails Inductor's indirect-index bounds check: on CPU a C++ exception thrown inside the
+kernel, which was seen to abort the process (``std::terminate``) rather than raise; check slots with
+``kvops.check_slot_mapping`` in eager/debug runs. Nothing else is checked: the fake rule ran the op's validator at
+trace time.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch._inductor import lowering as L
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from .inductor_contiguous import buffer_names, opaque_copy, scatter_into
+from .inductor_contiguous import buffer_names, scatter_into, unfused_copy
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -123,10 +125,10 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
     k_cache.realize()
     v_cache.realize()
     written = buffer_names(k_cache, v_cache)
+    # values computed from the caches themselves are copied out before either cache is written
+    sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
     router = Router(slot_mapping, first_slotted_token(slot_mapping, n), n)
-    for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        if src.get_read_names() & written:  # values computed from the cache itself: copy them out first
-            src = opaque_copy(src)
+    for src, cache, scale in zip(sources, (k_cache, v_cache), (k_scale, v_scale)):
         paged_scatter(src, cache, scale, slot_mapping, router, h0)
 
 

@@ -232,12 +232,14 @@ class TestCacheRollLowering(FreshInductorCache):
 
 
 class TestRegistration(unittest.TestCase):
-    def test_import_kvops_registers_lazily(self):
-        """``import kvops`` does not import Inductor; importing it later registers the lowerings."""
+    def test_import_kvops_registers_the_lowerings(self):
+        """``import kvops`` alone registers the lowerings, and changes no Inductor config."""
         script = (
-            "import sys, kvops, torch\n"
-            "assert 'torch._inductor.lowering' not in sys.modules\n"
+            "import torch, torch._inductor.config as c\n"
+            "before = c.get_config_copy()\n"
+            "import kvops\n"
             "from torch._inductor.lowering import lowerings\n"
+            "assert c.get_config_copy() == before\n"
             "ops = torch.ops.kvops\n"
             "print(all(op in lowerings for op in (ops.cache_write.default, ops.cache_roll.default,"
             " ops.paged_cache_write.default)))\n"

@@ -5,5 +5,12 @@ from .paged_write import check_slot_mapping, paged_cache_write
 from .paged_attention import paged_attention
 from .flash_attn import check_kvcache_capacity, flash_attn_with_kvcache
 
-__all__ = ["cache_write", "cache_roll", "paged_cache_write", "check_slot_mapping", "paged_attention", "flash_attn_with_kvcache",
-           "check_kvcache_capacity"]
+__all__ = [
+    "cache_write",
+    "cache_roll",
+    "paged_cache_write",
+    "check_slot_mapping",
+    "paged_attention",
+    "flash_attn_with_kvcache",
+    "check_kvcache_capacity",
+]
