@@ -7,7 +7,8 @@ then a clean "context" pass rewrites it once more. Two cache configurations run:
 frames) and a LingBot-style attention sink of 3 frames (window of 21 frames, so the sink matters).
 
 Scaled to a 2-core CPU (and printed as such): tokens per frame (1560 at 480x832 -> --tokens-per-frame), layers
-(30 -> --layers), FFN width (8960 -> --ffn), chunks per stream (--chunks); the head geometry and the sink/chunk/window ratios are the model's.
+(30 -> --layers), FFN width (8960 -> --ffn), chunks per stream (--chunks); the head geometry and the
+sink/chunk/window ratios are the model's.
 
 Printed: max |eager - compiled| over every chunk output, compilations, per-chunk latency eager vs compiled (after
 warm-up), and the resident cache bytes.
@@ -123,7 +124,9 @@ def main() -> None:
         f"{args.steps} denoising steps + 1 context pass per chunk"
     )
     compiled = torch.compile(model, fullgraph=True)
-    tol = 0.0 if dtype == torch.float32 else None
+    # compiled matmuls/RMSNorm may round differently from eager; the cache data movement itself is bit-exact (tests)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
+    ok = True
     for name, (sink_f, chunk_f, window_f) in CONFIGS.items():
         chunk_tokens = chunk_f * tpf
         latents = torch.randn(1, args.chunks * chunk_tokens, HEADS * HEAD_DIM, device=device, dtype=dtype)
@@ -162,8 +165,10 @@ def main() -> None:
         warm = slice(len(eager_times) // 2, None)  # after the window filled up and eviction started
         print(f"\n== {name}: sink {sink_f} / chunk {chunk_f} / window {window_f} frames = "
               f"{sink_f * tpf} / {chunk_tokens} / {window_f * tpf} tokens")
-        print(f"  max |eager - compiled| over all chunk outputs: {diff:.3e}  (final caches' K: {kv_diff:.3e}; "
-              f"tolerance: {'float32 rounding, ~1e-4 relative' if tol == 0.0 else 'dtype rounding'})")
+        within = diff <= tol and kv_diff <= tol
+        ok &= within and graphs == graphs_first
+        print(f"  max |eager - compiled| over all chunk outputs: {diff:.3e}, final caches' K: {kv_diff:.3e} "
+              f"(tolerance {tol:g} for {dtype}: {'OK' if within else 'EXCEEDED'})")
         print(f"  compilations: {graphs_first} graphs in the first stream of {args.chunks} chunks x "
               f"{args.steps + 1} passes; {graphs} after a second stream on reset caches "
               f"(second stream equals the first: max diff {diff2:.1e})")
@@ -172,6 +177,8 @@ def main() -> None:
               f"first compiled stream incl. compilation {first_stream:.1f} s")
         print(f"  resident cache: {cache_bytes / 2**20:.2f} MiB for {args.layers} layers "
               f"({cache_bytes // args.layers} bytes/layer: [1, {window_f * tpf}, 2, {HEADS}, {HEAD_DIM}] {dtype})")
+    if not ok:
+        raise SystemExit("eager and compiled disagree beyond tolerance, or the second stream recompiled")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,14 @@ class TestReadme(unittest.TestCase):
         ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
         self.assertIn(test_commands[0], ci_lines)
 
+    def test_api_tour_runs(self):
+        blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+        self.assertEqual(len(blocks), 1)
+        scope: dict = {}
+        exec(compile(blocks[0], "README.md", "exec"), scope)
+        self.assertEqual(tuple(scope["out"].shape), (6, 14, 64))
+        self.assertEqual(tuple(scope["o"].shape), (2, 1, 14, 64))
+
 
 if __name__ == "__main__":
     unittest.main()
