@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from .._checks.flash_attn import OP, check_flash_attn_with_kvcache
 from .paged_attention import paged_attention
 from .paged_write import paged_cache_write
-
-OP = "flash_attn_with_kvcache"
 
 
 def flash_attn_with_kvcache(
@@ -89,7 +88,7 @@ def flash_attn_with_kvcache(
     (their slot is -1) nor read (``seq_lens`` is clamped to the capacity), so no other sequence's blocks are touched,
     but the result is meaningless. Check with :func:`check_kvcache_capacity` outside compiled regions.
     """
-    _check_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+    check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, causal, window_size, alibi_slopes)
     batch, s_q = q.shape[0], q.shape[1]
     device = q.device
@@ -125,86 +124,6 @@ def flash_attn_with_kvcache(
     if not return_softmax_lse:
         return out
     return out, lse.view(lse.shape[0], batch, s_q).transpose(0, 1).contiguous()
-
-
-def _check_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, causal, window_size, alibi_slopes) -> None:
-    """Shape/dtype/Python-int contract of :func:`flash_attn_with_kvcache` (no tensor contents are read)."""
-    unsupported = {"rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx,
-                   "cache_leftpad": cache_leftpad, "alibi_slopes": alibi_slopes}
-    for name, value in unsupported.items():
-        if value is not None:
-            raise NotImplementedError(
-                f"{OP}: {name} is not supported by kvops; apply it before the call (e.g. rotary embeddings to q and "
-                f"k) or pass {name}=None."
-            )
-    if not causal and window_size[1] > 0:
-        raise NotImplementedError(
-            f"{OP}: window_size={tuple(window_size)}: a right window > 0 is not supported; use window_size[1] = -1 "
-            f"(unbounded) or 0 (causal)."
-        )
-    if v_cache is None:
-        raise ValueError("v_cache must be provided")
-    if k_cache is None:
-        raise ValueError(
-            f"{OP}: k_cache must be provided. (k_cache can only be None when only_qv=True, the MLA q-only path, "
-            f"which kvops does not support.)"
-        )
-    if (k is None) != (v is None):
-        raise ValueError(f"{OP}: k and v must be given together (got {'k' if k is not None else 'v'} only).")
-    if q.dim() != 4:
-        raise ValueError(f"{OP}: q must be 4-D [batch, seqlen_q, num_heads, head_dim], got shape {tuple(q.shape)}.")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4:
-            raise ValueError(
-                f"{OP}: {name} must be 4-D: [num_blocks, block_size, num_kv_heads, head_dim] with block_table, or "
-                f"[batch, seqlen_cache, num_kv_heads, head_dim] without; got shape {tuple(cache.shape)}."
-            )
-    batch, num_heads, num_kv_heads = q.shape[0], q.shape[2], k_cache.shape[2]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"{OP}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) (GQA); got q shape "
-            f"{tuple(q.shape)} and k_cache shape {tuple(k_cache.shape)}."
-        )
-    if block_table is not None:
-        if block_table.dtype != torch.int32 or block_table.dim() != 2:
-            raise ValueError(
-                f"{OP}: block_table must be a 2-D int32 tensor [batch, max_blocks], got shape "
-                f"{tuple(block_table.shape)} and dtype {block_table.dtype}. Pass block_table.to(torch.int32)."
-            )
-        if block_table.shape[0] != batch:
-            raise ValueError(f"{OP}: block_table has {block_table.shape[0]} rows but q has batch {batch}.")
-    elif k_cache.shape[0] != batch:
-        raise ValueError(
-            f"{OP}: without block_table, k_cache is [batch, seqlen_cache, num_kv_heads, head_dim] and its batch "
-            f"({k_cache.shape[0]}) must equal q's ({batch}); cache_batch_idx is not supported."
-        )
-    if isinstance(cache_seqlens, torch.Tensor):
-        if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
-            raise ValueError(
-                f"{OP}: cache_seqlens must be an int or an int32 tensor of shape [{batch}], got shape "
-                f"{tuple(cache_seqlens.shape)} and dtype {cache_seqlens.dtype}."
-            )
-    capacity = (1 if block_table is None else block_table.shape[1]) * k_cache.shape[1]
-    if k is None:
-        return
-    if cache_seqlens is None:
-        raise ValueError(f"{OP}: k/v were given without cache_seqlens; pass cache_seqlens to say where they go.")
-    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if t.dim() != 4 or t.shape[0] != batch or t.shape[1] != k.shape[1] or t.shape[2:] != cache.shape[2:]:
-            raise ValueError(
-                f"{OP}: {name} must be [batch={batch}, seqlen_new, num_kv_heads={cache.shape[2]}, "
-                f"head_dim={cache.shape[3]}] (k and v with the same seqlen_new), got shape {tuple(t.shape)}."
-            )
-    s_new = k.shape[1]
-    start = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else 0
-    if start < 0 or start + s_new > capacity:
-        where = f"at cache_seqlens={cache_seqlens} " if not isinstance(cache_seqlens, torch.Tensor) else ""
-        raise ValueError(
-            f"{OP}: writing {s_new} new tokens {where}exceeds the capacity addressable by the cache: "
-            f"{capacity} tokens (max_blocks {capacity // k_cache.shape[1]} x block_size {k_cache.shape[1]}). Give "
-            f"block_table more blocks or write fewer tokens."
-        )
 
 
 def check_kvcache_capacity(
