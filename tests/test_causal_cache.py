@@ -94,7 +94,8 @@ class Oracle:
                     new_pin = sl.pin
             else:
                 ls, moved, new_pin = l + a - n, None, sl.pin
-            if ls < 0:
+            protected = self.gs if sl.pin is not None else sink
+            if ls < 0 or (moved is not None and ls < protected):  # an evicting append never lands on the sink
                 return ("error", RuntimeError)
             new_l, new_g = ls + n, e
         # commit
@@ -232,8 +233,8 @@ def scenarios(draw):
     else:
         slices = [(0, heads)]
     kwargs = dict(
-        sink_tokens=draw(st.integers(0, 3)),
-        global_sink_tokens=draw(st.integers(0, 2)),
+        sink_tokens=draw(st.integers(0, min(3, size - 1))),
+        global_sink_tokens=draw(st.integers(0, min(2, size - 1))),
         attention_window_size=draw(st.none() | st.integers(1, size + 2)),
         allow_growth=draw(st.booleans()),
     )
@@ -493,6 +494,11 @@ class TestErrors(expecttest.TestCase):
         msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 3), tokens(2, 2, 2))
         self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[0, 3), global_end=9, prev_local_end=6, kv_cache_size=6, num_new_tokens=3, current_start=3, current_end=6 (rows [0, 2) hold the sink; the chunk was already evicted)""")
 
+    def test_evicting_append_would_overwrite_the_sink(self):
+        c = streamed(size=6, chunks=((1, 1, 1), (2, 2, 2)), sink_tokens=4)  # rows [1,1,1,2,2,2], sink rows [0, 4)
+        msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 6), tokens(3, 3, 3))
+        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[3, 6), global_end=6, prev_local_end=6, kv_cache_size=6, num_new_tokens=3, current_start=6, current_end=9 (the chunk does not fit after the sink rows [0, 4): sink + num_new_tokens must be <= kv_cache_size; use a larger cache or smaller chunks)""")
+
     def test_gap_after_global_end(self):
         c = streamed(size=8)
         msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 7), tokens(1))
@@ -519,6 +525,8 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(msg, """CausalKVCache: sink_tokens (-1) and global_sink_tokens (0) must be >= 0.""")
         msg = self.check(ValueError, lambda k: CausalKVCache(k, k, attention_window_size=0), torch.zeros(1, 4, 1, 1))
         self.assertExpectedInline(msg, """CausalKVCache: attention_window_size must be >= 1 (or None for the cache size), got 0.""")
+        msg = self.check(ValueError, lambda k: CausalKVCache(k, k, sink_tokens=4), torch.zeros(1, 4, 1, 1))
+        self.assertExpectedInline(msg, """CausalKVCache: sink_tokens (4) and global_sink_tokens (0) must be smaller than the cache size (4 rows), leaving room for the chunks after the sink.""")
 
     def test_errors_leave_the_cache_untouched(self):
         c = streamed(size=6, chunks=((1, 1, 1), (2, 2, 2), (3, 3, 3)), sink_tokens=2)

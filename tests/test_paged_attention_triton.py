@@ -16,11 +16,9 @@ if not torch.cuda.is_available():  # before triton.jit decorates the kernels (te
 
 import expecttest  # noqa: E402
 
-from kvops.triton import HAS_TRITON  # noqa: E402
+from kvops.triton import paged_attention as tri  # noqa: E402
 from tests.test_paged_attention import FP8, check_close, make_inputs, reference, ref_kwargs  # noqa: E402
 
-if HAS_TRITON:
-    from kvops.triton import paged_attention as tri  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,7 +39,6 @@ def run(inputs, **options):
     return out.cpu(), lse.cpu()
 
 
-@unittest.skipUnless(HAS_TRITON, "triton is not installed")
 class TestPagedAttentionTriton(expecttest.TestCase):
     def check(self, inputs, **options):
         ref_opts = {k: v for k, v in options.items() if k in ("causal", "window_left", "softcap")}

@@ -18,22 +18,18 @@ import unittest  # noqa: E402
 
 import expecttest  # noqa: E402
 
-from kvops.triton import HAS_TRITON  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kvops.reference import paged_write as cpu_kernel  # noqa: E402
+from kvops.triton import paged_write as triton_kernel  # noqa: E402
 from tests.test_paged_write import FP8, make_paged_caches, random_slots, ref_write  # noqa: E402
 
-if HAS_TRITON:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from kvops.reference import paged_write as cpu_kernel
-    from kvops.triton import paged_write as triton_kernel
-
-    INTERPRETED = isinstance(triton_kernel._paged_scatter_kernel, InterpretedFunction)
-    DEVICE = "cpu" if INTERPRETED else "cuda"
+INTERPRETED = isinstance(triton_kernel._paged_scatter_kernel, InterpretedFunction)
+DEVICE = "cpu" if INTERPRETED else "cuda"
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@unittest.skipUnless(HAS_TRITON, "triton is not installed")
 class TestPagedWriteTriton(expecttest.TestCase):
     @classmethod
     def setUpClass(cls):

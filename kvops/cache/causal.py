@@ -95,9 +95,12 @@ class CausalKVCache:
     - +1 per growth (the buffers change shape); +1 when head-sliced writers create their cursors on the first call;
     - +1 with Inductor, which guards on whether the eviction move has zero rows.
 
-    With a warm on-disk Inductor FX graph cache, torch 2.13 imposes the guards of the cached artifacts and the same
-    loop compiled twice as many graphs (4 -> 8), which reaches the default ``torch._dynamo.config.recompile_limit``
-    (8). Long generation loops should raise that limit (e.g. to 32) in their own setup; kvops changes no config.
+    With warm on-disk Inductor caches (FX graph cache, AOTAutograd cache), torch 2.13 re-evaluates the guards stored
+    with a cached graph on a hit, which specializes the ``Max``/``Min`` terms of the cursor arithmetic: the same loop
+    compiled twice as many graphs (4 -> 8), reaching the default ``torch._dynamo.config.recompile_limit`` (8) under
+    ``fullgraph=True``. Generation loops should compile without those caches
+    (``torch._inductor.config.fx_graph_cache = False``, ``torch._functorch.config.enable_autograd_cache = False``, as
+    ``examples/streaming_video.py`` does) or raise the recompile limit, in their own setup; kvops changes no config.
 
     Do **not** store the caches as attributes of an ``nn.Module``: Dynamo treats int attributes reached through a
     module as constants, so the advancing cursors recompile every call until the recompile limit, a hard
@@ -124,7 +127,7 @@ class CausalKVCache:
 
     Raises:
         ValueError: invalid buffers (ranks, dtypes, devices, shapes as ``kvops.cache_write``), negative sink sizes,
-            ``attention_window_size < 1``.
+            sink sizes not smaller than ``S``, ``attention_window_size < 1``.
     """
 
     def __init__(
@@ -142,6 +145,11 @@ class CausalKVCache:
         if sink_tokens < 0 or global_sink_tokens < 0:
             raise ValueError(
                 f"{name}: sink_tokens ({sink_tokens}) and global_sink_tokens ({global_sink_tokens}) must be >= 0."
+            )
+        if max(sink_tokens, global_sink_tokens) >= k.shape[1]:
+            raise ValueError(
+                f"{name}: sink_tokens ({sink_tokens}) and global_sink_tokens ({global_sink_tokens}) must be smaller "
+                f"than the cache size ({k.shape[1]} rows), leaving room for the chunks after the sink."
             )
         if attention_window_size is not None and attention_window_size < 1:
             raise ValueError(
@@ -340,8 +348,9 @@ class CausalKVCache:
                 kv_cache_size=S, num_new_tokens=n, current_start=s, current_end=e"`` when the rows leave
                 ``[0, S)`` (``S`` after a planned growth), e.g. rewriting a chunk that was already evicted or a
                 chunk longer than the buffer. The same message with a reason appended in parentheses when a rewrite
-                would land on the global sink after tokens were evicted (an evicted chunk), or when ``s > G`` (an
-                append that would leave positions ``[G, s)`` unwritten).
+                would land on the global sink after tokens were evicted (an evicted chunk), when an evicting append
+                would land on the sink rows (``sink + n > S``), or when ``s > G`` (an append that would leave
+                positions ``[G, s)`` unwritten).
         """
         name = self.name
         if recent_window_tokens is not None and recent_window_tokens < 0:
@@ -374,7 +383,12 @@ class CausalKVCache:
         # Each check is one comparison of a min (a single guard under torch.compile; a compound SymBool trips
         # torch 2.13's guard builder): rows inside [0, S) and no gap after G; and not a rewrite (e <= G) landing on
         # the sink rows [0, protected) after tokens were evicted (G > L), i.e. a rewrite of an evicted chunk.
-        if _min(_min(ls, capacity - le), g - s) < 0 or _min(_min(g - e, ls), _min(protected - 1 - ls, g - l - 1)) >= 0:
+        # An append that evicts must land after the sink: rows [0, protected) are never overwritten.
+        if (
+            _min(_min(ls, capacity - le), g - s) < 0
+            or _min(_min(g - e, ls), _min(protected - 1 - ls, g - l - 1)) >= 0
+            or _min(evicted - 1, protected - 1 - ls) >= 0
+        ):
             self._raise_write_range(ls, le, g, l, capacity, n, s, e, protected)
 
         if capacity != self.cache_size:
@@ -399,6 +413,11 @@ class CausalKVCache:
         if ls >= 0 and le <= capacity:
             if s > g:
                 reason = f" (current_start is past global_end: positions [{g}, {s}) would never be written)"
+            elif e > g:
+                reason = (
+                    f" (the chunk does not fit after the sink rows [0, {protected}): sink + num_new_tokens must be "
+                    f"<= kv_cache_size; use a larger cache or smaller chunks)"
+                )
             else:
                 reason = f" (rows [0, {protected}) hold the sink; the chunk was already evicted)"
         raise RuntimeError(
