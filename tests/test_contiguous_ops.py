@@ -230,6 +230,20 @@ class TestContracts(expecttest.TestCase):
             """kvops.cache_write: k_cache shape (2, 8, 4, 16) and v_cache shape (2, 9, 4, 16) must agree in [batch, cache_len, num_kv_heads]; only head_dim may differ.""",
         )
 
+    def test_expanded_cache_cannot_be_written_in_place(self):
+        k_cache = torch.zeros(1, 8, 4, 16).expand(2, 8, 4, 16)
+        v_cache = torch.zeros(2, 8, 4, 16)
+        key = torch.randn(2, 3, 4, 16)
+        msg = self.check(ValueError, lambda k, kc, vc: kvops.cache_write(k, k, kc, vc, 0), key, k_cache, v_cache)
+        self.assertExpectedInline(msg, """kvops.cache_write: k_cache of shape (2, 8, 4, 16) has stride 0 in dim 0 (an expanded view): its elements share memory, so it cannot be written in place. Allocate the cache with its own storage (e.g. torch.zeros, or .clone() the expanded view once).""")
+        msg = self.check(ValueError, lambda kc, vc: kvops.cache_roll(vc, kc, 1, 0, 2), k_cache, v_cache)
+        self.assertExpectedInline(msg, """kvops.cache_roll: v_cache of shape (2, 8, 4, 16) has stride 0 in dim 0 (an expanded view): its elements share memory, so it cannot be written in place. Allocate the cache with its own storage (e.g. torch.zeros, or .clone() the expanded view once).""")
+
+    def test_roll_head_start_outside_cache(self):
+        k_cache, v_cache = _caches(h=4)
+        msg = self.check(ValueError, lambda kc, vc: kvops.cache_roll(kc, vc, 1, 0, 2, 4), k_cache, v_cache)
+        self.assertExpectedInline(msg, """kvops.cache_roll: cache_head_start=4 is outside the cache's heads [0, 4). Pass 0 <= cache_head_start < 4.""")
+
     def test_rank(self):
         k_cache, v_cache = _caches()
         key = torch.randn(2, 3, 64)

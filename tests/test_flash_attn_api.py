@@ -288,6 +288,12 @@ class TestContracts(expecttest.TestCase):
             """flash_attn_with_kvcache: writing 1 new tokens at cache_seqlens=5 exceeds the capacity addressable by the cache: 5 tokens (max_blocks 1 x block_size 5). Give block_table more blocks or write fewer tokens.""",
         )
 
+    def test_negative_cache_seqlens(self):
+        f = kvops.flash_attn_with_kvcache
+        msg = self.check(lambda q, kc, vc, bt: f(q, kc, vc, cache_seqlens=-1, block_table=bt),
+                         self.q, self.k_cache, self.v_cache, self.table)
+        self.assertExpectedInline(msg, """flash_attn_with_kvcache: cache_seqlens must be >= 0 (tokens already in the cache), got -1.""")
+
     def test_shapes(self):
         f = kvops.flash_attn_with_kvcache
         msg = self.check(lambda q, kc, vc, k, s, bt: f(q, kc, vc, k, k, cache_seqlens=s, block_table=bt),

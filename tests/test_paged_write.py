@@ -278,6 +278,12 @@ class TestContracts(expecttest.TestCase):
             """kvops.paged_cache_write: k_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape (12, 4, 16). Reshape k_cache to [num_blocks, block_size, num_kv_heads, head_dim].""",
         )
 
+    def test_expanded_cache_cannot_be_written_in_place(self):
+        kc, vc, slots = _setup()
+        f = lambda k, kc, vc, s: kvops.paged_cache_write(k, k, kc, vc, s)  # noqa: E731
+        msg = self.check(f, torch.randn(3, 4, 16), kc, vc[:1].expand_as(vc), slots)
+        self.assertExpectedInline(msg, """kvops.paged_cache_write: v_cache of shape (3, 4, 4, 16) has stride 0 in dim 0 (an expanded view): its elements share memory, so it cannot be written in place. Allocate the cache with its own storage (e.g. torch.zeros, or .clone() the expanded view once).""")
+
     def test_fp8_scales(self):
         kc, vc, slots = _setup(dtype=FP8)
         key = torch.randn(3, 4, 16)

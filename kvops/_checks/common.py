@@ -18,6 +18,20 @@ def require_ndim(op: str, name: str, t: torch.Tensor, ndim: int, layout: str) ->
         )
 
 
+def require_writable(op: str, name: str, t: torch.Tensor) -> None:
+    """A cache written in place must not have elements sharing memory (a stride-0 dim, e.g. an ``expand``ed view).
+
+    kvops never copies a cache behind the caller's back, so such a cache is an error rather than a silent copy.
+    """
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            raise ValueError(
+                f"{op}: {name} of shape {tuple(t.shape)} has stride 0 in dim {dim} (an expanded view): its elements "
+                f"share memory, so it cannot be written in place. Allocate the cache with its own storage "
+                f"(e.g. torch.zeros, or .clone() the expanded view once)."
+            )
+
+
 def require_same_dtype(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
     if a.dtype != b.dtype:
         raise ValueError(

@@ -14,6 +14,7 @@ from .common import (
     require_ndim,
     require_same_device,
     require_same_dtype,
+    require_writable,
 )
 
 CACHE_LAYOUT = "[batch, cache_len, num_kv_heads, head_dim]"
@@ -33,6 +34,8 @@ def check_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None) -
             f"{op}: k_cache shape {tuple(k_cache.shape)} and v_cache shape {tuple(v_cache.shape)} must agree in "
             f"[batch, cache_len, num_kv_heads]; only head_dim may differ."
         )
+    require_writable(op, "k_cache", k_cache)
+    require_writable(op, "v_cache", v_cache)
 
 
 def check_cache_write(
@@ -84,11 +87,17 @@ def check_cache_roll(
     """Validate moving rows ``[src, src + n)`` to ``[dst, dst + n)``; returns the head slice ``(h0, h1)``."""
     check_caches(op, k_cache, v_cache)
     cache_heads, cache_len = k_cache.shape[2], k_cache.shape[1]
+    h0 = 0 if cache_head_start is None else cache_head_start
     if num_heads is None:
-        num_heads = cache_heads - (cache_head_start or 0)
+        if not 0 <= h0 < cache_heads:
+            raise ValueError(
+                f"{op}: cache_head_start={h0} is outside the cache's heads [0, {cache_heads}). Pass "
+                f"0 <= cache_head_start < {cache_heads}."
+            )
+        num_heads = cache_heads - h0
     if num_heads <= 0:
         raise ValueError(f"{op}: num_heads must be positive, got {num_heads}.")
-    h0 = check_head_slice(op, cache_heads, num_heads, cache_head_start if cache_head_start is not None else 0)
+    h0 = check_head_slice(op, cache_heads, num_heads, h0)
     if num_tokens < 0 or src < 0 or dst < 0 or src + num_tokens > cache_len or dst + num_tokens > cache_len:
         s, d, n = as_int(src), as_int(dst), as_int(num_tokens)
         raise RuntimeError(

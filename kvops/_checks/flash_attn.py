@@ -71,6 +71,8 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
                 f"{OP}: cache_seqlens must be an int or an int32 tensor of shape [{batch}], got shape "
                 f"{tuple(cache_seqlens.shape)} and dtype {cache_seqlens.dtype}."
             )
+    elif cache_seqlens is not None and cache_seqlens < 0:
+        raise ValueError(f"{OP}: cache_seqlens must be >= 0 (tokens already in the cache), got {cache_seqlens}.")
     capacity = (1 if block_table is None else block_table.shape[1]) * k_cache.shape[1]
     if k is None:
         return

@@ -16,6 +16,7 @@ from .common import (
     require_ndim,
     require_same_device,
     require_same_dtype,
+    require_writable,
 )
 
 OP = "kvops.paged_cache_write"
@@ -70,9 +71,11 @@ def check_paged_cache_write(
     ``slot_mapping`` that is not 1-D int32/int64 on the caches' device; ``key`` shorter than ``slot_mapping``
     (``N' < N``); key/value dtype, device, token-count, head and head_dim mismatches; a head slice outside the cache;
     an fp8 cache without ``k_scale``/``v_scale``; scales for a non-fp8 cache; scales that are not fp32 ``[1]`` or
-    ``[H_kv]``.
+    ``[H_kv]``; a cache with a stride-0 dim (an expanded view cannot be written in place).
     """
     check_paged_caches(op, k_cache, v_cache)
+    require_writable(op, "k_cache", k_cache)
+    require_writable(op, "v_cache", v_cache)
     if value is None:
         raise ValueError(f"{op}: value must be provided (got value=None with a v_cache); pass value [N, H_in, D_v].")
     require_ndim(op, "key", key, 3, TOKENS_LAYOUT)

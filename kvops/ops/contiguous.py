@@ -41,7 +41,10 @@ def cache_write(
             when ``[start, start + T)`` leaves ``[0, S)``.
 
     All errors are raised by the fake rule too, so they fire at trace time under ``torch.compile`` and
-    ``torch.export``. Semantics: a row-range ``copy_`` (as ``k_cache[:, start:start+T, h0:h0+H_in] = key``).
+    ``torch.export``. Semantics: a row-range ``copy_`` (as ``k_cache[:, start:start+T, h0:h0+H_in] = key``), the
+    cache update of FlashAttention's ``flash_attn_with_kvcache`` (non-paged form, one ``start`` for the batch) and of
+    sglang's causal video-diffusion KV cache (semantics.md §1); a cache with a stride-0 dim (an ``expand``ed view)
+    cannot be written in place and raises ``ValueError``.
     """
     torch.ops.kvops.cache_write(key, value, k_cache, v_cache, start, cache_head_start)
 
@@ -57,7 +60,8 @@ def cache_roll(
 ) -> None:
     """Move cache rows ``[src, src + n)`` to ``[dst, dst + n)`` in both caches, in place (the eviction move).
 
-    Correct when the two ranges overlap (as ``memmove``). Rows outside ``[dst, dst + n)`` and heads outside
+    Correct when the two ranges overlap (as ``memmove``); the eviction step of streaming caches with attention sinks
+    (StreamingLLM's rolling KV cache, sglang's causal video-diffusion cache: rows after the sink move down). Rows outside ``[dst, dst + n)`` and heads outside
     ``[cache_head_start, cache_head_start + num_heads)`` are untouched; the source rows keep their values where they
     are not overwritten.
 
@@ -69,7 +73,8 @@ def cache_roll(
         num_heads: heads moved (default: all heads from ``cache_head_start``).
 
     Raises:
-        ValueError: ``"v_cache must be provided"``, cache mismatches, a head slice outside the cache.
+        ValueError: ``"v_cache must be provided"``, cache mismatches, a head slice outside the cache, a cache with a
+            stride-0 dim.
         RuntimeError: ``"Invalid kvops.cache_roll range: ..."`` when either range leaves ``[0, S)``.
     """
     torch.ops.kvops.cache_roll(k_cache, v_cache, src, dst, num_tokens, cache_head_start, num_heads)
