@@ -31,10 +31,10 @@ from torch._inductor import lowering as L
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
+from kvops._checks.paged_write import FP8_MAX
+
 from .inductor_contiguous import buffer_names, scatter_into, unfused_copy
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -61,6 +61,32 @@ class TestPagedAttentionTriton(expecttest.TestCase):
                              cache_dtype=FP8, scale_per_head=True)
         self.check(inputs, num_splits=2)
 
+    def test_mixed_fp8_scale_shapes(self):
+        """k_scale [1] with v_scale [H_kv] and the reverse (the validator allows both), decode and prefill."""
+        inputs = make_inputs(11, [21, 3, 16], [1, 1, 1], block_size=8, h_q=4, h_kv=2, d=16, dtype=torch.bfloat16,
+                             cache_dtype=FP8, scale_per_head=True)
+        for k_scale, v_scale in ((inputs["k_scale"][:1], inputs["v_scale"]), (inputs["k_scale"], inputs["v_scale"][:1])):
+            mixed = {**inputs, "k_scale": k_scale.contiguous(), "v_scale": v_scale.contiguous()}
+            self.check(mixed, num_splits=2)
+            self.check(mixed, force_prefill=True)
+
+    def test_strided_metadata(self):
+        """block_table, seq_lens, cu_seqlens_q and sinks as strided views (the kernels must not assume strides)."""
+        inputs = make_inputs(12, [20, 1, 9], [3, 1, 2], block_size=4, h_q=8, h_kv=2, d=16, sinks=True)
+        def strided(t):  # same values, every other element of a twice-as-long buffer
+            buf = torch.zeros((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype)
+            buf[..., ::2] = t
+            return buf[..., ::2]
+        bt = torch.zeros(inputs["block_table"].shape[0], 2 * inputs["block_table"].shape[1], dtype=torch.int32)
+        bt[:, ::2] = inputs["block_table"]
+        views = {"block_table": bt[:, ::2], "seq_lens": strided(inputs["seq_lens"]),
+                 "cu_seqlens_q": strided(inputs["cu_seqlens_q"]), "sinks": strided(inputs["sinks"])}
+        self.assertFalse(views["block_table"].is_contiguous() or views["seq_lens"].is_contiguous())
+        self.check({**inputs, **views}, force_prefill=True)
+        one = make_inputs(13, [20, 1, 9], [1, 1, 1], block_size=4, h_q=8, h_kv=2, d=16, sinks=True)
+        self.check({**one, "block_table": strided(one["block_table"]), "seq_lens": strided(one["seq_lens"])},
+                   num_splits=2)
+
     def test_decode_strided_caches_block_size_1(self):
         inputs = make_inputs(4, [9, 1, 17], [1, 1, 1], block_size=1, h_q=8, h_kv=2, d=16, layout="outer")
         self.check(inputs, num_splits=2)

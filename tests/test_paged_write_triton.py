@@ -73,6 +73,16 @@ class TestPagedWriteTriton(expecttest.TestCase):
                 with self.subTest(dtype=dtype, case=case, layout=layout):
                     self.run_both(*case, dtype, layout, idx)
 
+    def test_strided_slot_mapping(self):
+        k_cache, v_cache = make_paged_caches(3, 4, 2, 16, 16, torch.float32, "separate", DEVICE)
+        key, value = torch.randn(5, 2, 16, device=DEVICE), torch.randn(5, 2, 16, device=DEVICE)
+        buf = torch.full((10,), -1, dtype=torch.int64, device=DEVICE)
+        buf[::2] = torch.tensor([7, -1, 0, 11, 3])
+        slots = buf[::2]  # stride 2
+        want_k, want_v = ref_write(k_cache.cpu(), v_cache.cpu(), key.cpu(), value.cpu(), slots.cpu(), 0, None, None)
+        triton_kernel.paged_cache_write(key, value, k_cache, v_cache, slots, 0, None, None)
+        self.assertTrue(torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v))
+
     def test_fp8(self):
         for src_dtype, (hkv, hin, h0, nscale, layout) in itertools.product(
             DTYPES, [(4, 4, 0, 1, "separate"), (4, 4, 0, 4, "joint"), (5, 1, 3, 5, "joint_blocks")]

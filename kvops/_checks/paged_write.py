@@ -23,7 +23,7 @@ OP = "kvops.paged_cache_write"
 CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
 TOKENS_LAYOUT = "[num_tokens, num_heads, head_dim]"
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: writes saturate to [-FP8_MAX, FP8_MAX]
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

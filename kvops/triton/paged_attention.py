@@ -35,16 +35,16 @@ def _tanh(x):
 
 @triton.jit
 def _load_kv(cache_ptr, bt_row_ptr, kpos, in_seq, block_size, s_p, s_b, s_h, s_d, kv_head, offs_d, dim,
-             scale_ptr, IS_FP8: tl.constexpr, SCALE_PER_HEAD: tl.constexpr):
-    """fp32 ``[BLOCK_N, BLOCK_D]`` tile of logical positions ``kpos`` of one KV head (0 where ``~in_seq``)."""
+             scale_ptr, IS_FP8: tl.constexpr):
+    """fp32 ``[BLOCK_N, BLOCK_D]`` tile of logical positions ``kpos`` of one KV head (0 where ``~in_seq``).
+
+    ``scale_ptr`` (fp8 caches) points to a contiguous ``[H_kv]`` float32 scale (the launcher expands a ``[1]`` one).
+    """
     blk = tl.load(bt_row_ptr + kpos // block_size, mask=in_seq, other=0).to(tl.int64)
     off = blk[:, None] * s_p + (kpos % block_size)[:, None] * s_b + kv_head * s_h + offs_d[None, :] * s_d
     x = tl.load(cache_ptr + off, mask=in_seq[:, None] & (offs_d[None, :] < dim), other=0.0).to(tl.float32)
     if IS_FP8:
-        if SCALE_PER_HEAD:
-            x = x * tl.load(scale_ptr + kv_head)
-        else:
-            x = x * tl.load(scale_ptr)
+        x = x * tl.load(scale_ptr + kv_head)
     return x
 
 
@@ -80,7 +80,7 @@ def _decode_split_kernel(
     s_qt, s_qh, s_qd, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, s_bt,
     num_splits, block_size, capacity, group, head_dim, head_dim_v, tokens_per_split,
     scale, softcap, window_left,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IS_FP8: tl.constexpr, SCALE_PER_HEAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IS_FP8: tl.constexpr,
     PREC: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -111,9 +111,9 @@ def _decode_split_kernel(
         kpos = n0 + tl.arange(0, BLOCK_N)
         in_seq = kpos < hi
         k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
-                     k_scale_ptr, IS_FP8, SCALE_PER_HEAD)
+                     k_scale_ptr, IS_FP8)
         v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv, head_dim_v,
-                     v_scale_ptr, IS_FP8, SCALE_PER_HEAD)
+                     v_scale_ptr, IS_FP8)
         s = _scores(q, k, kpos, pos, hi, window_left, softcap, False, HAS_WINDOW, HAS_SOFTCAP, PREC)
         m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
 
@@ -168,7 +168,7 @@ def _prefill_kernel(
     block_size, capacity, group, head_dim, head_dim_v,
     scale, softcap, window_left,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    IS_FP8: tl.constexpr, SCALE_PER_HEAD: tl.constexpr, PREC: tl.constexpr,
+    IS_FP8: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -209,9 +209,9 @@ def _prefill_kernel(
         kpos = n0 + tl.arange(0, BLOCK_N)
         in_seq = kpos < kv_lim
         k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
-                     k_scale_ptr, IS_FP8, SCALE_PER_HEAD)
+                     k_scale_ptr, IS_FP8)
         v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv, head_dim_v,
-                     v_scale_ptr, IS_FP8, SCALE_PER_HEAD)
+                     v_scale_ptr, IS_FP8)
         s = _scores(q, k, kpos, pos, kv_lim, window_left, softcap, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, PREC)
         m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
 
@@ -276,16 +276,20 @@ def paged_attention(
         return out, lse
     capacity = max_blocks * block_size
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    k_sc = k_scale if k_scale is not None else seq_lens  # unused placeholders when not fp8 / no sinks
-    v_sc = v_scale if v_scale is not None else seq_lens
-    per_head = is_fp8 and k_scale.shape[0] > 1
+    # The kernels index the small metadata tensors as contiguous: make them so (never the caches, which keep their
+    # strides); fp8 scales become contiguous [H_kv] so K and V may use different scale shapes.
+    block_table, seq_lens, cu_seqlens_q = block_table.contiguous(), seq_lens.contiguous(), cu_seqlens_q.contiguous()
+    if sinks is not None:
+        sinks = sinks.contiguous()
+    k_sc = k_scale.expand(num_kv_heads).contiguous() if is_fp8 else seq_lens  # placeholders when not fp8
+    v_sc = v_scale.expand(num_kv_heads).contiguous() if is_fp8 else seq_lens
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     block_g = _pow2(group)
     block_d, block_dv = _pow2(d), _pow2(d_v)
     if block_n is None:  # keep a K/V tile of <= 64 x 128 fp32 values in registers
         block_n = 64 if max(block_d, block_dv) <= 128 else 32
     common = dict(
-        HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, IS_FP8=is_fp8, SCALE_PER_HEAD=per_head, PREC=prec,
+        HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, IS_FP8=is_fp8, PREC=prec,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
     )
     if max_seqlen_q == 1 and not force_prefill:

@@ -65,6 +65,7 @@ def scatter_tokens(
     if n == 0:
         return
     _, h, d = src.shape
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads slot i at slot_ptr + i (metadata, never the cache)
     scale_arg = scale if scale is not None else slot_mapping  # unused pointer when QUANT is off
     scale_stride = 0 if scale is None or scale.shape[0] == 1 else scale.stride(0)
     if scale is not None:  # fp8 cache: the kernel stores the encoded bytes into a uint8 view of it (same strides)
