@@ -491,16 +491,16 @@ class TestPagedAttentionErrors(expecttest.TestCase):
     def test_fp8_without_scales(self):
         inputs = make_inputs(0, [5, 3], [2, 1], block_size=4, h_q=4, h_kv=2, d=8, cache_dtype=FP8)
         inputs["v_scale"] = None
-        self.assertExpectedInline(self.raises(inputs), """kvops.paged_attention: a torch.float8_e4m3fn cache needs k_scale and v_scale (float32, shape [1] or [2]); it is dequantized as cache.float() * scale. Pass both scales.""")
+        self.assertExpectedInline(self.raises(inputs), """kvops.paged_attention: a torch.float8_e4m3fn cache needs k_scale and v_scale (float32, shape [1] or [2]); the cache holds x / scale. Pass both scales.""")
 
     def test_scale_shape(self):
         inputs = make_inputs(0, [5, 3], [2, 1], block_size=4, h_q=4, h_kv=2, d=8, cache_dtype=FP8)
         inputs["k_scale"] = torch.ones(3)
-        self.assertExpectedInline(self.raises(inputs), """kvops.paged_attention: k_scale must be a float32 tensor of shape [1] (per tensor) or [2] (per KV head), got shape (3,) and dtype torch.float32.""")
+        self.assertExpectedInline(self.raises(inputs), """kvops.paged_attention: k_scale must be a float32 tensor of shape [1] (per tensor) or [2] (per KV head of the cache), got shape (3,) and dtype torch.float32.""")
 
     def test_scales_without_fp8(self):
         inputs = _base(k_scale=torch.ones(1), v_scale=torch.ones(1))
-        self.assertExpectedInline(self.raises(inputs), """kvops.paged_attention: k_scale/v_scale were given but the cache dtype is torch.float32; scales apply only to torch.float8_e4m3fn caches. Drop the scales or pass torch.float8_e4m3fn caches.""")
+        self.assertExpectedInline(self.raises(inputs), """kvops.paged_attention: k_scale/v_scale were given but the cache dtype is torch.float32; scales apply only to torch.float8_e4m3fn caches. Drop the scales or allocate the caches as torch.float8_e4m3fn.""")
 
     def test_max_seqlen_q_zero(self):
         inputs = _base(max_seqlen_q=0)

@@ -292,26 +292,26 @@ class TestContracts(expecttest.TestCase):
         msg = self.check(f, key, kc, vc, slots)
         self.assertExpectedInline(
             msg,
-            """kvops.paged_cache_write: a torch.float8_e4m3fn cache needs k_scale and v_scale (float32, shape [1] or [4]); the cache stores x / scale. Pass both scales.""",
+            """kvops.paged_cache_write: a torch.float8_e4m3fn cache needs k_scale and v_scale (float32, shape [1] or [4]); the cache holds x / scale. Pass both scales.""",
         )
         msg = self.check(f, key, kc, vc, slots, one)
         self.assertExpectedInline(
             msg,
-            """kvops.paged_cache_write: a torch.float8_e4m3fn cache needs k_scale and v_scale (float32, shape [1] or [4]); the cache stores x / scale. Pass both scales.""",
+            """kvops.paged_cache_write: a torch.float8_e4m3fn cache needs k_scale and v_scale (float32, shape [1] or [4]); the cache holds x / scale. Pass both scales.""",
         )
         msg = self.check(f, key, kc, vc, slots, one, torch.ones(3))
         self.assertExpectedInline(
             msg,
-            """kvops.paged_cache_write: v_scale must have shape [1] (per tensor) or [4] (per KV head of the cache), got shape (3,).""",
+            """kvops.paged_cache_write: v_scale must be a float32 tensor of shape [1] (per tensor) or [4] (per KV head of the cache), got shape (3,) and dtype torch.float32.""",
         )
         msg = self.check(f, key, kc, vc, slots, torch.ones(1, 1), one)
         self.assertExpectedInline(
             msg,
-            """kvops.paged_cache_write: k_scale must have shape [1] (per tensor) or [4] (per KV head of the cache), got shape (1, 1).""",
+            """kvops.paged_cache_write: k_scale must be a float32 tensor of shape [1] (per tensor) or [4] (per KV head of the cache), got shape (1, 1) and dtype torch.float32.""",
         )
         msg = self.check(f, key, kc, vc, slots, one.half(), one)
         self.assertExpectedInline(
-            msg, """kvops.paged_cache_write: k_scale must be float32, got torch.float16. Pass k_scale.float()."""
+            msg, """kvops.paged_cache_write: k_scale must be a float32 tensor of shape [1] (per tensor) or [4] (per KV head of the cache), got shape (1,) and dtype torch.float16."""
         )
         msg = self.check(f, key.to(FP8), kc, vc, slots, one, one)
         self.assertExpectedInline(
@@ -322,7 +322,7 @@ class TestContracts(expecttest.TestCase):
         msg = self.check(f, key, kc, vc, slots, one, one)
         self.assertExpectedInline(
             msg,
-            """kvops.paged_cache_write: k_scale/v_scale were given but the cache dtype is torch.float32; scales apply only to torch.float8_e4m3fn caches. Drop the scales or allocate the cache as torch.float8_e4m3fn.""",
+            """kvops.paged_cache_write: k_scale/v_scale were given but the cache dtype is torch.float32; scales apply only to torch.float8_e4m3fn caches. Drop the scales or allocate the caches as torch.float8_e4m3fn.""",
         )
 
 

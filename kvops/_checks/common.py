@@ -84,3 +84,50 @@ def check_head_slice(op: str, cache_heads: int, in_heads: int, cache_head_start:
             f"[0, {cache_heads}). Pass 0 <= cache_head_start <= {cache_heads - in_heads} for {in_heads} input heads."
         )
     return cache_head_start
+
+
+def check_kv_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None, layout: str, agree: str) -> None:
+    """K and V caches: both present (``"v_cache must be provided"``), 4-D ``layout``, same dtype and device, and equal
+    in the first three dims (``agree`` names them); only ``head_dim`` may differ."""
+    if v_cache is None:
+        raise ValueError("v_cache must be provided")
+    require_ndim(op, "k_cache", k_cache, 4, layout)
+    require_ndim(op, "v_cache", v_cache, 4, layout)
+    require_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
+    require_same_device(op, "v_cache", v_cache, "k_cache", k_cache)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"{op}: k_cache shape {tuple(k_cache.shape)} and v_cache shape {tuple(v_cache.shape)} must agree in "
+            f"{agree}; only head_dim may differ."
+        )
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: writes saturate to [-FP8_MAX, FP8_MAX]
+
+
+def check_fp8_scales(op: str, k_cache: torch.Tensor, k_scale, v_scale) -> None:
+    """fp8 (``float8_e4m3fn``) caches need ``k_scale`` and ``v_scale``, float32 of shape ``[1]`` or ``[H_kv]`` on the
+    caches' device (the cache holds ``x / scale``; reads dequantize as ``cache.float() * scale``); other caches take
+    no scales."""
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.dtype == FP8_DTYPE:
+        if k_scale is None or v_scale is None:
+            raise ValueError(
+                f"{op}: a {FP8_DTYPE} cache needs k_scale and v_scale (float32, shape [1] or [{as_int(num_kv_heads)}]);"
+                f" the cache holds x / scale. Pass both scales."
+            )
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(
+            f"{op}: k_scale/v_scale were given but the cache dtype is {k_cache.dtype}; scales apply only to "
+            f"{FP8_DTYPE} caches. Drop the scales or allocate the caches as {FP8_DTYPE}."
+        )
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if scale.dtype != torch.float32 or scale.dim() != 1 or scale.shape[0] not in (1, num_kv_heads):
+            raise ValueError(
+                f"{op}: {name} must be a float32 tensor of shape [1] (per tensor) or [{as_int(num_kv_heads)}] (per "
+                f"KV head of the cache), got shape {tuple(scale.shape)} and dtype {scale.dtype}."
+            )
+        require_same_device(op, name, scale, "k_cache", k_cache)

@@ -10,6 +10,7 @@ import torch
 from .common import (
     as_int,
     check_head_slice,
+    check_kv_pair,
     require_dim_match,
     require_ndim,
     require_same_device,
@@ -22,18 +23,9 @@ TOKENS_LAYOUT = "[batch, num_new_tokens, num_heads, head_dim]"
 
 
 def check_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None) -> None:
-    """K and V caches: both present, 4-D, same dtype, device, batch, length and heads (``D_v`` may differ)."""
-    if v_cache is None:
-        raise ValueError("v_cache must be provided")
-    require_ndim(op, "k_cache", k_cache, 4, CACHE_LAYOUT)
-    require_ndim(op, "v_cache", v_cache, 4, CACHE_LAYOUT)
-    require_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
-    require_same_device(op, "v_cache", v_cache, "k_cache", k_cache)
-    if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(
-            f"{op}: k_cache shape {tuple(k_cache.shape)} and v_cache shape {tuple(v_cache.shape)} must agree in "
-            f"[batch, cache_len, num_kv_heads]; only head_dim may differ."
-        )
+    """K and V caches: both present, 4-D, same dtype, device, batch, length and heads (``D_v`` may differ), and
+    writable in place."""
+    check_kv_pair(op, k_cache, v_cache, CACHE_LAYOUT, "[batch, cache_len, num_kv_heads]")
     require_writable(op, "k_cache", k_cache)
     require_writable(op, "v_cache", v_cache)
 

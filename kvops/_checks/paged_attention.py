@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import as_int, require_dim_match, require_ndim, require_same_device
-from .paged_write import FP8_DTYPE, check_paged_caches
+from .common import FP8_DTYPE, as_int, check_fp8_scales, require_dim_match, require_ndim, require_same_device
+from .paged_write import check_paged_caches
 
 OP = "kvops.paged_attention"
 Q_LAYOUT = "[num_tokens, num_heads, head_dim]"
@@ -27,15 +27,6 @@ def _check_index(name: str, t: torch.Tensor, ndim: int, layout: str, q: torch.Te
             + (f"Reshape {name} to {layout}." if t.dim() != ndim else f"Pass {name}.to(torch.int32).")
         )
     require_same_device(OP, name, t, "q", q)
-
-
-def _check_scale(name: str, scale: torch.Tensor, num_kv_heads: int, q: torch.Tensor) -> None:
-    if scale.dtype != torch.float32 or scale.dim() != 1 or scale.shape[0] not in (1, num_kv_heads):
-        raise ValueError(
-            f"{OP}: {name} must be a float32 tensor of shape [1] (per tensor) or [{num_kv_heads}] (per KV head), "
-            f"got shape {tuple(scale.shape)} and dtype {scale.dtype}."
-        )
-    require_same_device(OP, name, scale, "q", q)
 
 
 def check_paged_attention(
@@ -112,18 +103,5 @@ def check_paged_attention(
             )
         require_same_device(OP, "sinks", sinks, "q", q)
 
-    if fp8:
-        if k_scale is None or v_scale is None:
-            raise ValueError(
-                f"{OP}: a {FP8_DTYPE} cache needs k_scale and v_scale (float32, shape [1] or "
-                f"[{as_int(num_kv_heads)}]); it is dequantized as cache.float() * scale. Pass both scales."
-            )
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(
-            f"{OP}: k_scale/v_scale were given but the cache dtype is {k_cache.dtype}; scales apply only to "
-            f"{FP8_DTYPE} caches. Drop the scales or pass {FP8_DTYPE} caches."
-        )
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is not None:
-            _check_scale(name, s, num_kv_heads, q)
+    check_fp8_scales(OP, k_cache, k_scale, v_scale)
     return float(q.shape[2]) ** -0.5 if scale is None else scale

@@ -11,7 +11,11 @@ import torch
 
 from .common import (
     as_int,
+    FP8_DTYPE,
+    FP8_MAX,
+    check_fp8_scales,
     check_head_slice,
+    check_kv_pair,
     require_dim_match,
     require_ndim,
     require_same_device,
@@ -22,36 +26,12 @@ from .common import (
 OP = "kvops.paged_cache_write"
 CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
 TOKENS_LAYOUT = "[num_tokens, num_heads, head_dim]"
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: writes saturate to [-FP8_MAX, FP8_MAX]
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_paged_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None) -> None:
     """K and V paged caches: both present, 4-D NHD, same dtype, device, blocks, block_size and heads."""
-    if v_cache is None:
-        raise ValueError("v_cache must be provided")
-    require_ndim(op, "k_cache", k_cache, 4, CACHE_LAYOUT)
-    require_ndim(op, "v_cache", v_cache, 4, CACHE_LAYOUT)
-    require_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
-    require_same_device(op, "v_cache", v_cache, "k_cache", k_cache)
-    if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(
-            f"{op}: k_cache shape {tuple(k_cache.shape)} and v_cache shape {tuple(v_cache.shape)} must agree in "
-            f"[num_blocks, block_size, num_kv_heads]; only head_dim may differ."
-        )
-
-
-def _check_scale(op: str, name: str, scale: torch.Tensor, cache: torch.Tensor) -> None:
-    num_kv_heads = cache.shape[2]
-    if scale.dtype != torch.float32:
-        raise ValueError(f"{op}: {name} must be float32, got {scale.dtype}. Pass {name}.float().")
-    if scale.dim() != 1 or scale.shape[0] not in (1, num_kv_heads):
-        raise ValueError(
-            f"{op}: {name} must have shape [1] (per tensor) or [{num_kv_heads}] (per KV head of the cache), got "
-            f"shape {tuple(scale.shape)}."
-        )
-    require_same_device(op, name, scale, "k_cache", cache)
+    check_kv_pair(op, k_cache, v_cache, CACHE_LAYOUT, "[num_blocks, block_size, num_kv_heads]")
 
 
 def check_paged_cache_write(
@@ -113,18 +93,5 @@ def check_paged_cache_write(
         require_dim_match(op, "head_dim", name, t, 2, cache_name, cache, 3)
     h0 = check_head_slice(op, k_cache.shape[2], key.shape[1], cache_head_start)
 
-    if fp8:
-        if k_scale is None or v_scale is None:
-            raise ValueError(
-                f"{op}: a {FP8_DTYPE} cache needs k_scale and v_scale (float32, shape [1] or "
-                f"[{k_cache.shape[2]}]); the cache stores x / scale. Pass both scales."
-            )
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(
-            f"{op}: k_scale/v_scale were given but the cache dtype is {k_cache.dtype}; scales apply only to "
-            f"{FP8_DTYPE} caches. Drop the scales or allocate the cache as {FP8_DTYPE}."
-        )
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is not None:
-            _check_scale(op, name, scale, k_cache)
+    check_fp8_scales(op, k_cache, k_scale, v_scale)
     return h0
