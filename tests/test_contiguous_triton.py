@@ -24,6 +24,7 @@ class TestTritonContiguous(unittest.TestCase):
             (5, 1, 16, 24, 0, 4, 3, "separate"),
             (4, 2, 16, 16, 5, 3, 2, "joint"),
             (3, 3, 8, 8, 1, 2, 0, "head_slice"),
+            (40, 36, 256, 256, 3, 2, 3, "separate"),  # wide rows: several head blocks per token, the last partial
         ]
         for dtype, (hc, hi, d, dv, start, t, h0, layout) in itertools.product(
             (torch.float32, torch.bfloat16), cases

@@ -65,6 +65,7 @@ class TestPagedWriteTriton(expecttest.TestCase):
             (3, 4, 5, 1, 80, 80, 5, 5, 2, 4),  # GQA 5:1 group: last head of five, padding
             (3, 2, 3, 3, 8, 24, 3, 3, 3, 0),  # all padding, D_v != D
             (2, 4, 2, 2, 8, 8, 0, 2, 0, 0),  # zero tokens
+            (2, 2, 40, 36, 256, 256, 3, 3, 1, 2),  # wide rows: several head blocks per token, the last partial
         ]
         for dtype, case in itertools.product(DTYPES, cases):
             d, dv = case[4], case[5]

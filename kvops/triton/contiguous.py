@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+_TILE = 4096  # elements per program: a head block of one token row (keeps registers bounded for wide caches)
+
 
 @triton.jit
 def _copy_rows_kernel(
@@ -16,11 +18,11 @@ def _copy_rows_kernel(
     dst_row0, dst_head0,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per (batch, token): src[b, t, :H, :D] -> dst[b, dst_row0 + t, dst_head0 + :H, :D]."""
+    """Program (token, head block): src[b, t, hb, :D] -> dst[b, dst_row0 + t, dst_head0 + hb, :D]."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     t = pid % T
-    h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None].to(tl.int64)
     d = tl.arange(0, BLOCK_D)[None, :].to(tl.int64)
     mask = (h < H) & (d < D)
     x = tl.load(src_ptr + b * s_b + t * s_t + h * s_h + d * s_d, mask=mask)
@@ -32,9 +34,10 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, dst_row0: int, dst_head0: in
     b, t, h, d = src.shape
     if b * t == 0:
         return
-    _copy_rows_kernel[(b * t,)](
-        src, dst, t, h, d, *src.stride(), *dst.stride(), dst_row0, dst_head0,
-        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+    block_d = triton.next_power_of_2(d)
+    block_h = min(triton.next_power_of_2(h), max(1, _TILE // block_d))  # <= _TILE elements per program
+    _copy_rows_kernel[(b * t, triton.cdiv(h, block_h))](
+        src, dst, t, h, d, *src.stride(), *dst.stride(), dst_row0, dst_head0, BLOCK_H=block_h, BLOCK_D=block_d,
     )
 
 

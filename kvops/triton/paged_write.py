@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+_TILE = 4096  # elements per program: a head block of one token (keeps registers bounded for wide caches)
+
 
 @triton.jit
 def _e4m3_bits(y):
@@ -41,13 +43,14 @@ def _paged_scatter_kernel(
     QUANT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program ``i``: ``cache[slot // block_size, slot % block_size, head0 + :H, :D] = src[i, :H, :D]``."""
+    """Program ``(i, j)``: ``cache[slot // block_size, slot % block_size, head0 + hb, :D] = src[i, hb, :D]`` for the
+    ``j``-th block ``hb`` of ``BLOCK_H`` heads."""
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     num_heads = tl.where(slot >= 0, H, 0)  # a negative slot (padding) masks out every element
     blk = slot // block_size
     row = slot % block_size
-    h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None].to(tl.int64)
     d = tl.arange(0, BLOCK_D)[None, :].to(tl.int64)
     mask = (h < num_heads) & (d < D)
     x = tl.load(src_ptr + i * s_n + h * s_h + d * s_d, mask=mask, other=0.0)
@@ -70,13 +73,15 @@ def scatter_tokens(
     scale_stride = 0 if scale is None or scale.shape[0] == 1 else scale.stride(0)
     if scale is not None:  # fp8 cache: the kernel stores the encoded bytes into a uint8 view of it (same strides)
         cache = cache.view(torch.uint8)
-    _paged_scatter_kernel[(n,)](
+    block_d = triton.next_power_of_2(d)
+    block_h = min(triton.next_power_of_2(h), max(1, _TILE // block_d))  # <= _TILE elements per program
+    _paged_scatter_kernel[(n, triton.cdiv(h, block_h))](
         src, cache, slot_mapping, scale_arg,
         h, d, cache.shape[1],
         *src.stride(), *cache.stride(),
         h0, scale_stride,
         QUANT=scale is not None,
-        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_H=block_h, BLOCK_D=block_d,
     )
 
 
