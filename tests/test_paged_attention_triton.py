@@ -61,6 +61,23 @@ class TestPagedAttentionTriton(expecttest.TestCase):
                              cache_dtype=FP8, scale_per_head=True)
         self.check(inputs, num_splits=2)
 
+    def test_e4m3_decode_every_bit_pattern(self):
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def decode(src, dst):
+            i = tl.arange(0, 256)
+            tl.store(dst + i, tri.e4m3_to_f32(tl.load(src + i)))
+
+        bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+        out = torch.empty(256, dtype=torch.float32, device=DEVICE)
+        decode[(1,)](bits, out)
+        want = bits.view(FP8).float()
+        self.assertTrue(torch.equal(out.isnan(), want.isnan()))
+        self.assertTrue(torch.equal(out[~want.isnan()], want[~want.isnan()]))
+        self.assertTrue(torch.equal(out.signbit(), want.signbit()))  # -0.0 stays -0.0
+
     def test_mixed_fp8_scale_shapes(self):
         """k_scale [1] with v_scale [H_kv] and the reverse (the validator allows both), decode and prefill."""
         inputs = make_inputs(11, [21, 3, 16], [1, 1, 1], block_size=8, h_q=4, h_kv=2, d=16, dtype=torch.bfloat16,

@@ -34,6 +34,22 @@ def _tanh(x):
 
 
 @triton.jit
+def e4m3_to_f32(b):
+    """float8_e4m3fn bit patterns (uint8) -> fp32, exactly (as ``t.view(torch.float8_e4m3fn).float()``).
+
+    Decoded with integer ops: 4 exponent bits (bias 7), 3 mantissa bits, subnormals for exponent 0, NaN for
+    ``S.1111.111``; no infinities in e4m3fn.
+    """
+    bits = b.to(tl.int32)
+    exp = (bits >> 3) & 0xF
+    mant = (bits & 0x7).to(tl.float32)
+    pow2 = ((tl.maximum(exp, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exp - 10) = 2^(exp - 7) / 8
+    x = tl.where(exp == 0, mant * 0.001953125, (mant + 8.0) * pow2)  # subnormal: mant * 2^-9
+    x = tl.where((exp == 15) & (mant == 7.0), float("nan"), x)
+    return tl.where((bits & 0x80) != 0, -x, x)
+
+
+@triton.jit
 def _load_kv(cache_ptr, bt_row_ptr, kpos, in_seq, block_size, s_p, s_b, s_h, s_d, kv_head, offs_d, dim,
              scale_ptr, IS_FP8: tl.constexpr):
     """fp32 ``[BLOCK_N, BLOCK_D]`` tile of logical positions ``kpos`` of one KV head (0 where ``~in_seq``).
@@ -42,9 +58,11 @@ def _load_kv(cache_ptr, bt_row_ptr, kpos, in_seq, block_size, s_p, s_b, s_h, s_d
     """
     blk = tl.load(bt_row_ptr + kpos // block_size, mask=in_seq, other=0).to(tl.int64)
     off = blk[:, None] * s_p + (kpos % block_size)[:, None] * s_b + kv_head * s_h + offs_d[None, :] * s_d
-    x = tl.load(cache_ptr + off, mask=in_seq[:, None] & (offs_d[None, :] < dim), other=0.0).to(tl.float32)
-    if IS_FP8:
-        x = x * tl.load(scale_ptr + kv_head)
+    mask = in_seq[:, None] & (offs_d[None, :] < dim)
+    if IS_FP8:  # cache_ptr is the cache viewed as uint8: decode e4m3 bits (no fp8 hardware needed, pre-sm89 too)
+        x = e4m3_to_f32(tl.load(cache_ptr + off, mask=mask, other=0)) * tl.load(scale_ptr + kv_head)
+    else:
+        x = tl.load(cache_ptr + off, mask=mask, other=0.0).to(tl.float32)
     return x
 
 
@@ -283,6 +301,8 @@ def paged_attention(
         sinks = sinks.contiguous()
     k_sc = k_scale.expand(num_kv_heads).contiguous() if is_fp8 else seq_lens  # placeholders when not fp8
     v_sc = v_scale.expand(num_kv_heads).contiguous() if is_fp8 else seq_lens
+    if is_fp8:  # the kernels decode e4m3 from bytes: same strides, a view, no copy
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     block_g = _pow2(group)
     block_d, block_dv = _pow2(d), _pow2(d_v)
