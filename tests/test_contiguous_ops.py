@@ -239,6 +239,11 @@ class TestContracts(expecttest.TestCase):
         msg = self.check(ValueError, lambda kc, vc: kvops.cache_roll(vc, kc, 1, 0, 2), k_cache, v_cache)
         self.assertExpectedInline(msg, """kvops.cache_roll: v_cache of shape (2, 8, 4, 16) has stride 0 in dim 0 (an expanded view): its elements share memory, so it cannot be written in place. Allocate the cache with its own storage (e.g. torch.zeros, or .clone() the expanded view once).""")
 
+    def test_roll_num_heads_not_positive(self):
+        k_cache, v_cache = _caches(h=4)
+        msg = self.check(ValueError, lambda kc, vc: kvops.cache_roll(kc, vc, 1, 0, 2, 0, 0), k_cache, v_cache)
+        self.assertExpectedInline(msg, """kvops.cache_roll: num_heads must be positive, got 0. Pass the number of heads to move (or None for all heads from cache_head_start).""")
+
     def test_roll_head_start_outside_cache(self):
         k_cache, v_cache = _caches(h=4)
         msg = self.check(ValueError, lambda kc, vc: kvops.cache_roll(kc, vc, 1, 0, 2, 4), k_cache, v_cache)

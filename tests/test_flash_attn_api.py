@@ -255,7 +255,7 @@ class TestContracts(expecttest.TestCase):
         )
         msg = self.check(lambda q, kc, vc, bt: f(q, kc, vc, cache_seqlens=1, block_table=bt),
                          self.q, self.k_cache, self.v_cache, self.table[:1])
-        self.assertExpectedInline(msg, """flash_attn_with_kvcache: block_table has 1 rows but q has batch 2.""")
+        self.assertExpectedInline(msg, """flash_attn_with_kvcache: block_table has 1 rows but q has batch 2; pass one block_table row per sequence ([batch, max_blocks]).""")
 
     def test_gqa_ratio(self):
         f = kvops.flash_attn_with_kvcache

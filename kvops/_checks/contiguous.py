@@ -88,7 +88,10 @@ def check_cache_roll(
             )
         num_heads = cache_heads - h0
     if num_heads <= 0:
-        raise ValueError(f"{op}: num_heads must be positive, got {num_heads}.")
+        raise ValueError(
+            f"{op}: num_heads must be positive, got {num_heads}. Pass the number of heads to move (or None for all "
+            f"heads from cache_head_start)."
+        )
     h0 = check_head_slice(op, cache_heads, num_heads, h0)
     if num_tokens < 0 or src < 0 or dst < 0 or src + num_tokens > cache_len or dst + num_tokens > cache_len:
         s, d, n = as_int(src), as_int(dst), as_int(num_tokens)

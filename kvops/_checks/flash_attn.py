@@ -59,7 +59,10 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
                 f"{tuple(block_table.shape)} and dtype {block_table.dtype}. Pass block_table.to(torch.int32)."
             )
         if block_table.shape[0] != batch:
-            raise ValueError(f"{OP}: block_table has {block_table.shape[0]} rows but q has batch {batch}.")
+            raise ValueError(
+                f"{OP}: block_table has {block_table.shape[0]} rows but q has batch {batch}; pass one block_table "
+                f"row per sequence ([batch, max_blocks])."
+            )
     elif k_cache.shape[0] != batch:
         raise ValueError(
             f"{OP}: without block_table, k_cache is [batch, seqlen_cache, num_kv_heads, head_dim] and its batch "
