@@ -131,13 +131,16 @@ class PagedKVCache:
     # --- block manager ------------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Blocks (per layer) not held by any sequence."""
         return len(self._free)
 
     @property
     def seq_ids(self) -> list:
+        """Ids of the live sequences, in the order they were added."""
         return list(self._seqs)
 
     def seq_len(self, seq_id: Hashable) -> int:
+        """Tokens of ``seq_id`` in the cache (KV length). Raises ``ValueError`` for an unknown id."""
         return self._get(seq_id).length
 
     def block_ids(self, seq_id: Hashable) -> list[int]:
