@@ -31,7 +31,7 @@ from torch._inductor import lowering as L
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from kvops._checks.paged_write import FP8_MAX
+from kvops._checks.common import FP8_MAX
 
 from .inductor_contiguous import buffer_names, scatter_into, unfused_copy
 

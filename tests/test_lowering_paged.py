@@ -6,43 +6,16 @@ targets (negative slots, padding) are checked to stay bit-identical, and by read
 fresh Inductor cache (the FX graph cache does not key on custom lowerings).
 """
 
-import re
 
 import expecttest
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
 
 import kvops
+from tests.inductor_utils import FreshInductorCache, code_facts, compiled, rope, rope_tables
 
 FP8 = torch.float8_e4m3fn
-
-
-def compiled(fn, *args):
-    """Run ``torch.compile(fn, fullgraph=True)(*args)`` from a clean Dynamo state; returns (result, generated code)."""
-    torch._dynamo.reset()
-    out, codes = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
-    return out, "\n".join(codes)
-
-
-def code_facts(code: str) -> str:
-    """The stable facts of generated code: how many C++ kernels, how many extern calls into kvops."""
-    kernels = re.findall(r"^\w+ = async_compile\.cpp_pybinding", code, re.M)
-    kvops_calls = re.findall(r"(?<!')torch\.ops\.kvops\.\w+\.default\(", code)
-    return f"cpp kernels: {len(kernels)}, kvops calls: {len(kvops_calls)}"
-
-
-def rope(x, cos, sin_signed):
-    """Rotate-half RoPE on ``[N, H, D]`` in fp32, cast back (``sin_signed``: sin with the first half negated)."""
-    xf = x.float()
-    return (xf * cos + torch.roll(xf, x.shape[-1] // 2, dims=-1) * sin_signed).to(x.dtype)
-
-
-def rope_tables(n, d):
-    pos = torch.arange(n, dtype=torch.float32)[:, None] / (10000 ** (torch.arange(0, d, 2) / d))
-    cos, sin = torch.cat((pos.cos(), pos.cos()), -1), torch.cat((-pos.sin(), pos.sin()), -1)
-    return cos[:, None, :], sin[:, None, :]  # [N, 1, D]
 
 
 def rope_write(key, value, cos, sin, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None,
@@ -60,17 +33,6 @@ def random_bits(shape, dtype, seed):
 
 def same_bits(a, b):
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-class FreshInductorCache(expecttest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls._cache = fresh_inductor_cache()
-        cls._cache.__enter__()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls._cache.__exit__(None, None, None)
 
 
 class TestPagedWriteLowering(FreshInductorCache):

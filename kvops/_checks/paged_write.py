@@ -12,7 +12,6 @@ import torch
 from .common import (
     as_int,
     FP8_DTYPE,
-    FP8_MAX,
     check_fp8_scales,
     check_head_slice,
     check_kv_pair,

@@ -6,8 +6,6 @@ one ``[B, S, 2, H, D]`` allocation) are written in place and never copied.
 
 from __future__ import annotations
 
-import torch
-
 
 def cache_write(key, value, k_cache, v_cache, start: int, h0: int) -> None:
     """Copy ``key``/``value`` ``[B, T, H_in, D]`` into rows ``[start, start+T)``, heads ``[h0, h0+H_in)``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks.paged_write import FP8_MAX
+from .._checks.common import FP8_MAX
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, h0: int, dtype: torch.dtype) -> torch.Tensor:
