@@ -2,7 +2,7 @@
 
 Each op has a schema (``kvops/_library.py``), one validator shared by its eager kernels and its fake rule
 (``kvops/_checks/``), a CPU kernel (``kvops/reference/``), a Triton kernel for CUDA (``kvops/triton/``) and an Inductor
-lowering (``lowering/``). ``import kvops`` registers all of them; nothing is compiled and no global config is changed.
+lowering (``lowering/``, imported as ``kvops.lowering``). ``import kvops`` registers all of them; nothing is compiled and no global config is changed.
 """
 
 from . import _library  # noqa: F401
@@ -30,7 +30,9 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# The one call from kvops into lowering/: registers the Inductor lowerings so torch.compile fuses cache writes.
-from lowering import register as _register_lowerings  # noqa: E402
+# The one call from kvops into lowering/ (installed as kvops.lowering): registers the Inductor lowerings so
+# torch.compile fuses cache writes.
+from ._lowering_path import import_lowering as _import_lowering  # noqa: E402
 
-_register_lowerings()
+lowering = _import_lowering()
+lowering.register()

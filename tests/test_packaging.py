@@ -1,0 +1,78 @@
+"""Packaging: ``lowering/`` installs as ``kvops.lowering`` (no top-level ``lowering``), every package is listed,
+``import kvops`` works without triton, and the runtime dependencies stay minimal."""
+
+import pathlib
+import subprocess
+import sys
+import tomllib
+import unittest
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/")
+
+
+class TestPackaging(unittest.TestCase):
+    def test_every_package_folder_is_listed(self):
+        folders = {"kvops"} | {
+            "kvops." + ".".join(p.parent.relative_to(ROOT / "kvops").parts)
+            for p in (ROOT / "kvops").rglob("__init__.py")
+            if p.parent != ROOT / "kvops"
+        }
+        folders |= {
+            "kvops.lowering" + "".join("." + x for x in p.parent.relative_to(ROOT / "lowering").parts)
+            for p in (ROOT / "lowering").rglob("__init__.py")
+        }
+        self.assertEqual(sorted(PYPROJECT["tool"]["setuptools"]["packages"]), sorted(folders))
+
+    def test_runtime_dependencies(self):
+        deps = PYPROJECT["project"]["dependencies"]
+        self.assertEqual([d.split(">")[0].split(";")[0].strip() for d in deps], ["torch", "numpy"])
+
+    def test_no_top_level_lowering_module(self):
+        out = _run(
+            "import sys, importlib.util, kvops\n"
+            "print('lowering' in sys.modules, importlib.util.find_spec('lowering') is None,"
+            " kvops.lowering.__name__, sys.modules['kvops.lowering'] is kvops.lowering)"
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.split(), ["False", "True", "kvops.lowering", "True"])
+
+    def test_import_without_triton(self):
+        out = _run(
+            "import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'triton' or name.startswith('triton.'):\n"
+            "            raise ImportError('triton blocked for this test')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import torch, kvops\n"
+            "from kvops.triton import HAS_TRITON\n"
+            "k, v = torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2)\n"
+            "kvops.cache_write(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), k, v, start=1)\n"
+            "print(HAS_TRITON, k[0, :, 0, 0].tolist())"
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), "False [0.0, 1.0, 0.0, 0.0]")
+
+    def test_wheel_ships_lowering_inside_kvops(self):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            out = subprocess.run(
+                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", d, str(ROOT)],
+                capture_output=True, text=True, timeout=300,
+            )
+            self.assertEqual(out.returncode, 0, out.stderr)
+            (wheel,) = pathlib.Path(d).glob("kvops-*.whl")
+            names = zipfile.ZipFile(wheel).namelist()
+        self.assertIn("kvops/lowering/__init__.py", names)
+        self.assertFalse([n for n in names if n.startswith("lowering/")])
+
+
+if __name__ == "__main__":
+    unittest.main()
