@@ -1,4 +1,4 @@
-"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, semantics.md §3).
+"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, docs/semantics.md §3).
 
 Like the contiguous write (``lowering/inductor_contiguous.py``): an ``ir.Scatter`` over tokens ``[N, H_in, D]`` whose
 values come from the producer's loader (RoPE, norm, and for ``float8_e4m3fn`` caches the quantization
