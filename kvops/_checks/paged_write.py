@@ -2,7 +2,7 @@
 
 Caches are ``[P, block_size, H_kv, D]`` (NHD; ``D_v`` for values); writers carry ``[N', H_in, D]`` and ``slot_mapping``
 ``[N]`` with ``N' >= N``. Only metadata is checked here: slot *values* (negative = skip, ``< P * block_size``) are
-content and are documented, not checked at trace time (see ``kvops.ops.paged_write.check_slot_mapping``).
+content: they are checked per the value-check mode by ``kvops/_checks/values.py`` (docs/semantics.md §7).
 """
 
 from __future__ import annotations
