@@ -265,5 +265,19 @@ class TestFlashAttnWithKVCache(expecttest.TestCase):
             self.assertTrue(torch.equal(self.k_cache, before))
 
 
+class TestTorchWarnings(unittest.TestCase):
+    def test_no_script_method_deprecation_from_inductor_import(self):
+        """The 14 ``torch.jit.script_method is deprecated`` warnings of the compile tests come from torch's
+        ``torch.utils.mkldnn``, imported by Inductor; tests/conftest.py imports it once with that warning silenced."""
+        import subprocess
+        import sys
+
+        code = "import tests.conftest, torch._inductor.compile_fx"
+        run = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:torch.jit._script", "-c", code],
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+                             text=True, timeout=300)
+        self.assertEqual(run.returncode, 0, run.stderr[-2000:])
+
+
 if __name__ == "__main__":
     unittest.main()
