@@ -85,7 +85,8 @@ class CausalKVCache:
             model(x_clean, caches, s)           # context pass (a rewrite)
 
     Pass the caches (a list, or any plain object holding them) as an **argument** of the compiled function, and
-    build them outside it. Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
+    build them outside it. (A cache can also be built and used inside a compiled or exported function, e.g. an
+    exported step that wraps given buffers; its cursors are then trace-time constants of that graph.) Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
     recompile they become dynamic ``SymInt``s. The bookkeeping is branch-free (``torch.sym_max``/``sym_min``), so
     appends, rewrites and evictions run the same graph; the loop compiles a small fixed set of graphs during the
     first chunks and none after (measured on torch 2.13, tests/test_causal_compile.py):
@@ -165,8 +166,8 @@ class CausalKVCache:
         self.global_sink_tokens = global_sink_tokens
         self.attention_window_size = k.shape[1] if attention_window_size is None else attention_window_size
         self.allow_growth = allow_growth
-        # Growth keeps K and V in one allocation when they share one (checked once, here, outside any trace).
-        self._fused_kv = k.shape[3] == v.shape[3] and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        # Growth keeps K and V in one allocation when they share one.
+        self._fused_kv = k.shape[3] == v.shape[3] and _share_storage(k, v)
         # Cursors per head slice; the full-head entry exists from the start (its ints are then seen by Dynamo on the
         # first call, which saves a recompile) and is dropped when head-sliced writers start instead.
         self._cursors: dict[tuple[int, int], _Cursors] = {(0, k.shape[2]): _Cursors()}
@@ -464,6 +465,19 @@ class CausalKVCache:
             torch.cat([rows(self.k, a, b) for a, b in ranges], dim=1),
             torch.cat([rows(self.v, a, b) for a, b in ranges], dim=1),
         )
+
+
+def _share_storage(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``k`` and ``v`` are views of one allocation (only decides the layout of grown buffers).
+
+    Eager: the storages' data pointers. Inside ``torch.compile``/``torch.export`` (strict and non-strict) a storage
+    has no data pointer, so views of one base tensor count (``kv.unbind(2)``, ``kv[:, :, 0]``); K/V made to share
+    storage by other means (``as_strided`` on a storage, ``set_``) then grow as two allocations, which is the same
+    cache with another layout.
+    """
+    if torch.compiler.is_compiling():
+        return k._base is not None and k._base is v._base
+    return k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
 
 
 _max, _min = torch.sym_max, torch.sym_min  # plain max/min on ints; no guard on SymInts under torch.compile
