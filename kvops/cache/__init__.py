@@ -10,3 +10,8 @@ from .causal import CausalKVCache, CausalKVView
 from .paged import OutOfBlocksError, PagedKVCache, PagedStep
 
 __all__ = ["CausalKVCache", "CausalKVView", "PagedKVCache", "PagedStep", "OutOfBlocksError"]
+
+# Rolling-window (sliding-window) contiguous cache: rolling.py
+from .rolling import RollingKVCache  # noqa: E402
+
+__all__ += ["RollingKVCache"]
