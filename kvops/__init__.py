@@ -28,6 +28,9 @@ __all__ = [
     "CausalKVCache",
     "PagedKVCache",
 ]
+from ._checks.values import get_value_checks, set_value_checks, value_checks  # noqa: E402  (docs/semantics.md §7)
+
+__all__ += ["value_checks", "set_value_checks", "get_value_checks"]
 __version__ = "0.1.0"
 
 # The one call from kvops into lowering/ (installed as kvops.lowering): registers the Inductor lowerings so
