@@ -125,7 +125,7 @@ class _Endpoint:
 
     def _handshake(self, peers: list[int], peer_side_ranks) -> list[KVArgs]:
         """Exchange ``KVArgs`` with each peer (TP ranks of the other side); returns theirs."""
-        mine = torch.tensor(self.kv_args.encode(), dtype=torch.int64)
+        mine = torch.tensor(self.kv_args.encode(), dtype=torch.int64, device=self.k_caches[0].device)
         theirs = [torch.zeros_like(mine) for _ in peers]
         ops = []
         for p, buf in zip(peers, theirs):
@@ -332,7 +332,7 @@ class KVReceiver(_Endpoint):
         if failure is None and any(w.writer in self._dead for w in self.writers):
             failure = f"prefill ranks {sorted(self._dead)} are gone (their connections failed earlier)"
         if self.decode_group is not None:
-            ok = torch.tensor([0 if failure else 1], dtype=torch.int32)
+            ok = torch.tensor([0 if failure else 1], dtype=torch.int32, device=self.k_caches[0].device)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.decode_group)
             if failure is None and int(ok) == 0:
                 failure = "another decode rank of the group failed to receive its part"
