@@ -33,3 +33,14 @@ lib.define(
 #                   Tensor block_table, SymInt max_seqlen_q, float? scale=None, bool causal=True,
 #                   SymInt window_left=-1, float softcap=0., Tensor? sinks=None, Tensor? k_scale=None,
 #                   Tensor? v_scale=None, str kv_layout="NHD") -> (Tensor, Tensor)
+
+# --- prefill->decode KV transfer staging (kvops/ops/transfer.py; docs/semantics.md §6) -------------------------
+# caches: the K caches of all layers, then their V caches (2 * L tensors [P, block_size, H_kv, D]);
+# staging: [2, L, num_tokens, num_heads, D], contiguous (K layers then V layers).
+lib.define(
+    "paged_kv_gather(Tensor[] caches, Tensor block_table, Tensor(a!) staging, SymInt start, int head_start) -> ()"
+)
+lib.define(
+    "paged_kv_scatter(Tensor staging, Tensor(a!)[] caches, Tensor block_table, SymInt start, "
+    "int cache_head_start) -> ()"
+)
