@@ -32,3 +32,13 @@ lib.define(
 #                   Tensor block_table, SymInt max_seqlen_q, float? scale=None, bool causal=True,
 #                   SymInt window_left=-1, float softcap=0., Tensor? sinks=None, Tensor? k_scale=None,
 #                   Tensor? v_scale=None) -> (Tensor, Tensor)
+
+# --- packed (quantized) K/V (kvops/packed/ops.py; layouts: kvops.packed.packed_layout) -------------------------
+lib.define(
+    "quantize_kv(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? zeros, Tensor(d!)? centroids, "
+    "Tensor(e!)? cluster_ids, str quant, int kmeans_iters=4) -> ()"
+)
+lib.define(
+    "dequantize_kv(Tensor codes, Tensor scales, Tensor? zeros, Tensor? centroids, Tensor? cluster_ids, str quant, "
+    "ScalarType dtype) -> Tensor"
+)
