@@ -8,3 +8,8 @@ from .causal import CausalKVCache, CausalKVView
 from .paged import OutOfBlocksError, PagedKVCache, PagedStep
 
 __all__ = ["CausalKVCache", "CausalKVView", "PagedKVCache", "PagedStep", "OutOfBlocksError"]
+
+# --- packed (quantized) streaming cache (kvops/packed/cache.py, semantics.md §2) ---------------------------------
+from ..packed.cache import PackedCausalKVCache, PackedKVView  # noqa: E402
+
+__all__ += ["PackedCausalKVCache", "PackedKVView"]

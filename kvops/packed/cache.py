@@ -76,7 +76,7 @@ class PackedCausalKVCache:
     def __init__(
         self, *, batch_size: int, cache_size: int, num_kv_heads: int, head_dim: int, chunk_tokens: int,
         quant: str | None, keep_recent_chunks: int = 1, sink_tokens: int = 0, attention_window_size: int | None = None,
-        quantize_sink: bool = False, group_size: int = 64, stages: int = 1, num_clusters: int = 16,
+        quantize_sink: bool = False, group_size: int | None = None, stages: int = 1, num_clusters: int = 16,
         kmeans_iters: int = 4, dtype: torch.dtype | None = None, device=None, name: str = "PackedCausalKVCache",
     ) -> None:
         b, s, h, d, n, k = batch_size, cache_size, num_kv_heads, head_dim, chunk_tokens, sink_tokens

@@ -64,11 +64,17 @@ class PackedKV(NamedTuple):
         )
 
 
+def default_group_size(head_dim: int) -> int:
+    """64 when it divides ``head_dim``, else 32, else ``head_dim`` (one group per head, e.g. head_dim 80)."""
+    return next((g for g in (64, 32) if head_dim % g == 0), head_dim)
+
+
 def empty_packed(
-    quant: str, batch: int, tokens: int, heads: int, head_dim: int, *, group_size: int = 64, stages: int = 1,
+    quant: str, batch: int, tokens: int, heads: int, head_dim: int, *, group_size: int | None = None, stages: int = 1,
     num_clusters: int = 16, device=None, leading: tuple[int, ...] = (),
 ) -> PackedKV:
     """Uninitialized storage for a packed ``[B, T, H, D]`` (with extra ``leading`` dims, e.g. a pool's slots)."""
+    group_size = default_group_size(head_dim) if group_size is None else group_size
     check_format("kvops.packed", quant, head_dim, group_size, stages, num_clusters)
     layout = packed_layout(
         quant, batch, tokens, heads, head_dim, group_size=group_size, stages=stages, num_clusters=num_clusters
@@ -84,7 +90,7 @@ def quantize_kv(
     x: torch.Tensor,
     quant: str,
     *,
-    group_size: int = 64,
+    group_size: int | None = None,
     stages: int = 1,
     num_clusters: int = 16,
     kmeans_iters: int = 4,
@@ -98,7 +104,8 @@ def quantize_kv(
             ``"int4"`` (asymmetric groups of ``group_size`` along ``D``, two codes per byte) or ``"int2"`` (Quant
             VideoGen's PRQ: per-head k-means with ``num_clusters`` centroids and ``kmeans_iters`` Lloyd steps from a
             deterministic init, then ``stages`` progressive 2-bit residual stages with groups of ``group_size``).
-        group_size: 32, 64 or 128 (or ``D``); must divide ``D`` (int4, int2 only).
+        group_size: 32, 64 or 128 (or ``D``); must divide ``D`` (int4, int2 only). Default: 64 if it divides
+            ``D``, else 32, else ``D``.
         out: write into this storage (e.g. a slot of a cache's pool) instead of allocating.
 
     Returns:
