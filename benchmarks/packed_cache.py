@@ -197,8 +197,8 @@ def table_time(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, wi
     print(f"\n4. Time, packed / dense CausalKVCache (Wan heads {heads} x {dim}, chunk {chunk} tokens = {CHUNK_FRAMES} x "
           f"{frame_tokens} (scaled), window {window_chunks} chunks, bf16, keep_recent_chunks 1, {reps} interleaved "
           f"runs; median [min, max] in ms)")
-    print(f"{'format':<20}{'update ms':>22}{'x dense':>9}{'attn ms':>22}{'x dense':>9}{'attn(mat) x':>13}"
-          f"{'attn peak MiB':>15}{'x dense':>9}")
+    print(f"{'format':<20}{'update ms':>24}{'x dense':>8}{'(mat)':>8}{'attn ms':>24}{'x dense':>8}{'(mat)':>8}"
+          f"{'peak MiB':>10}{'(mat)':>10}")
 
     def prime(cache, chunks):
         for c in range(chunks):
@@ -219,11 +219,14 @@ def table_time(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, wi
     last = slice(primed * chunk, (primed + 1) * chunk)
     s = primed * chunk
 
-    def update(cache):
+    def update(cache, segments: bool):
         def fn():  # the last chunk: append (quantizes the chunk leaving the dense ring), then 2 denoising rewrites
             cache.global_end, cache.current_start = s, s - chunk
             for _ in range(3):
-                cache.update_and_get_attention_kv(k[:, last], v[:, last], s)
+                if segments:
+                    cache.update(k[:, last], v[:, last], s)
+                else:
+                    cache.update_and_get_attention_kv(k[:, last], v[:, last], s)
         return fn
 
     def dense_update():
@@ -232,7 +235,11 @@ def table_time(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, wi
         for _ in range(3):
             dense.update_and_get_attention_kv(k[:, last], v[:, last], s)
 
-    fns = {"dense": dense_update, **{name: update(c) for name, c in caches.items() if name != "dense"}}
+    fns = {"dense": dense_update}
+    for name, c in caches.items():
+        if name != "dense":
+            fns[name] = update(c, True)
+            fns[name + " (mat)"] = update(c, False)
     up = timed(fns, reps)
     views = {name: (c.update(k[:, last], v[:, last], s) if name != "dense" else
                     c.update_and_get_attention_kv(k[:, last], v[:, last], s)) for name, c in caches.items()}
@@ -249,33 +256,37 @@ def table_time(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, wi
         with PeakBytes() as mode:
             fn()
         peaks[name] = mode.peak
-    med = {n: statistics.median(t) for n, t in {**up, **{"attn " + a: b for a, b in at.items()}}.items()}
 
     def cell(ts):
-        return f"{statistics.median(ts) * 1e3:8.1f} [{min(ts) * 1e3:.1f}, {max(ts) * 1e3:.1f}]"
+        return f"{statistics.median(ts) * 1e3:.2f} [{min(ts) * 1e3:.2f}, {max(ts) * 1e3:.2f}]"
 
-    print(f"{'dense bf16':<20}{cell(up['dense']):>22}{1:>9.2f}{cell(at['dense']):>22}{1:>9.2f}{'':>13}"
-          f"{peaks['dense'] / 2**20:>15.1f}{1:>9.2f}")
+    def ratio(times, name):
+        return statistics.median(times[name]) / statistics.median(times["dense"])
+
+    print(f"{'dense bf16':<20}{cell(up['dense']):>24}{1:>8.2f}{'':>8}{cell(at['dense']):>24}{1:>8.2f}{'':>8}"
+          f"{peaks['dense'] / 2**20:>10.2f}{'':>10}")
     for name in caches:
         if name == "dense":
             continue
-        print(f"{name:<20}{cell(up[name]):>22}{med[name] / med['dense']:>9.2f}{cell(at[name]):>22}"
-              f"{med['attn ' + name] / med['attn dense']:>9.2f}{med['attn ' + name + ' (mat)'] / med['attn dense']:>13.2f}"
-              f"{peaks[name] / 2**20:>15.1f}{peaks[name] / peaks['dense']:>9.2f}")
-    print("   attn: packed_attention over the segments (LSE merge, one chunk dequantized at a time); attn(mat): "
-          "materialize the window densely, then SDPA. Peak MiB: tensors allocated during the call.")
+        mat = name + " (mat)"
+        print(f"{name:<20}{cell(up[name]):>24}{ratio(up, name):>8.2f}{ratio(up, mat):>8.2f}{cell(at[name]):>24}"
+              f"{ratio(at, name):>8.2f}{ratio(at, mat):>8.2f}{peaks[name] / 2**20:>10.2f}{peaks[mat] / 2**20:>10.2f}")
+    print("   update: packed cache's update() (returns segments) / dense; (mat): update_and_get_attention_kv, which "
+          "also materializes the window densely.")
+    print("   attn: packed_attention over the segments (LSE merge, one chunk dequantized at a time); (mat): "
+          "materialize the window densely, then SDPA. Peak MiB: tensors allocated during the attention call.")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller accuracy/time cases, 3 runs")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared CPU, OpenMP threads mostly wait on each other)")
     parser.add_argument("--tokens-per-frame", type=int, default=520, help="accuracy table (full scale: 1560)")
     parser.add_argument("--time-tokens-per-frame", type=int, default=130, help="time table")
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.tokens_per_frame, args.time_tokens_per_frame, args.reps = 130, 40, 3
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
