@@ -101,6 +101,13 @@ class TestDifferential(unittest.TestCase):
                 worst[quant] = max(worst.get(quant, 0.0), p.worst)
         self.assertTrue(all(e > 0 for e in worst.values()), worst)
 
+    def test_attention_window_smaller_than_the_cache(self):
+        """W is the whole visible budget (sink + newest rows), as CausalKVCache (semantics.md §1.6)."""
+        for quant, window, sink in ((None, 7, 2), ("int8", 7, 2), ("int4", 5, 0), ("fp8", 4, 3)):
+            p = Pair(self, size=15, chunk=3, quant=quant, keep=1, sink=sink, window=window)
+            for c in range(9):
+                p.chunk_steps(3 * c, recent=None if c % 2 else 2)
+
     def test_head_sliced_writers_in_lockstep(self):
         for quant in (None, "int4"):
             p = Pair(self, size=12, heads=4, chunk=3, sink=1, quant=quant, keep=0)
@@ -121,7 +128,8 @@ def schedules(draw):
     size = sink + chunk * draw(st.integers(1, 4)) + draw(st.integers(0, chunk - 1))
     heads = draw(st.integers(1, 3))
     slices = draw(st.sampled_from([None, "split"])) if heads > 1 else None
-    config = dict(size=size, heads=heads, dim=draw(st.sampled_from([32, 64])), chunk=chunk, sink=sink,
+    window = draw(st.none() | st.integers(1, size + 2))
+    config = dict(size=size, heads=heads, dim=draw(st.sampled_from([32, 64])), chunk=chunk, sink=sink, window=window,
                   quant=draw(st.sampled_from([None, "int8", "fp8", "int4", "int2"])), keep=draw(st.integers(0, 2)),
                   quantize_sink=draw(st.booleans()), b=draw(st.integers(1, 2)))
     plan = draw(st.lists(st.tuples(st.integers(0, 3), st.none() | st.integers(0, 5)), min_size=1, max_size=9))

@@ -22,7 +22,7 @@ from .._checks.common import require_ndim
 from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write
 from ..cache.causal import CausalKVView
 from ..ops.contiguous import cache_write
-from ._window_copy import visible_rows
+from ..cache._window import visible_rows
 from .ops import PackedKV, dequantize_kv, empty_packed, quantize_kv
 
 Segment = torch.Tensor | PackedKV  # dense rows [B, n, H_in, D], or packed rows of one chunk
