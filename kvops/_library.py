@@ -44,3 +44,13 @@ lib.define(
     "paged_kv_scatter(Tensor staging, Tensor(a!)[] caches, Tensor block_table, SymInt start, "
     "int cache_head_start) -> ()"
 )
+
+# --- packed (quantized) K/V (kvops/packed/ops.py; layouts: kvops.packed.packed_layout) -------------------------
+lib.define(
+    "quantize_kv(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? zeros, Tensor(d!)? centroids, "
+    "Tensor(e!)? cluster_ids, str quant, int kmeans_iters=4) -> ()"
+)
+lib.define(
+    "dequantize_kv(Tensor codes, Tensor scales, Tensor? zeros, Tensor? centroids, Tensor? cluster_ids, str quant, "
+    "ScalarType dtype) -> Tensor"
+)
