@@ -131,9 +131,9 @@ def _scatter_slots(x, cache, slots, h0: int, h_in: int):
     """``cache[slot // bs, slot % bs, h0:h0+H_in] = x[i]`` for the slots ``>= 0``; ``slots`` int64 ``[N]``."""
     h, d = _static(cache, 2, "num_kv_heads"), _static(cache, 3, "head_dim")
     fp8 = cache.dtype == FP8
+    if fp8:  # onnxruntime's CPU Reshape/ScatterND have no fp8 kernels: scatter on an exact fp32 copy
+        cache, x = op.Cast(cache, to=FLOAT), op.Cast(x, to=FLOAT)
     flat = op.Reshape(cache, op.Constant(value_ints=[-1, h, d]))
-    if fp8:  # ScatterND has no fp8 kernel in onnxruntime: scatter on an exact fp32 copy
-        flat, x = op.Cast(flat, to=FLOAT), op.Cast(x, to=FLOAT)
     num_slots = _dim(flat, 0)
     padded = op.Concat(flat, op.Slice(flat, op.Constant(value_ints=[0]), op.Constant(value_ints=[1])), axis=0)
     slots = op.Where(op.Less(slots, op.Constant(value=ir.tensor(0, dtype=INT64))), num_slots, slots)  # skip -> row P*bs
@@ -142,9 +142,8 @@ def _scatter_slots(x, cache, slots, h0: int, h_in: int):
     i_head = op.Expand(op.Reshape(_range(h0, h_in), op.Constant(value_ints=[1, -1, 1])), shape)
     written = op.ScatterND(padded, op.Concat(i_slot, i_head, axis=-1), x)
     written = op.Slice(written, op.Constant(value_ints=[0]), _vec(num_slots))
-    if fp8:
-        written = op.Cast(written, to=FP8)
-    return op.Reshape(written, op.Shape(cache))
+    written = op.Reshape(written, op.Shape(cache))
+    return op.Cast(written, to=FP8) if fp8 else written
 
 
 def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None, v_scale=None,
@@ -167,8 +166,8 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
 def _gather_kv(cache, slots, scale):
     """fp32 ``[T, N, H_kv, D]`` of flat slots ``[T, N]``, dequantized for fp8 caches."""
     h, d = _static(cache, 2, "num_kv_heads"), _static(cache, 3, "head_dim")
-    x = op.Gather(op.Reshape(cache, op.Constant(value_ints=[-1, h, d])), slots, axis=0)
-    x = op.Cast(x, to=FLOAT)
+    # fp32 first: onnxruntime's CPU Reshape/Gather have no fp8 kernels (a copy of the cache; exact)
+    x = op.Gather(op.Reshape(op.Cast(cache, to=FLOAT), op.Constant(value_ints=[-1, h, d])), slots, axis=0)
     if scale is not None:
         x = op.Mul(x, op.Reshape(scale, op.Constant(value_ints=[1, 1, -1, 1])))
     return x
