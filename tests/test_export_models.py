@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 import unittest
 
 import torch
@@ -30,6 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def load_example(name: str):
     spec = importlib.util.spec_from_file_location(f"kvops_example_{name}", ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # strict export (Dynamo) imports the module of the code it traces
     spec.loader.exec_module(module)
     return module
 
