@@ -1,4 +1,4 @@
-"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, semantics.md §3).
+"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, docs/semantics.md §3).
 
 Like the contiguous write (``lowering/inductor_contiguous.py``): an ``ir.Scatter`` over tokens ``[N, H_in, D]`` whose
 values come from the producer's loader (RoPE, norm, and for ``float8_e4m3fn`` caches the quantization
@@ -33,7 +33,7 @@ from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from kvops._checks.common import FP8_MAX
 
-from .inductor_contiguous import buffer_names, scatter_into, unfused_copy
+from .inductor_contiguous import bind_layout_symbols, buffer_names, scatter_into, unfused_copy
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -124,6 +124,7 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
         return
     k_cache.realize()
     v_cache.realize()
+    bind_layout_symbols(k_cache, v_cache)
     written = buffer_names(k_cache, v_cache)
     # values computed from the caches themselves are copied out before either cache is written
     sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]

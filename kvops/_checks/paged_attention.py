@@ -1,4 +1,4 @@
-"""Validator for ``kvops::paged_attention`` (semantics.md §4).
+"""Validator for ``kvops::paged_attention`` (docs/semantics.md §4).
 
 ``q [T_q, H_q, D]`` packed (varlen); caches ``[P, block_size, H_kv, D]`` / ``[P, block_size, H_kv, D_v]`` (NHD);
 ``cu_seqlens_q [B + 1]``, ``seq_lens [B]``, ``block_table [B, max_blocks]``, all int32. Only metadata and the scalar

@@ -1,4 +1,4 @@
-"""Validator for ``kvops::paged_cache_write`` (semantics.md §3).
+"""Validator for ``kvops::paged_cache_write`` (docs/semantics.md §3).
 
 Caches are ``[P, block_size, H_kv, D]`` (NHD; ``D_v`` for values); writers carry ``[N', H_in, D]`` and ``slot_mapping``
 ``[N]`` with ``N' >= N``. Only metadata is checked here: slot *values* (negative = skip, ``< P * block_size``) are

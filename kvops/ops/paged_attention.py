@@ -1,4 +1,4 @@
-"""Paged attention: ``kvops::paged_attention`` (semantics.md §4), decode and chunked prefill in one varlen batch.
+"""Paged attention: ``kvops::paged_attention`` (docs/semantics.md §4), decode and chunked prefill in one varlen batch.
 
 Registered with ``torch.library.triton_op`` (schema inferred from the annotations of ``_paged_attention_op``; it is
 written out in ``kvops/_library.py``). One function serves every face of the op:

@@ -1,4 +1,4 @@
-"""Paged-cache write: ``kvops::paged_cache_write`` (semantics.md §3; as vLLM's ``reshape_and_cache_flash``).
+"""Paged-cache write: ``kvops::paged_cache_write`` (docs/semantics.md §3; as vLLM's ``reshape_and_cache_flash``).
 
 Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/paged_write.py``. CPU kernel: ``kvops/reference/
 paged_write.py``. CUDA kernel: ``kvops/triton/paged_write.py``.
