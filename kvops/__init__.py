@@ -44,3 +44,16 @@ from ._lowering_path import import_lowering as _import_lowering  # noqa: E402
 
 lowering = _import_lowering()
 lowering.register()
+
+
+# --- deployment (issue 9): ONNX translations; needs the `onnx` extra (onnxscript), imported on first use ----------
+def onnx_translation_table() -> dict:
+    """The ``custom_translation_table`` for ``torch.onnx.export(..., dynamo=True)`` of programs using kvops ops.
+
+    Export ``kvops.export.functionalize(torch.export.export(model, args))`` with it (the writes must be functional
+    first, see ``lowering/onnx.py``). Requires ``pip install 'kvops[onnx]'`` (onnxscript); raises ``ImportError``
+    otherwise.
+    """
+    from .lowering.onnx import onnx_translation_table as table
+
+    return table()
