@@ -46,6 +46,16 @@ def _configs():
     return out
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread (on a shared 2-core machine, thread oversubscription makes every 64x64 GEMM
+    cost milliseconds); restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 CONFIGS = _configs()
 FAMILIES = list(CONFIGS)
 _models: dict = {}
@@ -58,6 +68,7 @@ def model_for(family: str, dtype=torch.float32):
         config, _ = CONFIGS[family]
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+        model.generation_config.eos_token_id = None  # always NEW_TOKENS tokens, no EOS suppression or stopping
         if family == "gpt_oss":  # random sinks large enough to matter
             for layer in model.model.layers:
                 torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
@@ -86,7 +97,7 @@ def generate(model, impl: str, cache=None):
     ids, mask = prompts()
     model.set_attn_implementation(impl)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                              do_sample=False, past_key_values=cache, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=0)
     return out.sequences, torch.stack(out.logits)
