@@ -10,3 +10,13 @@ from .causal import CausalKVCache, CausalKVView
 from .paged import OutOfBlocksError, PagedKVCache, PagedStep
 
 __all__ = ["CausalKVCache", "CausalKVView", "PagedKVCache", "PagedStep", "OutOfBlocksError"]
+
+# Rolling-window (sliding-window) contiguous cache: rolling.py
+from .rolling import RollingKVCache  # noqa: E402
+
+__all__ += ["RollingKVCache"]
+
+# --- packed (quantized) streaming cache (kvops/packed/cache.py, semantics.md §2) ---------------------------------
+from ..packed.cache import PackedCausalKVCache, PackedKVView  # noqa: E402
+
+__all__ += ["PackedCausalKVCache", "PackedKVView"]
