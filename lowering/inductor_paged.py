@@ -18,8 +18,9 @@ iteration of a ``Scatter`` stores. So a skipped token is routed to an equivalent
   written; it is invisible unless another stream writes that row concurrently with this op.
 
 A slot ``>= P * block_size`` fails Inductor's indirect-index bounds check: on CPU a C++ exception thrown inside the
-kernel, which was seen to abort the process (``std::terminate``) rather than raise; check slots with
-``kvops.check_slot_mapping`` in eager/debug runs. Nothing else is checked: the fake rule ran the op's validator at
+kernel, which was seen to abort the process (``std::terminate``) rather than raise; compiled code gets a
+clean error and no write with ``kvops.value_checks("async")`` (docs/semantics.md §7), eager calls are checked by
+default. Nothing else is checked: the fake rule ran the op's validator at
 trace time.
 """
 

@@ -102,6 +102,19 @@ class TestPagedWrite(expecttest.TestCase):
             kvops.check_slot_mapping(torch.tensor([3, -1, 32, 0]), k_cache)
         self.assertEqual(str(cm2.exception), str(cm.exception))
 
+    def test_hnd_capacity(self):
+        """HND caches [P, H_kv, block_size, D]: the bound is P * block_size with block_size from dim 2 (not H_kv)."""
+        k_cache = torch.zeros(3, 2, 8, 16)  # P 3, H_kv 2, block_size 8: 24 slots
+        v_cache = torch.zeros_like(k_cache)
+        key = torch.randn(2, 2, 16)
+        kvops.paged_cache_write(key, key, k_cache, v_cache, torch.tensor([23, -1]), kv_layout="HND")
+        self.assertTrue(torch.equal(k_cache[2, :, 7], key[0]))
+        before = k_cache.clone()
+        with self.assertRaisesRegex(RuntimeError, r"slot_mapping\[1\] = 24 is outside the cache: valid slots are "
+                                                  r"\[0, 24\) \(3 blocks x block_size 8\)"):
+            kvops.paged_cache_write(key, key, k_cache, v_cache, torch.tensor([0, 24]), kv_layout="HND")
+        self.assertTrue(torch.equal(k_cache, before))
+
     def test_async_eager_masks_the_whole_batch(self):
         """The write never depends on the assert's ordering: a failing batch is routed to slot -1 (skip)."""
         k_cache, _ = paged_caches()
@@ -172,6 +185,16 @@ class TestPagedAttention(expecttest.TestCase):
         self.assertExpectedInline(self.error(x, cu_seqlens_q=torch.tensor([0, 3, 1], dtype=torch.int32)), """kvops.paged_attention: cu_seqlens_q = [0, 3, 1] must be non-decreasing from 0 to at most q's 4 rows (T_q); sequence b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]). Pass the cumulative query lengths.""")  # noqa: E501
         self.assertIn("cu_seqlens_q = [1, 2, 4]", self.error(x, cu_seqlens_q=torch.tensor([1, 2, 4], dtype=torch.int32)))
         self.assertIn("cu_seqlens_q = [0, 1, 5]", self.error(x, cu_seqlens_q=torch.tensor([0, 1, 5], dtype=torch.int32)))
+
+    def test_hnd_block_table_capacity(self):
+        x = attn_inputs()
+        hnd = {"k_cache": x["k_cache"].transpose(1, 2), "v_cache": x["v_cache"].transpose(1, 2)}  # [P, H_kv, bs, D]
+        out, _ = kvops.paged_attention(x["q"], hnd["k_cache"], hnd["v_cache"], x["cu_seqlens_q"], x["seq_lens"],
+                                       x["block_table"], 3, return_lse=True, kv_layout="HND")
+        torch.testing.assert_close(out, attend(x)[0])
+        with self.assertRaisesRegex(RuntimeError, r"seq_lens\[1\] = 29 is outside \[0, 28\]"):  # block_size 4
+            kvops.paged_attention(x["q"], hnd["k_cache"], hnd["v_cache"], x["cu_seqlens_q"],
+                                  torch.tensor([5, 29], dtype=torch.int32), x["block_table"], 3, kv_layout="HND")
 
     def test_rows_owned_by_no_sequence_are_zero(self):
         x = attn_inputs()
