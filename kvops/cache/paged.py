@@ -70,8 +70,8 @@ class PagedKVCache:
     atomic: when the free blocks do not suffice, :class:`OutOfBlocksError` is raised and nothing changes.
 
     Per step, :meth:`prepare` returns a :class:`PagedStep` (``block_table``, ``seq_lens``, ``cu_seqlens_q``,
-    ``slot_mapping``, ``positions``); with ``pad_tokens``/``pad_batch``/``max_blocks`` every tensor has a fixed shape, so a compiled
-    decode step does not recompile as sequences grow. The slot mapping stays valid for every layer.
+    ``slot_mapping``, ``positions``); with ``pad_tokens``/``pad_batch``/``max_blocks`` every tensor has a fixed
+    shape, so a compiled decode step does not recompile as sequences grow. The slot mapping stays valid for every layer.
 
     Args:
         num_blocks: ``P``, physical blocks per layer.
