@@ -5,7 +5,7 @@ a block id past ``P``, a ``seq_len`` past the block table) is checked here, in o
 
 * ``"eager"`` (default): eager calls read the index tensors (one host sync per call, as FlashAttention's
   ``TORCH_CHECK``\\ s do) and raise ``RuntimeError`` *before* anything is written. Nothing is emitted while tracing
-  (``torch.compile``, ``torch.export``, ``make_fx``): compiled code runs unchecked.
+  (``torch.compile``, ``torch.export``, fake-tensor tracing) or capturing a CUDA graph: that code runs unchecked.
 * ``"async"``: the checks become graph ops with no host sync (``torch._assert_async``), in eager code and in compiled
   or exported graphs alike. A write additionally routes every slot of a failing batch to ``-1`` ("skip"), so nothing
   is written even if the assert runs after the write (e.g. CUDA's asynchronous device assert).
@@ -65,6 +65,8 @@ def _active(*tensors: torch.Tensor) -> str | None:
     if _mode == "async":
         return "async"
     if torch.compiler.is_compiling() or any(type(t) not in _REAL or t.is_meta for t in tensors):  # tracing
+        return None
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():  # CUDA-graph capture: no sync
         return None
     return "eager"
 
