@@ -1,4 +1,4 @@
-"""``flash_attn_with_kvcache``: FlashAttention's KV-cache entry point on kvops ops (semantics.md §5).
+"""``flash_attn_with_kvcache``: FlashAttention's KV-cache entry point on kvops ops (docs/semantics.md §5).
 
 Not an op of its own: it appends ``k``/``v`` with ``kvops::paged_cache_write`` and attends with
 ``kvops::paged_attention``; the metadata between them (slot mapping, sequence lengths) is computed on the device with

@@ -1,4 +1,4 @@
-"""CPU kernel for ``kvops::paged_attention`` (semantics.md §4): vectorized torch, fp32 accumulation.
+"""CPU kernel for ``kvops::paged_attention`` (docs/semantics.md §4): vectorized torch, fp32 accumulation.
 
 Layout of the computation. Queries are gathered from the packed ``[T_q, H_q, D]`` into a padded
 ``[B, H_kv, max_seqlen_q * G, D]`` (``G = H_q // H_kv``, rows ordered (query, group head)), so each (sequence, KV head)

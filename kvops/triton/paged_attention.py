@@ -1,4 +1,5 @@
-"""Triton kernels for ``kvops::paged_attention`` (semantics.md §4): split-KV decode + merge, and (chunked) prefill.
+"""Triton kernels for ``kvops::paged_attention`` (docs/semantics.md §4): split-KV decode + merge, and (chunked)
+prefill.
 
 * ``_decode_split_kernel`` (batches with ``max_seqlen_q == 1``): one program per (sequence, KV head, KV split). The
   ``G = H_q // H_kv`` query heads that share a KV head are packed into the rows of one program, so each K/V tile is
@@ -69,7 +70,7 @@ def _load_kv(cache_ptr, bt_row_ptr, kpos, in_seq, block_size, s_p, s_b, s_h, s_d
 @triton.jit
 def _scores(q, k, kpos, pos, kv_len, window_left, softcap,
             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PREC: tl.constexpr):
-    """``softcap(q @ k^T)`` with invisible keys at ``-inf`` (softcap first, then masking, as semantics.md §4)."""
+    """``softcap(q @ k^T)`` with invisible keys at ``-inf`` (softcap first, then masking, as docs/semantics.md §4)."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
