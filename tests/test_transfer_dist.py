@@ -140,6 +140,37 @@ def run_config(rank, index, cfg, decode_group, out):
         out[key] = res
 
 
+def run_agreement(rank, pair_group, out):
+    """Ranks 6,7 -> 8,9 (H=2, one writer each): prefill rank 7 never sends request 10_005, so decode rank 9 fails it;
+    decode rank 8, which received its part, learns it through the decode group and releases the request too."""
+    from kvops.transfer import KVReceiver, KVSender, KVTransferError, TransferGroups
+
+    groups = TransferGroups((6, 7), (8, 9))
+    lengths = {10_006: 6, 10_005: 5}
+    if rank in (6, 7):
+        k, v = prefill_caches(1)
+        tables = prefill_requests(k, v, lengths, 2, 2, rank - 6, seed=rank)
+        sender = KVSender(groups, rank - 6, k, v, 2, chunked_prefill_size=CHUNK, timeout_s=10)
+        sender.connect()
+        for rid, n in lengths.items():
+            if not (rank == 7 and rid == 10_005):
+                sender.send(rid, n, tables[rid])
+    else:
+        cache = decode_cache(1, seed=rank)
+        recv = KVReceiver(groups, rank - 8, cache, 2, chunked_prefill_size=CHUNK, timeout_s=FAULT_TIMEOUT_S,
+                          decode_group=pair_group)
+        recv.connect()
+        recv.receive(10_006, lengths[10_006])
+        free_before = cache.num_free_blocks
+        try:
+            recv.receive(10_005, lengths[10_005])
+            out["agreement_error"] = None
+        except KVTransferError as err:
+            out["agreement_error"] = str(err)
+        out["agreement_freed"] = cache.num_free_blocks == free_before and 10_005 not in cache.seq_ids
+        out["agreement_ready"] = sorted(recv.ready)
+
+
 def run_fault(rank, stall_released, out):
     """Ranks 0,1 -> 2: rank 1 stalls mid-request; ranks 3,4 -> 5: rank 4 is killed mid-request; 6 -> 7: mismatch."""
     import torch.distributed as dist
@@ -234,6 +265,7 @@ def worker(rank, port, outdir, stall_released):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
         decode_groups = [dist.new_group(list(range(p, p + d))) for p, d, _ in CONFIGS]
+        pair_group = dist.new_group([8, 9])
         survivors = dist.new_group([r for r in range(WORLD) if r != KILLED])
         out["times"].append(time.time())
         for index, (cfg, group) in enumerate(zip(CONFIGS, decode_groups)):  # no barrier needed: tags differ
@@ -242,6 +274,8 @@ def worker(rank, port, outdir, stall_released):
         out["times"].append(time.time())
         save(outdir, rank, out)  # before the fault phase, in which rank KILLED dies
         run_fault(rank, stall_released, out)
+        if rank in (6, 7, 8, 9):
+            run_agreement(rank, pair_group, out)
         out["times"].append(time.time())
         dist.barrier(group=survivors)  # nobody exits while a peer still completes a send to it
     except BaseException:  # reported to the parent test, which fails with the traceback
@@ -335,6 +369,14 @@ class TestDistributedTransfer(unittest.TestCase):
         self.assertEqual(res["ready"], [10_012])
         self.assertTrue(res["other_untouched"] and res["other_correct"])
         self.assertEqual(self.result(3)["sender_10_020"], "ok")
+
+    def test_decode_ranks_agree_on_failure(self):
+        for rank, why in ((8, "another decode rank of the group failed to receive its part"),
+                          (9, "prefill rank 1 (global rank 7) sent no data for tokens [0, 5): no message within 1.5 s")):
+            res = self.result(rank)
+            self.assertIn(f"KV transfer of request 10005 failed on decode rank {rank - 8}: {why}", res["agreement_error"])
+            self.assertTrue(res["agreement_freed"])
+            self.assertEqual(res["agreement_ready"], [10_006])
 
     def test_layout_mismatch_rejected_at_connect(self):
         for rank in (6, 7):
