@@ -26,7 +26,7 @@ import unittest
 import torch
 import torch.multiprocessing as mp
 
-import kvops  # noqa: F401  (imported once by the fork server, so the 10 workers start without importing it)
+import kvops  # imported once by the fork server (this module is preloaded), so the workers start without importing it
 
 WORLD = 10
 CONFIGS = [(4, 2, 8), (2, 4, 8), (1, 4, 2), (4, 1, 8), (8, 2, 2)]
@@ -56,7 +56,6 @@ def prefill_caches(num_heads: int):
 def prefill_requests(k_caches, v_caches, lengths, total_heads, tp, rank, seed):
     """Write each request's local heads at a random permutation of blocks (kvops.paged_cache_write); returns the
     block tables."""
-    import kvops
     from kvops.transfer import rank_head_range
 
     h0, h1 = rank_head_range(total_heads, tp, rank)
@@ -300,8 +299,8 @@ class TestDistributedTransfer(unittest.TestCase):
         ctx.set_forkserver_preload([__name__])
         cls.tmp = tempfile.TemporaryDirectory()
         stall_released = ctx.Event()
-        procs = [ctx.Process(target=worker, args=(r, free_port_cached(), cls.tmp.name, stall_released))
-                 for r in range(WORLD)]
+        port = free_port()
+        procs = [ctx.Process(target=worker, args=(r, port, cls.tmp.name, stall_released)) for r in range(WORLD)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + TEST_TIMEOUT_S
@@ -386,15 +385,6 @@ class TestDistributedTransfer(unittest.TestCase):
                 "model with the same KV cache layout (head_dim, dtype, page_size, layers, total KV heads); no KV "
                 "was transferred.",
             )
-
-
-_PORT = []
-
-
-def free_port_cached() -> int:
-    if not _PORT:
-        _PORT.append(free_port())
-    return _PORT[0]
 
 
 if __name__ == "__main__":

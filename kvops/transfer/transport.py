@@ -19,7 +19,7 @@ own blocks, and only after every writer's slice of a segment arrived, so other r
 ``decode_group`` given, the decode ranks agree on the outcome (a request is ready only when every decode rank
 received its part).
 
-Timeouts are enforced by joining a waiter thread per message against a deadline, never with
+Timeouts are enforced by joining a waiter thread against a deadline, never with
 ``Work.wait(timeout)``: gloo answers a timed-out wait by closing *every* connection of the process ("Application
 timeout caused pair closure"), which would turn one stalled peer into a failure of all of them (and gloo's works
 report completion only through ``wait``, so ``is_completed`` cannot be polled). A receive (or send) given up on stays
@@ -145,40 +145,36 @@ class _Endpoint:
         return torch.empty(numel, dtype=self.dtype, device=self.k_caches[0].device)
 
     def _wait(self, works: list, buffers: list) -> list[str | None]:
-        """Wait for each work until ``timeout_s`` after the call; returns per work ``None`` (done) or why it failed.
+        """Wait for the works until ``timeout_s`` after the call; returns per work ``None`` (done) or why it failed.
 
-        Each work is waited on by a daemon thread (``Work.wait()`` without a timeout; gloo's works report completion
-        only through ``wait``) that the caller joins against the deadline. A work given up on stays posted, and is
-        kept (with its buffer and thread) until it completes, so no message ever lands in a freed buffer.
+        One daemon thread waits on the works in order (``Work.wait()`` without a timeout: gloo's works report
+        completion only through ``wait``) while the caller waits for it against the deadline. When the deadline
+        passes, the work the thread is stuck on and every later one count as failed ("no message"); they stay
+        posted and are kept (with their buffers and the thread) until they complete, so no message ever lands in a
+        freed buffer.
         """
         self._abandoned = [x for x in self._abandoned if x[0].is_alive()]
-        deadline = time.monotonic() + self.timeout_s
-        waiters = []
-        for work, buf in zip(works, buffers):
-            result: dict = {}
-            thread = threading.Thread(target=_wait_one, args=(work, buf, result), daemon=True)
-            thread.start()
-            waiters.append((thread, result))
-        reasons = []
-        for (thread, result), work, buf in zip(waiters, works, buffers):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                self._abandoned.append((thread, work, buf))
-                reasons.append(f"no message within {self.timeout_s:g} s")
-            elif "error" in result:
-                reasons.append(f"connection failed: {result['error']}")
-            else:
-                reasons.append(None)
-        return reasons
+        results: list = [None] * len(works)  # filled by the thread: "" (done) or the error text
+        thread = threading.Thread(target=_wait_all, args=(works, buffers, results), daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            self._abandoned.append((thread, works, buffers))
+        return [
+            f"no message within {self.timeout_s:g} s" if r is None else (None if r == "" else f"connection failed: {r}")
+            for r in results
+        ]
 
 
-def _wait_one(work, buf, result: dict) -> None:
-    try:
-        work.wait()
-        if buf is not None and buf.is_cuda:  # NCCL: wait() orders the current stream; the host needs the data
-            torch.cuda.current_stream(buf.device).synchronize()
-    except RuntimeError as err:
-        result["error"] = str(err)
+def _wait_all(works, buffers, results: list) -> None:
+    for i, (work, buf) in enumerate(zip(works, buffers)):
+        try:
+            work.wait()
+            if buf is not None and buf.is_cuda:  # NCCL: wait() orders the current stream; the host needs the data
+                torch.cuda.current_stream(buf.device).synchronize()
+            results[i] = ""
+        except RuntimeError as err:
+            results[i] = str(err) or type(err).__name__
 
 
 class KVSender(_Endpoint):
