@@ -9,10 +9,11 @@ both sides before any KV byte moves. Per request, both sides split ``[0, num_tok
 layers into one contiguous staging buffer (``kvops.paged_kv_gather``) and sends it; the decode rank receives its
 writers' buffers back to back (writer-major) with ``batch_isend_irecv`` and scatters each into its own pages at the
 writer's ``cache_head_start`` (``kvops.paged_kv_scatter``). Messages are tagged with the request id, so requests
-never mix.
+never mix (gloo matches tags; NCCL ignores them and matches in posting order, so with NCCL both sides must handle
+requests in the same order, and a pair on which a request failed should not be reused).
 
 Faults (decode side): a writer that dies (peer connection closed) or whose message does not arrive within
-``timeout_s`` seconds fails the request: the receiver still posts the receives of the request's remaining segments
+``timeout_s`` seconds (per segment) fails the request: the receiver still posts the receives of the request's remaining segments
 (into discard buffers, so every writer's sends can complete, a stalled one's included once it resumes), frees the
 request's blocks, never marks it ready and raises :class:`KVTransferError`. A request's data only ever lands in its
 own blocks, and only after every writer's slice of a segment arrived, so other requests' KV is never touched. With
@@ -119,7 +120,7 @@ class _Endpoint:
         self.dtype = k_caches[0].dtype
         self.grid_tokens = staging_grid_tokens(chunked_prefill_size, self.block_size)
         self.timeout_s = float(timeout_s)
-        self._abandoned: list = []  # (work, buffer) given up on but still posted
+        self._abandoned: list = []  # (waiter thread, works, buffers) given up on but still posted
         self.kv_args = KVArgs(total_kv_heads, local_heads, self.head_dim, str(self.dtype).removeprefix("torch."),
                               self.block_size, self.num_layers, len(ranks))
 
@@ -184,7 +185,7 @@ class KVSender(_Endpoint):
         groups: the world's prefill and decode ranks. tp_rank: this rank's index in ``groups.prefill_ranks``.
         k_caches, v_caches: this rank's ``L`` paged caches ``[P, block_size, H // P_tp (or 1), D]`` each.
         total_kv_heads: ``H`` (see ``resolve_total_kv_heads``). chunked_prefill_size: staging grid size in tokens
-            (rounded to whole pages). timeout_s: per-message timeout.
+            (rounded to whole pages). timeout_s: seconds each segment's messages (and the handshake) may take.
     """
 
     side = "prefill"
