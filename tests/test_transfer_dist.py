@@ -350,7 +350,8 @@ class TestDistributedTransfer(unittest.TestCase):
 
     def test_stalled_prefill_rank(self):
         res = self.result(2)
-        self.assertIn("prefill rank 1 (global rank 1) sent no data for tokens [8, 16): no message within 1.5 s", res["error"])
+        self.assertIn("prefill rank 1 (global rank 1) sent no data for tokens [8, 16): no message within 1.5 s",
+                      res["error"])
         self.assertIn("Its blocks were released and it is not ready", res["error"])
         self.assertLess(res["elapsed"], FAULT_TIMEOUT_S + 3)
         self.assertTrue(res["freed"])
@@ -371,9 +372,11 @@ class TestDistributedTransfer(unittest.TestCase):
 
     def test_decode_ranks_agree_on_failure(self):
         for rank, why in ((8, "another decode rank of the group failed to receive its part"),
-                          (9, "prefill rank 1 (global rank 7) sent no data for tokens [0, 5): no message within 1.5 s")):
+                          (9, "prefill rank 1 (global rank 7) sent no data for tokens [0, 5): no message within 1.5 s"),
+                          ):
             res = self.result(rank)
-            self.assertIn(f"KV transfer of request 10005 failed on decode rank {rank - 8}: {why}", res["agreement_error"])
+            self.assertIn(f"KV transfer of request 10005 failed on decode rank {rank - 8}: {why}",
+                          res["agreement_error"])
             self.assertTrue(res["agreement_freed"])
             self.assertEqual(res["agreement_ready"], [10_006])
 

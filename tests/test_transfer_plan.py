@@ -49,7 +49,8 @@ class TestWorkedCases(expecttest.TestCase):
         self.assertEqual(senders, [0, 4])
 
     def test_4_1_8_and_equal(self):
-        self.assertEqual([(s.writer, s.cache_head_start) for s in writers(4, 1, 8)[0]], [(0, 0), (1, 2), (2, 4), (3, 6)])
+        self.assertEqual([(s.writer, s.cache_head_start) for s in writers(4, 1, 8)[0]],
+                         [(0, 0), (1, 2), (2, 4), (3, 6)])
         self.assertEqual(writers(2, 2, 8), [(HeadSlice(0, 0, 4, 0),), (HeadSlice(1, 0, 4, 0),)])
 
     def test_replication_on_both_sides_spreads_over_replicas(self):
@@ -114,7 +115,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(str(cm.exception), """decode tp_rank=2 is outside [0, 2).""")
         with self.assertRaises(ValueError) as cm:
             compute_grid_segments(4, 2, 0, 8)
-        self.assertExpectedInline(str(cm.exception), """compute_grid_segments needs start <= end, got start=4, end=2.""")
+        self.assertExpectedInline(str(cm.exception), """compute_grid_segments needs start <= end, got start=4, end=2.""")  # noqa: B950
         with self.assertRaises(ValueError):
             compute_grid_segments(0, 2, 0, 0)
         with self.assertRaises(ValueError):

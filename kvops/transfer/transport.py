@@ -13,12 +13,12 @@ never mix (gloo matches tags; NCCL ignores them and matches in posting order, so
 requests in the same order, and a pair on which a request failed should not be reused).
 
 Faults (decode side): a writer that dies (peer connection closed) or whose message does not arrive within
-``timeout_s`` seconds (per segment) fails the request: the receiver still posts the receives of the request's remaining segments
-(into discard buffers, so every writer's sends can complete, a stalled one's included once it resumes), frees the
-request's blocks, never marks it ready and raises :class:`KVTransferError`. A request's data only ever lands in its
-own blocks, and only after every writer's slice of a segment arrived, so other requests' KV is never touched. With
-``decode_group`` given, the decode ranks agree on the outcome (a request is ready only when every decode rank
-received its part).
+``timeout_s`` seconds (per segment) fails the request: the receiver still posts the receives of the request's
+remaining segments (into discard buffers, so every writer's sends can complete, a stalled one's once it resumes),
+frees the request's blocks, never marks it ready and raises :class:`KVTransferError`. A request's data only ever
+lands in its own blocks, and only after every writer's slice of a segment arrived, so other requests' KV is never
+touched. With ``decode_group`` given, the decode ranks agree on the outcome (a request is ready only when every
+decode rank received its part).
 
 Timeouts are enforced by joining a waiter thread against a deadline, never with
 ``Work.wait(timeout)``: gloo answers a timed-out wait by closing *every* connection of the process ("Application
