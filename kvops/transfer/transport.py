@@ -114,7 +114,8 @@ class _Endpoint:
         if local_heads != expected:
             raise ValueError(
                 f"{self.side} rank {tp_rank} caches hold {local_heads} KV heads but total_kv_heads={total_kv_heads} "
-                f"over {self.side} tp_size={len(ranks)} places {expected} heads per rank."
+                f"over {self.side} tp_size={len(ranks)} gives each rank {expected}; allocate caches with {expected} "
+                f"KV heads."
             )
         self.num_layers = len(k_caches)
         self.dtype = k_caches[0].dtype
