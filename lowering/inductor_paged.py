@@ -34,6 +34,7 @@ trace time.
 from __future__ import annotations
 
 import torch
+from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
@@ -102,16 +103,21 @@ def paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout) -> Non
         any_slot, token, _ = router.route(i)
         x = load_src([ops.indirect_indexing(token, num_src_rows, check=False, wrap_neg=False), h, d])
         if load_scale is not None:  # fp8: x / scale in fp32, saturated to ±448, round to nearest even
-            if src_dtype != torch.float32:  # round to the key's dtype first, as eager does (Inductor may skip it)
+            if src_dtype != torch.float32 and inductor_config.emulate_precision_casts:
+                # round the producer's result to the key's dtype first, as eager does; by default Inductor keeps a
+                # bf16/fp16 producer's result in fp32 (as it does for its own fused ``x.float() / scale``)
                 x = ops.to_dtype(x, src_dtype, use_compute_types=False)
             s = load_scale([h0 + h] if per_head_scale else [0])
             x = ops.truediv(ops.to_dtype(x, torch.float32), s)
             x = ops.maximum(x, ops.constant(-FP8_MAX, torch.float32))
             x = ops.minimum(x, ops.constant(FP8_MAX, torch.float32))
-        old = load_old([0, h0 + h, 0, d] if hnd else [0, 0, h0 + h, d])
+        old_index = [0, h0 + h, 0, d] if hnd else [0, 0, h0 + h, d]
         if load_scale is not None:  # fp8 has no select: select in fp32 (exact: fp32 holds every e4m3 value and NaN)
-            return ops.to_dtype(ops.where(any_slot, x, ops.to_dtype(old, torch.float32)), dtype)
-        return ops.where(any_slot, ops.to_dtype(x, dtype), old)  # a select, in the compute dtype (module docstring)
+            old = ops.masked(ops.logical_not(any_slot), lambda: ops.to_dtype(load_old(old_index), torch.float32), 0.0)
+            return ops.to_dtype(ops.where(any_slot, x, old), dtype)
+        # a select in the compute dtype (module docstring); the old row is read only when no token has a slot
+        old = ops.masked(ops.logical_not(any_slot), lambda: load_old(old_index), 0.0)
+        return ops.where(any_slot, ops.to_dtype(x, dtype), old)
 
     def index_fn(idx):
         i, h, d = idx

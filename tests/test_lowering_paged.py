@@ -12,6 +12,7 @@ import re
 import expecttest
 import torch
 import torch._dynamo
+import torch._inductor.config
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kvops
@@ -80,7 +81,10 @@ class TestPagedWriteLowering(FreshInductorCache):
         expected = kv.clone()
         slot_mapping = torch.tensor([5, -1, 0, 11, -1], dtype=torch.int32)
         args = (cos, sin, kv[:, 0], kv[:, 1], slot_mapping, 1, k_scale, v_scale)
-        _, code = compiled(rope_write, key, value, *args)
+        # eager rounds the bf16 RoPE result before quantizing; Inductor does so under emulate_precision_casts (by
+        # default it keeps the producer's fp32 value, as in its own fusion of ``x.float() / scale``)
+        with torch._inductor.config.patch(emulate_precision_casts=True):
+            _, code = compiled(rope_write, key, value, *args)
         rope_write(key, value, cos, sin, expected[:, 0], expected[:, 1], slot_mapping, 1, k_scale, v_scale)
         self.assertExpectedInline(code_facts(code), """cpp kernels: 1, kvops calls: 0""")
         self.assertTrue(same_bits(kv, expected))
