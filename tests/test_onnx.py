@@ -80,9 +80,9 @@ class TestPagedWrite(unittest.TestCase):
         k_cache = torch.randn(num_blocks, block_size, heads, d)  # sentinel values everywhere
         v_cache = torch.randn(num_blocks, block_size, heads, 16)
         key, value = torch.randn(7, 2, d), torch.randn(7, 2, 16)  # N' = 7 rows, N = 5 slots, heads [1, 3)
-        slots = torch.tensor([14, -1, 0, 7, -1], dtype=torch.int32)
+        slots = torch.tensor([14, -1, 0, 7, -3], dtype=torch.int32)  # -3 would be a real row in ONNX indexing
         runs = [(key, value, k_cache, v_cache, slots),
-                (key * 2, value, k_cache, v_cache, torch.tensor([-1, -1, 3, -1, 13], dtype=torch.int32))]
+                (key * 2, value, k_cache, v_cache, torch.tensor([-2, -1, 3, -5, 13], dtype=torch.int32))]
         self.check(PagedWrite(cache_head_start=1), runs[0], runs)
 
     def test_fp8_per_head_scales(self):
