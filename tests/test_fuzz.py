@@ -101,9 +101,14 @@ def contiguous_cases(draw, kind):
 
 
 def contiguous_buffers(c, gen):
-    """K/V caches as views ``base[:, 1:S+1, 1:H+1]`` of buffers with a guard row/head on each side."""
-    kb = rand((c["b"], c["s"] + 2, c["h"] + 2, c["d"]), c["dtype"], gen)
-    vb = rand((c["b"], c["s"] + 2, c["h"] + 2, c["d_v"]), c["dtype"], gen)
+    """K/V caches as views ``base[:, 1:S+1, 1:H+1]`` of buffers with a guard row/head on each side; with
+    ``D_v == D`` on odd seeds K and V are views of one ``[B, S + 2, 2, H + 2, D]`` allocation (joint K/V)."""
+    if c["d_v"] == c["d"] and c["seed"] % 2:
+        kv = rand((c["b"], c["s"] + 2, 2, c["h"] + 2, c["d"]), c["dtype"], gen)
+        kb, vb = kv[:, :, 0], kv[:, :, 1]
+    else:
+        kb = rand((c["b"], c["s"] + 2, c["h"] + 2, c["d"]), c["dtype"], gen)
+        vb = rand((c["b"], c["s"] + 2, c["h"] + 2, c["d_v"]), c["dtype"], gen)
     return kb, vb, kb[:, 1:-1, 1:-1], vb[:, 1:-1, 1:-1]
 
 
@@ -214,7 +219,13 @@ class TestFuzzPagedWrite(FuzzCase):
         gen = torch.Generator().manual_seed(c["seed"])
         fp8, src_dtype = c["dtype"] == FP8, torch.float32 if c["dtype"] == FP8 else c["dtype"]
         shape = (c["p"] + 2, c["bs"], c["h"] + 2, c["d"])  # guard blocks 0 and P+1, guard heads 0 and H+1
-        kb, vb = rand(shape, src_dtype, gen).to(c["dtype"]), rand(shape, src_dtype, gen).to(c["dtype"])
+        layout = c["seed"] % 3  # 0: separate K/V, 1: [P, bs, 2, H, D] joint, 2: [P, 2, bs, H, D] joint
+        if layout == 0:
+            kb, vb = rand(shape, src_dtype, gen).to(c["dtype"]), rand(shape, src_dtype, gen).to(c["dtype"])
+        else:
+            kv = rand((shape[0], shape[1], 2, *shape[2:]) if layout == 1 else (shape[0], 2, *shape[1:]), src_dtype,
+                      gen).to(c["dtype"])
+            kb, vb = (kv[:, :, 0], kv[:, :, 1]) if layout == 1 else (kv[:, 0], kv[:, 1])
         k_cache, v_cache = kb[1:-1, :, 1:-1], vb[1:-1, :, 1:-1]
         n = len(c["slots"])
         key = rand((n + c["extra_rows"], c["h_in"], c["d"]), src_dtype, gen) * 4
