@@ -28,7 +28,15 @@ __all__ = [
     "CausalKVCache",
     "PagedKVCache",
 ]
+from ._checks.values import get_value_checks, set_value_checks, value_checks  # noqa: E402  (docs/semantics.md §7)
+
+__all__ += ["value_checks", "set_value_checks", "get_value_checks"]
 __version__ = "0.1.0"
+
+# Prefill->decode KV transfer staging ops (kvops/ops/transfer.py); the planner and transport live in kvops.transfer.
+from .ops.transfer import paged_kv_gather, paged_kv_scatter  # noqa: E402
+
+__all__ += ["paged_kv_gather", "paged_kv_scatter"]
 
 # The one call from kvops into lowering/ (installed as kvops.lowering): registers the Inductor lowerings so
 # torch.compile fuses cache writes.

@@ -174,5 +174,23 @@ class TestGeometryChanges(FreshInductorCache):
         self.run_geometries("joint_rows", ((6, 16, 2, 8), (64, 16, 2, 8)), mark_dynamic=True)
 
 
+class TestHNDLowering(FreshInductorCache):
+    def test_compiled_hnd_write(self):
+        """The Inductor lowering indexes an HND cache (and a joint [P, 2, H, bs, D] allocation) like eager."""
+
+        def write(key, value, k_cache, v_cache, slots):
+            kvops.paged_cache_write(key * 0.5, value, k_cache, v_cache, slots, kv_layout="HND")
+
+        p, bs, h, d, n = 4, 4, 2, 8, 7
+        kv = torch.randn(p, 2, h, bs, d)
+        expected = kv.clone()
+        key, value = torch.randn(n, h, d), torch.randn(n, h, d)
+        slots = torch.tensor([5, -1, 0, 13, 7, -1, 2])
+        _, code = compiled(write, key, value, *kv.unbind(1), slots)
+        write(key, value, *expected.unbind(1), slots)
+        self.assertTrue(torch.equal(kv, expected))
+        self.assertExpectedInline(code_facts(code), """cpp kernels: 1, kvops calls: 0""")
+
+
 if __name__ == "__main__":
     expecttest.run_tests() if hasattr(expecttest, "run_tests") else __import__("unittest").main()

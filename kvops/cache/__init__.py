@@ -15,3 +15,8 @@ __all__ = ["CausalKVCache", "CausalKVView", "PagedKVCache", "PagedStep", "OutOfB
 from .rolling import RollingKVCache  # noqa: E402
 
 __all__ += ["RollingKVCache"]
+
+# --- packed (quantized) streaming cache (kvops/packed/cache.py, semantics.md §2) ---------------------------------
+from ..packed.cache import PackedCausalKVCache, PackedKVView  # noqa: E402
+
+__all__ += ["PackedCausalKVCache", "PackedKVView"]
