@@ -32,3 +32,10 @@ lib.define(
 #                   Tensor block_table, SymInt max_seqlen_q, float? scale=None, bool causal=True,
 #                   SymInt window_left=-1, float softcap=0., Tensor? sinks=None, Tensor? k_scale=None,
 #                   Tensor? v_scale=None) -> (Tensor, Tensor)
+
+# --- rotary embedding fused into the paged write (kvops/ops/rotary.py) ------------------------------------------
+lib.define(
+    "rotary_paged_cache_write(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "Tensor positions, Tensor rotary_cos, Tensor rotary_sin, bool rotary_interleaved=False, "
+    "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+)

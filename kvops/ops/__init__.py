@@ -14,3 +14,8 @@ __all__ = [
     "flash_attn_with_kvcache",
     "check_kvcache_capacity",
 ]
+
+# rotary embeddings fused into the paged write (rotary.py)
+from .rotary import apply_rotary, rotary_paged_cache_write  # noqa: E402
+
+__all__ += ["rotary_paged_cache_write", "apply_rotary"]
