@@ -38,3 +38,24 @@ def register() -> None:
 
     inductor_rotary.register(register_lowering)
     _registered = True
+
+
+# --- deployment (issue 9): ONNX translations (lowering/onnx.py) and TensorRT converters (lowering/tensorrt.py) ------
+# Neither is imported by register() or by `import kvops`: onnx.py needs the `onnx` extra (onnxscript), tensorrt.py
+# needs torch_tensorrt, which imports TensorRT's libraries.
+def register_tensorrt() -> bool:
+    """Register kvops' torch-tensorrt converters (``lowering/tensorrt.py``) if ``torch_tensorrt`` imports.
+
+    Returns True when registered, False when ``torch_tensorrt`` (or TensorRT's libraries) is not available. Call it
+    before ``torch_tensorrt.dynamo.compile`` of a program passed through ``kvops.export.functionalize``. Unverified:
+    no TensorRT engine has been built on our machines (see lowering/tensorrt.py).
+    """
+    try:
+        import torch_tensorrt  # noqa: F401
+    except (ImportError, OSError):  # not installed, or installed without libnvinfer
+        return False
+    import kvops.export  # noqa: F401  (defines the functional ops the converters are keyed on)
+
+    from . import tensorrt  # noqa: F401  (the decorators register the converters)
+
+    return True

@@ -1,4 +1,4 @@
-"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, semantics.md §3).
+"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, docs/semantics.md §3).
 
 Like the contiguous write (``lowering/inductor_contiguous.py``): an ``ir.Scatter`` over tokens ``[N, H_in, D]`` whose
 values come from the producer's loader (RoPE, norm, and for ``float8_e4m3fn`` caches the quantization
@@ -33,7 +33,7 @@ from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from kvops._checks.common import FP8_MAX
 
-from .inductor_contiguous import buffer_names, scatter_into, unfused_copy
+from .inductor_contiguous import bind_layout_symbols, buffer_names, scatter_into, unfused_copy
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -80,9 +80,11 @@ class Router:
         return any_slot, src, dst
 
 
-def paged_scatter(src, cache, scale, slot_mapping, router, h0) -> None:
-    """``cache[dst // block_size, dst % block_size, h0 + h, d] = q(src[src_token, h, d])`` for every token."""
-    num_blocks, block_size = cache.get_size()[0], cache.get_size()[1]
+def paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout) -> None:
+    """``cache[dst // block_size, dst % block_size, h0 + h, d] = q(src[src_token, h, d])`` for every token (NHD
+    indices; an HND cache ``[P, H_kv, block_size, D]`` is indexed with heads and rows swapped)."""
+    hnd = kv_layout == "HND"
+    num_blocks, block_size = cache.get_size()[0], cache.get_size()[2 if hnd else 1]
     dtype = cache.get_dtype()
     bits = BITS[dtype.itemsize]
     load_src = src.make_loader()
@@ -103,20 +105,22 @@ def paged_scatter(src, cache, scale, slot_mapping, router, h0) -> None:
             x = ops.maximum(x, ops.constant(-FP8_MAX, torch.float32))
             x = ops.minimum(x, ops.constant(FP8_MAX, torch.float32))
         new_bits = ops.to_dtype_bitcast(ops.to_dtype(x, dtype), bits, dtype)
-        old_bits = load_old_bits([0, 0, h0 + h, d])
+        old_bits = load_old_bits([0, h0 + h, 0, d] if hnd else [0, 0, h0 + h, d])
         return ops.to_dtype_bitcast(ops.where(any_slot, new_bits, old_bits), dtype, bits)
 
     def index_fn(idx):
         i, h, d = idx
         _, _, dst = router.route(i)
         slot = ops.indirect_indexing(dst, num_blocks * block_size, check=True, wrap_neg=False)
-        return [FloorDiv(slot, block_size), ModularIndexing(slot, 1, block_size), h0 + h, d]
+        block, row = FloorDiv(slot, block_size), ModularIndexing(slot, 1, block_size)
+        return [block, h0 + h, row, d] if hnd else [block, row, h0 + h, d]
 
     scatter_into(cache, ir.Pointwise(device=cache.get_device(), dtype=dtype, inner_fn=value_fn,
                                      ranges=[slot_mapping.get_size()[0], *src.get_size()[1:]]), index_fn)
 
 
-def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None, v_scale=None):
+def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None, v_scale=None,
+                      kv_layout="NHD"):
     """Lowering of ``kvops::paged_cache_write``."""
     h0 = cache_head_start or 0
     n = slot_mapping.get_size()[0]
@@ -124,12 +128,13 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
         return
     k_cache.realize()
     v_cache.realize()
+    bind_layout_symbols(k_cache, v_cache)
     written = buffer_names(k_cache, v_cache)
     # values computed from the caches themselves are copied out before either cache is written
     sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
     router = Router(slot_mapping, first_slotted_token(slot_mapping, n), n)
     for src, cache, scale in zip(sources, (k_cache, v_cache), (k_scale, v_scale)):
-        paged_scatter(src, cache, scale, slot_mapping, router, h0)
+        paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout)
 
 
 def register(register_lowering) -> None:

@@ -65,8 +65,8 @@ def rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positio
     key, value = (unfused_copy(x) if x.get_read_names() & written else x for x in (key, value))
     router = Router(slot_mapping, first_slotted_token(slot_mapping, n), n)
     paged_scatter(rotated(key, positions, rotary_cos, rotary_sin, rotary_interleaved, n), k_cache, k_scale,
-                  slot_mapping, router, h0)
-    paged_scatter(value, v_cache, v_scale, slot_mapping, router, h0)
+                  slot_mapping, router, h0, "NHD")
+    paged_scatter(value, v_cache, v_scale, slot_mapping, router, h0, "NHD")
 
 
 def register(register_lowering) -> None:

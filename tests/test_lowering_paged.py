@@ -107,5 +107,90 @@ class TestPagedWriteLowering(FreshInductorCache):
         self.assertLessEqual(counter.frame_count, 2)
 
 
+
+def geometry_caches(layout, p, bs, h, d):
+    """K/V caches ``[P, block_size, H, D]`` of one geometry, random bits; returns (caches, allocation to compare).
+
+    joint_rows: ``unbind(2)`` of ``[P, bs, 2, H, D]``; joint_blocks: ``unbind(1)`` of ``[P, 2, bs, H, D]`` (FlashInfer);
+    head_view: heads ``[1, 1 + H)`` of ``[P, bs, H + 2, D]`` caches; plain: two contiguous caches.
+    """
+    seed = p * 1000 + bs * 10 + h
+    if layout == "joint_rows":
+        kv = random_bits((p, bs, 2, h, d), torch.float32, seed)
+        return kv.unbind(2), (kv,)
+    if layout == "joint_blocks":
+        kv = random_bits((p, 2, bs, h, d), torch.float32, seed)
+        return kv.unbind(1), (kv,)
+    if layout == "head_view":
+        k, v = random_bits((p, bs, h + 2, d), torch.float32, seed), random_bits((p, bs, h + 2, d), torch.float32, seed + 1)
+        return (k[:, :, 1 : 1 + h], v[:, :, 1 : 1 + h]), (k, v)
+    k, v = random_bits((p, bs, h, d), torch.float32, seed), random_bits((p, bs, h, d), torch.float32, seed + 1)
+    return (k, v), (k, v)
+
+
+def scaled_write(key, value, k_cache, v_cache, slot_mapping):
+    kvops.paged_cache_write(key * 0.5, value, k_cache, v_cache, slot_mapping)
+
+
+class TestGeometryChanges(FreshInductorCache):
+    """Issue 6 §1: recompiles after the cache geometry changes (blocks, then heads, then block_size) must run and
+    write what eager writes, for K/V views of one allocation (the case that raised ``NameError: name 's20' is not
+    defined`` from the generated wrapper), head-sliced and plain caches; with automatic dynamic shapes and with
+    ``torch._dynamo.mark_dynamic``."""
+
+    GEOMETRIES = ((4, 16, 2, 8), (64, 16, 2, 8), (64, 16, 4, 8), (12, 4, 4, 8))  # (P, block_size, H_kv, D)
+
+    def run_geometries(self, layout, geometries, mark_dynamic=False):
+        torch._dynamo.reset()
+        step = torch.compile(scaled_write, fullgraph=True)
+        for p, bs, h, d in geometries:
+            n = min(40, p * bs - 3)
+            (k_cache, v_cache), alloc = geometry_caches(layout, p, bs, h, d)
+            (k_ref, v_ref), expected = geometry_caches(layout, p, bs, h, d)
+            g = torch.Generator().manual_seed(p + h)
+            slot_mapping = torch.randperm(p * bs, generator=g)[:n]
+            slot_mapping[1::4] = -1
+            key, value = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+            if mark_dynamic:
+                for t in (*alloc, key, value, slot_mapping):
+                    torch._dynamo.mark_dynamic(t, 0)
+            step(key, value, k_cache, v_cache, slot_mapping)
+            scaled_write(key, value, k_ref, v_ref, slot_mapping)
+            for got, want in zip(alloc, expected):
+                self.assertTrue(same_bits(got, want), (layout, p, bs, h))
+
+    def test_joint_rows_automatic_dynamic(self):
+        self.run_geometries("joint_rows", self.GEOMETRIES)
+
+    def test_joint_blocks_automatic_dynamic(self):
+        self.run_geometries("joint_blocks", self.GEOMETRIES)
+
+    def test_head_sliced_and_plain_automatic_dynamic(self):
+        self.run_geometries("head_view", self.GEOMETRIES[:3])
+        self.run_geometries("plain", self.GEOMETRIES[1:])
+
+    def test_mark_dynamic(self):
+        self.run_geometries("joint_blocks", ((6, 16, 2, 8), (64, 16, 2, 8)), mark_dynamic=True)
+        self.run_geometries("joint_rows", ((6, 16, 2, 8), (64, 16, 2, 8)), mark_dynamic=True)
+
+
+class TestHNDLowering(FreshInductorCache):
+    def test_compiled_hnd_write(self):
+        """The Inductor lowering indexes an HND cache (and a joint [P, 2, H, bs, D] allocation) like eager."""
+
+        def write(key, value, k_cache, v_cache, slots):
+            kvops.paged_cache_write(key * 0.5, value, k_cache, v_cache, slots, kv_layout="HND")
+
+        p, bs, h, d, n = 4, 4, 2, 8, 7
+        kv = torch.randn(p, 2, h, bs, d)
+        expected = kv.clone()
+        key, value = torch.randn(n, h, d), torch.randn(n, h, d)
+        slots = torch.tensor([5, -1, 0, 13, 7, -1, 2])
+        _, code = compiled(write, key, value, *kv.unbind(1), slots)
+        write(key, value, *expected.unbind(1), slots)
+        self.assertTrue(torch.equal(kv, expected))
+        self.assertExpectedInline(code_facts(code), """cpp kernels: 1, kvops calls: 0""")
+
+
 if __name__ == "__main__":
     expecttest.run_tests() if hasattr(expecttest, "run_tests") else __import__("unittest").main()

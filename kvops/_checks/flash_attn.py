@@ -1,4 +1,4 @@
-"""Validator of ``kvops.flash_attn_with_kvcache`` (semantics.md §5)."""
+"""Validator of ``kvops.flash_attn_with_kvcache`` (docs/semantics.md §5)."""
 
 from __future__ import annotations
 
