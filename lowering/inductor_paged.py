@@ -1,4 +1,4 @@
-"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, semantics.md §3).
+"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, docs/semantics.md §3).
 
 Like the contiguous write (``lowering/inductor_contiguous.py``): an ``ir.Scatter`` over tokens ``[N, H_in, D]`` whose
 values come from the producer's loader (RoPE, norm, and for ``float8_e4m3fn`` caches the quantization
@@ -27,8 +27,9 @@ except NaN, which is stored as the canonical NaN (a bf16/fp16 NaN payload in a k
 (block 0, row 0) of an all-padding batch, comes back as a NaN with another payload).
 
 A slot ``>= P * block_size`` fails Inductor's indirect-index bounds check: on CPU a C++ exception thrown inside the
-kernel, which was seen to abort the process (``std::terminate``) rather than raise; check slots with
-``kvops.check_slot_mapping`` in eager/debug runs. Nothing else is checked: the fake rule ran the op's validator at
+kernel, which was seen to abort the process (``std::terminate``) rather than raise; compiled code gets a
+clean error and no write with ``kvops.value_checks("async")`` (docs/semantics.md §7), eager calls are checked by
+default. Nothing else is checked: the fake rule ran the op's validator at
 trace time.
 """
 

@@ -1,10 +1,10 @@
-"""Validator for ``kvops::paged_cache_write`` (semantics.md §3), and the ``kv_layout`` rule of both paged ops.
+"""Validator for ``kvops::paged_cache_write`` (docs/semantics.md §3), and the ``kv_layout`` rule of both paged ops.
 
 Caches are ``[P, block_size, H_kv, D]`` (``kv_layout="NHD"``) or ``[P, H_kv, block_size, D]`` (``"HND"``, FlashInfer's
 name; ``D_v`` for values). An HND cache is validated and written as its NHD view ``cache.transpose(1, 2)`` (no copy:
 every kernel takes strides). Writers carry ``[N', H_in, D]`` and ``slot_mapping``
 ``[N]`` with ``N' >= N``. Only metadata is checked here: slot *values* (negative = skip, ``< P * block_size``) are
-content and are documented, not checked at trace time (see ``kvops.ops.paged_write.check_slot_mapping``).
+content: they are checked per the value-check mode by ``kvops/_checks/values.py`` (docs/semantics.md §7).
 """
 
 from __future__ import annotations

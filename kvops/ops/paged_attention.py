@@ -1,4 +1,4 @@
-"""Paged attention: ``kvops::paged_attention`` (semantics.md §4), decode and chunked prefill in one varlen batch.
+"""Paged attention: ``kvops::paged_attention`` (docs/semantics.md §4), decode and chunked prefill in one varlen batch.
 
 Registered with ``torch.library.triton_op`` (schema inferred from the annotations of ``_paged_attention_op``; it is
 written out in ``kvops/_library.py``). One function serves every face of the op:
@@ -16,8 +16,10 @@ from typing import Optional
 import torch
 
 from .. import _library  # noqa: F401  (other schemas; this op's schema is inferred by triton_op)
+from .._checks import values
 from .._checks.paged_attention import check_paged_attention
 from .._checks.paged_write import as_nhd
+from .. import native
 from ..reference.paged_attention import paged_attention as _cpu_paged_attention
 from ..triton import HAS_TRITON
 
@@ -55,7 +57,9 @@ def _paged_attention_op(
             q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
             softcap, sinks, k_scale, v_scale,
         )
-    return _cpu_paged_attention(
+    # CPU: the native kernel (an opaque op with a fake rule, so compiled graphs call it too), else the composite
+    cpu_kernel = torch.ops.kvops._paged_attention_native if native.available() else _cpu_paged_attention
+    return cpu_kernel(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
         softcap, sinks, k_scale, v_scale,
     )
@@ -132,13 +136,20 @@ def paged_attention(
             different from q's; ``sinks`` not float32 ``[H_q]``; an fp8 cache without scales (or scales without
             one, or scales not float32 ``[1]``/``[H_kv]``); devices; ``max_seqlen_q < 1`` with tokens;
             ``window_left < -1``; ``softcap < 0``. Raised by the fake rule too (trace time under ``torch.compile``
-            and ``torch.export``). Value contracts (``cu_seqlens_q`` non-decreasing from 0 to ``T_q``,
-            ``q_len <= max_seqlen_q``, ``seq_len <= max_blocks * block_size``, block ids in ``[0, P)``) are not
-            checked (that would need a host sync).
+            and ``torch.export``).
+        RuntimeError: value contracts (docs/semantics.md §7), checked per the value-check mode (default
+            ``"eager"``: eager calls, one host sync; ``"async"``: ``torch._assert_async``, also compiled): a
+            sequence's ``q_len > max_seqlen_q``; ``seq_lens[b]`` outside ``[0, max_blocks * block_size]`` (the
+            capacity of ``block_table``); a block id outside ``[0, P)`` in the first ``ceil(seq_len / block_size)``
+            entries of a ``block_table`` row (the message names ``block_table[b, j]``, the id and ``P``);
+            ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``. ``cu_seqlens_q[-1] < T_q`` is
+            allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
+            rows of a CUDA-graph batch.
 
     Kernels: CPU: vectorized torch with an online softmax over tiles of blocks (memory bounded by the tile). CUDA:
     Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
     """
+    values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout)  # §7
     out, lse = torch.ops.kvops.paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
         sinks, k_scale, v_scale, kv_layout,

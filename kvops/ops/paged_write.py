@@ -1,4 +1,4 @@
-"""Paged-cache write: ``kvops::paged_cache_write`` (semantics.md §3; as vLLM's ``reshape_and_cache_flash``).
+"""Paged-cache write: ``kvops::paged_cache_write`` (docs/semantics.md §3; as vLLM's ``reshape_and_cache_flash``).
 
 Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/paged_write.py``. CPU kernel: ``kvops/reference/
 paged_write.py``. CUDA kernel: ``kvops/triton/paged_write.py``.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
+from .._checks import values
 from .._checks.paged_write import as_nhd, check_paged_cache_write
 from ..reference import paged_write as cpu
 from ..triton import HAS_TRITON
@@ -56,33 +57,29 @@ def paged_cache_write(
             outside the cache; an fp8 cache without scales; scales for a non-fp8 cache; scales not fp32 ``[1]`` or
             ``[H_kv]``. All raised by the fake rule too, so they fire at trace time under ``torch.compile`` and
             ``torch.export``.
-        IndexError: (CPU kernel only, eager) a slot ``>= P * block_size``. On CUDA such a slot is undefined behaviour
-            (no host sync); check with :func:`check_slot_mapping` outside compiled regions.
+        RuntimeError: a slot ``>= P * block_size`` (value contract, docs/semantics.md §7), before anything is
+            written: ``"kvops.paged_cache_write: slot_mapping[i] = x is outside the cache: valid slots are [0, P *
+            block_size) ..."`` in the default ``"eager"`` value-check mode (eager calls; not checked while tracing);
+            with ``kvops.value_checks("async")`` a ``torch._assert_async`` that also works in compiled and exported
+            graphs, and the whole batch is skipped. With ``"off"``: undefined behaviour of the kernel.
 
     Duplicate non-negative slots within one call: which token lands is unspecified.
     """
+    slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)  # value contract, docs/semantics.md §7
     torch.ops.kvops.paged_cache_write(
         key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout
     )
 
 
-def check_slot_mapping(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """Debug check of slot *values* (eager only: it reads the tensor, a host sync on CUDA; not for compiled code).
+def check_slot_mapping(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_layout: str = "NHD") -> None:
+    """Debug check of slot *values*, whatever the value-check mode (reads the tensor: a host sync on CUDA; eager only).
 
-    Raises ``IndexError`` when a slot is ``>= P * block_size`` and ``ValueError`` when a non-negative slot repeats.
-    Negative slots (padding) are allowed.
+    Raises ``RuntimeError`` for a slot ``>= P * block_size`` (the check ``paged_cache_write`` runs in the default
+    ``"eager"`` value-check mode, docs/semantics.md §7) and ``ValueError`` when a non-negative slot repeats (allowed
+    by the op, where which token lands is unspecified). Negative slots (padding) are allowed.
     """
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    values.raise_bad_slots(slot_mapping, *values.cache_geometry(k_cache, kv_layout), "kvops.paged_cache_write")
     slots = slot_mapping[slot_mapping >= 0].to(torch.int64).cpu()
-    if slots.numel() == 0:
-        return
-    bad = slots[slots >= num_slots]
-    if bad.numel():
-        raise IndexError(
-            f"kvops.paged_cache_write: slot_mapping holds slot {int(bad[0])} but the cache has only {num_slots} "
-            f"slots ({k_cache.shape[0]} blocks x block_size {k_cache.shape[1]}); valid slots are [0, {num_slots}) "
-            f"or negative (skip)."
-        )
     uniq, counts = slots.unique(return_counts=True)
     if bool((counts > 1).any()):
         raise ValueError(
