@@ -468,6 +468,29 @@ class TestWorkedExamples(unittest.TestCase):
         self.assertEqual(c.attention_window_size, c.cache_size)
 
 
+class TestVisibleRows(unittest.TestCase):
+    """The pure row-range function shared by the §1 caches (kvops/cache/_window.py), semantics.md §1.6."""
+
+    def test_cases(self):
+        from kvops.cache._window import visible_rows
+
+        cases = [  # (L', W, E, pinned_start, pinned_len, ls, r) -> ranges
+            ((6, 3, 2, -1, 0, 3, None), [(0, 2), (5, 6)]),  # issue 11's example: sink + newest W - E rows
+            ((3, 3, 2, -1, 0, 0, None), [(0, 3)]),  # L' <= W: every row, one range
+            ((8, 3, 0, -1, 0, 6, None), [(5, 8)]),  # no sink: [L' - W, L')
+            ((10, 5, 1, 2, 2, 8, None), [(0, 1), (2, 4), (8, 10)]),  # pin before a: sink, pin, W - E - p newest
+            ((10, 5, 1, 6, 2, 8, None), [(0, 1), (6, 10)]),  # pin at/after a: only as part of the newest rows
+            ((10, 5, 0, 2, 2, 8, None), [(2, 4), (7, 10)]),  # no sink, pin before a: pin, W - p newest
+            ((6, 2, 3, -1, 0, 3, None), [(0, 3)]),  # W <= E: the sink alone
+            ((8, 3, 2, -1, 0, 6, 0), [(0, 2), (6, 8)]),  # recent_window_tokens=0: sink + chunk
+            ((8, 3, 2, -1, 0, 6, 9), [(0, 8)]),  # sink and recent rows meet: one range
+            ((0, 3, 2, -1, 0, 0, None), [(0, 0)]),  # nothing visible
+        ]
+        for args, want in cases:
+            with self.subTest(args=args):
+                self.assertEqual(visible_rows(*args), want)
+
+
 class TestFocused(unittest.TestCase):
     def test_allocate_fused_and_separate(self):
         c = CausalKVCache.allocate(2, 5, 3, 80, dtype=torch.bfloat16, fused_kv=True)

@@ -85,9 +85,10 @@ class CausalKVCache:
             model(x_clean, caches, s)           # context pass (a rewrite)
 
     Pass the caches (a list, or any plain object holding them) as an **argument** of the compiled function, and
-    build them outside it. (A cache can also be built and used inside a compiled or exported function, e.g. an
-    exported step that wraps given buffers; its cursors are then trace-time constants of that graph.) Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
-    recompile they become dynamic ``SymInt``s. The bookkeeping is branch-free (``torch.sym_max``/``sym_min``), so
+    build them outside it. Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
+    recompile they become dynamic ``SymInt``s. (A cache can also be built and used inside a compiled or exported
+    function, e.g. an exported step that wraps given buffers; its cursors are then trace-time constants of that
+    graph.) The bookkeeping is branch-free (``torch.sym_max``/``sym_min``), so
     appends, rewrites and evictions run the same graph; the loop compiles a small fixed set of graphs during the
     first chunks and none after (measured on torch 2.13, tests/test_causal_compile.py):
 
