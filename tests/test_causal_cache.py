@@ -1,4 +1,5 @@
-"""CausalKVCache (semantics.md §1) against a plain-Python oracle of token rows; worked examples; documented errors.
+"""CausalKVCache (docs/semantics.md §1) against a plain-Python oracle of token rows; worked examples; documented
+errors.
 
 The oracle keeps, per cache head, a list of row labels (an int per token written, a negative label for a row's initial
 sentinel, ``None`` for rows a growth left uninitialized) and per head slice the cursors and the pin. Caches are filled
@@ -48,7 +49,7 @@ class _Slice:
 
 
 class Oracle:
-    """semantics.md §1 on lists of labels, written from the contract (not from the implementation)."""
+    """docs/semantics.md §1 on lists of labels, written from the contract (not from the implementation)."""
 
     def __init__(self, size, heads, sink=0, global_sink=0, window=None, grow=False):
         self.cap, self.k_sink, self.gs, self.grow = size, sink, global_sink, grow
@@ -346,7 +347,7 @@ def ids(t):
 
 class TestWorkedExamples(unittest.TestCase):
     def test_no_sink_eviction(self):
-        """semantics.md §1: S=4, no sink: [1,2,3] at 0, then [4,5,6] at 3 -> rows [3,4,5,6]."""
+        """docs/semantics.md §1: S=4, no sink: [1,2,3] at 0, then [4,5,6] at 3 -> rows [3,4,5,6]."""
         c = CausalKVCache(torch.zeros(1, 4, 1, 1), torch.zeros(1, 4, 1, 1))
         c.update_and_get_attention_kv(tokens(1, 2, 3), tokens(1, 2, 3), 0)
         r = c.update_and_get_attention_kv(tokens(4, 5, 6), tokens(4, 5, 6), 3)
@@ -357,7 +358,8 @@ class TestWorkedExamples(unittest.TestCase):
         self.assertEqual(ids(r.k), [3, 4, 5, 6])
 
     def test_sink_eviction(self):
-        """semantics.md §1: S=6, sink 2, chunks of 3: [1,1,2,3,3,3] after the chunk at 6, [1,1,3,4,4,4] after 9."""
+        """docs/semantics.md §1: S=6, sink 2, chunks of 3: [1,1,2,3,3,3] after the chunk at 6, [1,1,3,4,4,4] after
+        9."""
         c = CausalKVCache(torch.zeros(1, 6, 1, 1), torch.zeros(1, 6, 1, 1), sink_tokens=2)
         seen = []
         for i in range(4):

@@ -1,4 +1,4 @@
-"""``CausalKVCache``: one transformer block's K/V for block-causal streaming (semantics.md §1).
+"""``CausalKVCache``: one transformer block's K/V for block-causal streaming (docs/semantics.md §1).
 
 Bookkeeping is plain Python ints; every tensor write and move goes through ``kvops.cache_write`` / ``kvops.cache_roll``.
 """
@@ -47,7 +47,7 @@ class _Cursors:
 
 
 class CausalKVCache:
-    """Streaming K/V cache of one attention layer for block-causal generation, as in semantics.md §1.
+    """Streaming K/V cache of one attention layer for block-causal generation, as in docs/semantics.md §1.
 
     Used by causal video diffusion (Self-Forcing, CausVid, LingBot-world, LongLive) and streaming LLMs with attention
     sinks; the behaviour follows sglang's ``CausalSelfAttentionKVCache`` (and LongLive-2's pinned "shot" sink).
@@ -315,7 +315,7 @@ class CausalKVCache:
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
     ) -> CausalKVView:
-        """Write a chunk of K/V at its global position and return the rows the chunk attends to (semantics.md §1).
+        """Write a chunk of K/V at its global position and return the rows the chunk attends to (docs/semantics.md §1).
 
         Args:
             key: ``[B, n, H_in, D]``, value: ``[B, n, H_in, D_v]`` (cache dtype/device/B/D).
