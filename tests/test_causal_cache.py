@@ -122,7 +122,7 @@ class Oracle:
         return ls, ls + n, new_l, new_g, visible, contiguous
 
     def visible(self, sl, ls, new_l, recent):
-        """Visible rows after an update (semantics.md §1.6), as a sorted list of row indices."""
+        """Visible rows after an update (docs/semantics.md §1.6), as a sorted list of row indices."""
         sink = self.sink(sl)
         loose_pin = []  # a pinned chunk not yet next to the global sink, clipped to the rows in use
         if sl.pin is not None and sl.pin[0] != self.gs:
@@ -371,7 +371,7 @@ class TestWorkedExamples(unittest.TestCase):
         self.assertEqual((c.global_end, c.local_end), (12, 6))
 
     def test_window_is_the_whole_budget(self):
-        """Issue 11 / semantics.md §1.6: S=6, sink 2, W=3, chunks of 3 (ids 1,1,1 then 2,2,2): after the second chunk
+        """Issue 11 / docs/semantics.md §1.6: S=6, sink 2, W=3, chunks of 3 (ids 1,1,1 then 2,2,2): after the second chunk
         the view is the 2 sink rows and the newest row (3 rows, as sglang), not the sink plus 3 window rows."""
         c = CausalKVCache(torch.zeros(1, 6, 1, 1), torch.zeros(1, 6, 1, 1), sink_tokens=2, attention_window_size=3)
         views = []
@@ -471,7 +471,7 @@ class TestWorkedExamples(unittest.TestCase):
 
 
 class TestVisibleRows(unittest.TestCase):
-    """The pure row-range function shared by the §1 caches (kvops/cache/_window.py), semantics.md §1.6."""
+    """The pure row-range function shared by the §1 caches (kvops/cache/_window.py), docs/semantics.md §1.6."""
 
     def test_cases(self):
         from kvops.cache._window import visible_rows
