@@ -38,6 +38,11 @@ from .ops.transfer import paged_kv_gather, paged_kv_scatter  # noqa: E402
 
 __all__ += ["paged_kv_gather", "paged_kv_scatter"]
 
+# rotary embeddings fused into the paged write (kvops/ops/rotary.py)
+from .ops import apply_rotary, rotary_paged_cache_write  # noqa: E402
+
+__all__ += ["rotary_paged_cache_write", "apply_rotary"]
+
 # The one call from kvops into lowering/ (installed as kvops.lowering): registers the Inductor lowerings so
 # torch.compile fuses cache writes.
 from ._lowering_path import import_lowering as _import_lowering  # noqa: E402

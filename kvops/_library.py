@@ -54,3 +54,10 @@ lib.define(
     "dequantize_kv(Tensor codes, Tensor scales, Tensor? zeros, Tensor? centroids, Tensor? cluster_ids, str quant, "
     "ScalarType dtype) -> Tensor"
 )
+
+# --- rotary embedding fused into the paged write (kvops/ops/rotary.py) ------------------------------------------
+lib.define(
+    "rotary_paged_cache_write(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "Tensor positions, Tensor rotary_cos, Tensor rotary_sin, bool rotary_interleaved=False, "
+    "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+)

@@ -7,6 +7,7 @@ Lowerings (each replaces the op's extern kernel call by a scatter that fuses wit
 
 - ``kvops::cache_write``, ``kvops::cache_roll``: ``lowering/inductor_contiguous.py``
 - ``kvops::paged_cache_write``: ``lowering/inductor_paged.py``
+- ``kvops::rotary_paged_cache_write`` (rotation in the store loop): ``lowering/inductor_rotary.py``
 
 Caveat: Inductor's FX graph cache does not include custom lowerings in its key. After changing a lowering, clear the
 cache (``torch._inductor.utils.fresh_inductor_cache()``, or ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``), or a warm cache
@@ -33,6 +34,9 @@ def register() -> None:
     register_lowering(ops.cache_write.default, type_promotion_kind=None)(inductor_contiguous.cache_write)
     register_lowering(ops.cache_roll.default, type_promotion_kind=None)(inductor_contiguous.cache_roll)
     inductor_paged.register(register_lowering)
+    from . import inductor_rotary  # kvops::rotary_paged_cache_write
+
+    inductor_rotary.register(register_lowering)
     _registered = True
 
 

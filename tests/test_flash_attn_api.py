@@ -317,12 +317,12 @@ class TestContracts(expecttest.TestCase):
 
     def test_unsupported(self):
         f = kvops.flash_attn_with_kvcache
-        msg = self.check(lambda q, kc, vc, bt, c: f(q, kc, vc, rotary_cos=c, rotary_sin=c, cache_seqlens=1,
-                                                    block_table=bt),
-                         self.q, self.k_cache, self.v_cache, self.table, torch.ones(12, 8), exc=NotImplementedError)
+        msg = self.check(lambda q, kc, vc, bt, c: f(q, kc, vc, cache_seqlens=1, cache_leftpad=c, block_table=bt),
+                         self.q, self.k_cache, self.v_cache, self.table, torch.zeros(2, dtype=torch.int32),
+                         exc=NotImplementedError)
         self.assertExpectedInline(
             msg,
-            """flash_attn_with_kvcache: rotary_cos is not supported by kvops; apply it before the call (e.g. rotary embeddings to q and k) or pass rotary_cos=None.""",
+            """flash_attn_with_kvcache: cache_leftpad is not supported by kvops; apply it before the call (e.g. index the caches, or shift cache_seqlens) or pass cache_leftpad=None.""",
         )
         msg = self.check(lambda q, kc, vc, bt: f(q, kc, vc, cache_seqlens=1, block_table=bt, window_size=(2, 3)),
                          self.q, self.k_cache, self.v_cache, self.table, exc=NotImplementedError)

@@ -44,8 +44,10 @@ def greedy(model, cache, step):
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("cache", ["static", "paged"])
-@pytest.mark.parametrize("family", FAMILIES)
+CASES = [(family, "static") for family in FAMILIES] + [("gemma2", "paged")]
+
+
+@pytest.mark.parametrize("family,cache", CASES)
 def test_compiled_decode_two_graphs(family, cache):
     """fullgraph Dynamo capture of the decode step (fake rules of every kvops op included): <= 2 graphs over 19
     decode steps, tokens identical to stock attention."""
@@ -58,29 +60,39 @@ def test_compiled_decode_two_graphs(family, cache):
     assert counter.frame_count <= 2, counter.frame_count
 
 
-def test_inductor_decode_fuses_cache_write():
-    """Inductor (Llama, KvopsStaticCache): <= 2 graphs, eager tokens, and the K/V cache writes are lowered into the
-    generated kernels (no extern kvops.cache_write call; paged_attention stays an extern kernel)."""
+def test_inductor_fuses_rope_into_cache_write():
+    """Inductor, Llama layer 0 with KvopsStaticCache: k_proj -> RoPE -> ``cache.update`` (``kvops.cache_write``) and
+    v_proj -> write are lowered into generated kernels, no extern ``kvops.cache_write`` call; the caches equal eager's
+    bit for bit."""
     from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = model_for("llama")
-    codes = []
+    attn, rotary = model.model.layers[0].self_attn, model.model.rotary_emb
+    kv_eager, kv_compiled = make_cache("static", model.config), make_cache("static", model.config)
+    x = torch.randn(2, 1, model.config.hidden_size)
 
-    def step(*args):
-        out, code = run_and_get_code(compiled, *args)
-        codes.extend(code)
-        return out
+    def step(x, cos, sin, cache):
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys, _ = cache.update(k, attn.v_proj(x).view(shape).transpose(1, 2), 0)
+        return q, keys.sum()
 
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-    compiled = torch.compile(decode, fullgraph=True, backend=counter)
-    with fresh_inductor_cache():
-        tokens = greedy(model, make_cache("static", model.config), step)
-    assert torch.equal(tokens, reference("llama")[0][:, -NEW_TOKENS:])
-    assert counter.frame_count <= 2, counter.frame_count
-    code = codes[-1]
-    assert "torch.ops.kvops.cache_write" not in code
-    assert "kvops.paged_attention" in code, code_facts(code)
+    with torch.no_grad():
+        cos, sin = rotary(x, torch.full((2, 1), 4))
+        for kv in (kv_eager, kv_compiled):
+            kv.layers[0].seen = 4
+        expected = step(x, cos, sin, kv_eager)
+        torch._dynamo.reset()
+        with fresh_inductor_cache():
+            got, codes = run_and_get_code(torch.compile(step, fullgraph=True), x, cos, sin, kv_compiled)
+    code = "\n".join(codes)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(kv_compiled.layers[0].k, kv_eager.layers[0].k)
+    assert torch.equal(kv_compiled.layers[0].v, kv_eager.layers[0].v)
+    assert "torch.ops.kvops.cache_write" not in code and "cpp_pybinding" in code, code_facts(code)
 
 
 class DecodeStep(torch.nn.Module):
@@ -98,8 +110,7 @@ class DecodeStep(torch.nn.Module):
         return decode(self.model, input_ids, attention_mask, position_ids, self.cache)
 
 
-@pytest.mark.parametrize("cache", ["static", "paged"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,cache", CASES)
 def test_export_decode_step(family, cache):
     """``torch.export`` of one decode step after an eager prefill; the exported program's logits equal eager's."""
     model = model_for(family)

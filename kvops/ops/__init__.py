@@ -17,3 +17,8 @@ __all__ = [
     "paged_kv_gather",
     "paged_kv_scatter",
 ]
+
+# rotary embeddings fused into the paged write (rotary.py)
+from .rotary import apply_rotary, rotary_paged_cache_write  # noqa: E402
+
+__all__ += ["rotary_paged_cache_write", "apply_rotary"]

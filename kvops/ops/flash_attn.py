@@ -15,6 +15,7 @@ from .._checks import values
 from .._checks.flash_attn import OP, check_flash_attn_with_kvcache
 from .paged_attention import paged_attention
 from .paged_write import paged_cache_write
+from .rotary import apply_rotary, rotary_paged_cache_write
 
 
 def flash_attn_with_kvcache(
@@ -64,7 +65,13 @@ def flash_attn_with_kvcache(
         softcap: ``> 0`` applies ``softcap * tanh(score / softcap)`` before masking.
         return_softmax_lse: also return the log-sum-exp ``[B, H_q, S_q]`` float32 (natural log; ``-inf`` for a query
             that sees no key).
-        num_splits: a scheduling hint; ignored. rotary_interleaved: only used with rotary (unsupported).
+        rotary_cos, rotary_sin: ``[seqlen_ro, rotary_dim / 2]`` in q's dtype (``rotary_dim <= D``, ``seqlen_ro >=``
+            the capacity), only with ``k``: ``k`` is rotated at its cache positions ``cache_seqlens + i`` inside the
+            write (``kvops.rotary_paged_cache_write``); ``q`` at ``cache_seqlens + i`` when ``causal`` or local
+            (``window_size != (-1, -1)``), else every query at ``cache_seqlens`` (FlashAttention's semantics).
+        rotary_interleaved: GPT-J pairs ``(2j, 2j + 1)`` (default, as FlashAttention) or GPT-NeoX pairs ``(j, j +
+            rotary_dim / 2)``.
+        num_splits: a scheduling hint; ignored.
         k_scale, v_scale: (kvops extension, keyword-only) float32 ``[1]`` or ``[H_kv]`` scales for
             ``float8_e4m3fn`` caches (written as ``x / scale``, read as ``cache * scale``).
 
@@ -81,7 +88,10 @@ def flash_attn_with_kvcache(
             (``S_new > capacity``, or ``cache_seqlens + S_new > capacity`` for an int ``cache_seqlens``). Errors of
             the ops (dtypes, devices, fp8 scales, ``window_left < -1``, ``softcap < 0``) propagate from their
             validators.
-        NotImplementedError: ``rotary_cos``/``rotary_sin``, ``cache_batch_idx``, ``cache_leftpad``,
+        ValueError (rotary): tables without ``k`` (``"If rotary cos/sin are provided, new key / value to be appended
+            to KV cache must also be provided"``), only one table, ``"cos/sin seqlen must be at least the seqlen of KV
+            cache"``, ``"rotary_dim must be <= headdim"``, a table dtype other than q's.
+        NotImplementedError: ``cache_batch_idx``, ``cache_leftpad``,
             ``alibi_slopes``, or ``window_size[1] > 0`` without ``causal``.
         RuntimeError: value contracts (docs/semantics.md §7), before anything is written: a ``cache_seqlens``
             value with ``cache_seqlens[b] + S_new`` past the capacity addressable by ``block_table``, or negative
@@ -118,8 +128,18 @@ def flash_attn_with_kvcache(
         slots = torch.where(inside, blocks * block_size + pos % block_size, -1).view(-1)
         if ok is not None:  # async value checks: a failing batch writes nothing
             slots = torch.where(ok, slots, -1)
-        paged_cache_write(k.reshape(batch * s_new, *k.shape[2:]), v.reshape(batch * s_new, *v.shape[2:]),
-                          k_cache, v_cache, slots, None, k_scale, v_scale)
+        k_rows, v_rows = k.reshape(batch * s_new, *k.shape[2:]), v.reshape(batch * s_new, *v.shape[2:])
+        if rotary_cos is None:
+            paged_cache_write(k_rows, v_rows, k_cache, v_cache, slots, None, k_scale, v_scale)
+        else:  # k rotated at its cache positions inside the write (fused under Inductor)
+            ro_pos = pos.clamp(0, rotary_cos.shape[0] - 1).view(-1)
+            rotary_paged_cache_write(k_rows, v_rows, k_cache, v_cache, slots, ro_pos, rotary_cos, rotary_sin,
+                                     rotary_interleaved, None, k_scale, v_scale)
+    if rotary_cos is not None:  # q: at cache_seqlens + i when causal or local, else all at cache_seqlens (as FA)
+        local = causal or tuple(window_size) != (-1, -1)
+        q_pos = base[:, None] + (torch.arange(s_q, dtype=torch.int64, device=device) if local else 0)
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos.expand(batch, s_q).clamp(0, rotary_cos.shape[0] - 1),
+                         rotary_interleaved)
 
     seq_lens = (base + s_new).clamp(0, capacity).to(torch.int32)
     cu_seqlens_q = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * s_q
