@@ -197,7 +197,7 @@ def table_time(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, wi
     print(f"\n4. Time, packed / dense CausalKVCache (Wan heads {heads} x {dim}, chunk {chunk} tokens = {CHUNK_FRAMES} x "
           f"{frame_tokens} (scaled), window {window_chunks} chunks, bf16, keep_recent_chunks 1, {reps} interleaved "
           f"runs; median [min, max] in ms)")
-    print(f"{'format':<20}{'update ms':>24}{'x dense':>8}{'(mat)':>8}{'attn ms':>24}{'x dense':>8}{'(mat)':>8}"
+    print(f"{'format':<20}{'update ms':>26}{'x dense':>9}{'(mat)':>9}{'attn ms':>28}{'x dense':>9}{'(mat)':>9}"
           f"{'peak MiB':>10}{'(mat)':>10}")
 
     def prime(cache, chunks):
@@ -263,14 +263,14 @@ def table_time(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, wi
     def ratio(times, name):
         return statistics.median(times[name]) / statistics.median(times["dense"])
 
-    print(f"{'dense bf16':<20}{cell(up['dense']):>24}{1:>8.2f}{'':>8}{cell(at['dense']):>24}{1:>8.2f}{'':>8}"
+    print(f"{'dense bf16':<20}{cell(up['dense']):>26}{1:>9.2f}{'':>9}{cell(at['dense']):>28}{1:>9.2f}{'':>9}"
           f"{peaks['dense'] / 2**20:>10.2f}{'':>10}")
     for name in caches:
         if name == "dense":
             continue
         mat = name + " (mat)"
-        print(f"{name:<20}{cell(up[name]):>24}{ratio(up, name):>8.2f}{ratio(up, mat):>8.2f}{cell(at[name]):>24}"
-              f"{ratio(at, name):>8.2f}{ratio(at, mat):>8.2f}{peaks[name] / 2**20:>10.2f}{peaks[mat] / 2**20:>10.2f}")
+        print(f"{name:<20}{cell(up[name]):>26}{ratio(up, name):>9.2f}{ratio(up, mat):>9.2f}{cell(at[name]):>28}"
+              f"{ratio(at, name):>9.2f}{ratio(at, mat):>9.2f}{peaks[name] / 2**20:>10.2f}{peaks[mat] / 2**20:>10.2f}")
     print("   update: packed cache's update() (returns segments) / dense; (mat): update_and_get_attention_kv, which "
           "also materializes the window densely.")
     print("   attn: packed_attention over the segments (LSE merge, one chunk dequantized at a time); (mat): "

@@ -13,7 +13,8 @@ Scaled to a 2-core CPU (printed as such): layers 16 -> --layers, FFN 8192 -> --f
 head geometry and hidden size are the model's.
 
 Printed: tokens identical to a single-process run (True/False), bytes moved per writer vs the plan, transfer GB/s
-(from the first send to the last scatter, all decode ranks), and timings.
+(all decode ranks, from the first gather to the last scatter; median and spread over --rounds transfers of the same
+KV, each followed by a baseline: the same bytes as one plain send per writer), and timings.
 
     python examples/disaggregated_serving.py                         # spawns 4 + 2 processes (gloo, CPU)
     torchrun --nproc-per-node 6 examples/disaggregated_serving.py    # the same under torchrun
@@ -32,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import kvops
 from kvops.cache import PagedKVCache
 from kvops.transfer import (KVReceiver, KVSender, TransferGroups, compute_head_slice_params, rank_head_range,
                             staging_grid_tokens, writer_bytes)
@@ -151,10 +151,18 @@ def worker(args) -> None:
         report["prefill_s"] = time.perf_counter() - t0
         sender = KVSender(groups, rank, cache.k_caches, cache.v_caches, H_KV, chunked_prefill_size=args.chunk)
         sender.connect()
-        dist.barrier()  # the transfer is timed from here: prefill done, receivers connected
-        for rid in prompts:
-            table = torch.tensor(cache.block_ids(rid), dtype=torch.int32, device=device)
-            sender.send(rid, lengths[rid], table)
+        tables = {rid: torch.tensor(cache.block_ids(rid), dtype=torch.int32, device=device) for rid in prompts}
+        for r in range(args.rounds):  # the same KV, `rounds` times (request ids r * 1000 + rid), each then raw
+            dist.barrier()  # timed from here on the decode side: prefill done, receivers connected
+            sent: dict[int, int] = {}
+            for rid in prompts:
+                for d, b in sender.send(1000 * r + rid, lengths[rid], tables[rid]).bytes_per_peer.items():
+                    sent[d] = sent.get(d, 0) + b
+            dist.barrier()  # baseline: the same bytes to the same decode ranks as one plain message each
+            raw = [dist.P2POp(dist.isend, torch.empty(b // dtype.itemsize, dtype=dtype, device=device),
+                              groups.decode_ranks[d]) for d, b in sent.items()]
+            for work in dist.batch_isend_irecv(raw):
+                work.wait()
         if rank == 0:  # the first sampled tokens travel with the KV (every prefill rank computed the same ones)
             first_t = torch.tensor([first[rid] for rid in prompts], dtype=torch.int64, device=device)
             for d in groups.decode_ranks:
@@ -165,11 +173,23 @@ def worker(args) -> None:
         cache = new_cache(args, model.hkv, dtype, device)
         recv = KVReceiver(groups, d, cache, H_KV, chunked_prefill_size=args.chunk, decode_group=decode_group)
         recv.connect()
-        dist.barrier()
-        t0 = time.perf_counter()
-        stats = [recv.receive(rid, lengths[rid]) for rid in prompts]
-        report["transfer_s"] = time.perf_counter() - t0
-        report["bytes"] = {w.writer: sum(s.bytes_per_peer[w.writer] for s in stats) for w in recv.writers}
+        report["transfer_s"], report["raw_s"] = [], []
+        for r in range(args.rounds):
+            dist.barrier()
+            t0 = time.perf_counter()
+            stats = [recv.receive(1000 * r + rid, lengths[rid]) for rid in prompts]
+            report["transfer_s"].append(time.perf_counter() - t0)
+            if r < args.rounds - 1:
+                for rid in prompts:
+                    cache.free(1000 * r + rid)
+            report["bytes"] = {w.writer: sum(s.bytes_per_peer[w.writer] for s in stats) for w in recv.writers}
+            raw = [dist.P2POp(dist.irecv, torch.empty(b // dtype.itemsize, dtype=dtype, device=device),
+                              groups.prefill_ranks[w]) for w, b in report["bytes"].items()]
+            dist.barrier()
+            t0 = time.perf_counter()
+            for work in dist.batch_isend_irecv(raw):
+                work.wait()
+            report["raw_s"].append(time.perf_counter() - t0)
         report["plan"] = {w.writer: sum(writer_bytes(n, w.num_heads, HEAD_DIM * dtype.itemsize, args.layers)
                                         for n in lengths.values())
                           for w in compute_head_slice_params(p_tp, d_tp, d, H_KV)}
@@ -177,7 +197,10 @@ def worker(args) -> None:
         first_t = torch.empty(len(prompts), dtype=torch.int64, device=device)
         dist.recv(first_t, 0)
         t0 = time.perf_counter()
-        tokens = decode(model, cache, dict(zip(prompts, first_t.tolist())), lengths, args.new_tokens, device)
+        last = {1000 * (args.rounds - 1) + rid: rid for rid in prompts}  # the last round's requests stay
+        tokens = decode(model, cache, dict(zip(last, first_t.tolist())), {k: lengths[r] for k, r in last.items()},
+                        args.new_tokens, device)
+        tokens = {last[k]: t for k, t in tokens.items()}
         report["decode_s"] = time.perf_counter() - t0
         if d == 0:  # the single-process reference: the whole model, all heads, one cache
             t0 = time.perf_counter()
@@ -212,9 +235,14 @@ def print_report(args, reports, dtype) -> None:
                           for w, b in r["bytes"].items())
         print(f"  decode rank {d} <- {parts}")
         total += sum(r["bytes"].values())
-    seconds = max(r["transfer_s"] for r in dec)
-    print(f"transfer: {total / 1e6:.2f} MB in {seconds * 1e3:.1f} ms = {total / seconds / 1e9:.3f} GB/s "
-          f"(all decode ranks, gather + send + receive + scatter)")
+    kv = [total / max(r["transfer_s"][i] for r in dec) / 1e9 for i in range(args.rounds)]
+    raw = [total / max(r["raw_s"][i] for r in dec) / 1e9 for i in range(args.rounds)]
+    ratio = [a / b for a, b in zip(kv, raw)]
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    print(f"transfer of {total / 1e6:.2f} MB (all decode ranks; gather + send + receive + scatter), {args.rounds} "
+          f"rounds: median {med(kv):.3f} GB/s (min {min(kv):.3f}, max {max(kv):.3f}); the same bytes as one plain "
+          f"{args.backend} message per writer: median {med(raw):.3f} GB/s (min {min(raw):.3f}, max {max(raw):.3f}); "
+          f"ratio median {med(ratio):.2f} (min {min(ratio):.2f}, max {max(ratio):.2f})")
     n_tok = len(args.lengths) * args.new_tokens
     print(f"decode: {args.new_tokens} tokens x {len(args.lengths)} requests in {max(r['decode_s'] for r in dec):.3f} "
           f"s ({n_tok / max(r['decode_s'] for r in dec):.1f} tokens/s); single-process reference (prefill + decode) "
@@ -237,6 +265,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=64)
     p.add_argument("--chunk", type=int, default=64, help="chunked_prefill_size: the staging grid in tokens")
+    p.add_argument("--rounds", type=int, default=5, help="transfers of the same KV (timed; the last one decodes)")
     args = p.parse_args(argv)
     args.backend = "nccl" if args.device == "cuda" else "gloo"
     return args

@@ -62,3 +62,6 @@ def onnx_translation_table() -> dict:
     from .lowering.onnx import onnx_translation_table as table
 
     return table()
+
+
+__all__.append("onnx_translation_table")

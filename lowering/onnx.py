@@ -124,7 +124,8 @@ def _quantize_fp8(x, scale, h0: int, h_in: int):
     if _static(scale, 0, "the scale length") != 1:
         scale = op.Slice(scale, op.Constant(value_ints=[h0]), op.Constant(value_ints=[h0 + h_in]))
     q = op.Div(op.Cast(x, to=FLOAT), op.Reshape(scale, op.Constant(value_ints=[1, -1, 1])))
-    return op.Cast(op.Clip(q, op.Constant(value=ir.tensor(-FP8_MAX, dtype=FLOAT)), op.Constant(value=ir.tensor(FP8_MAX, dtype=FLOAT))), to=FP8)
+    low, high = (op.Constant(value=ir.tensor(v, dtype=FLOAT)) for v in (-FP8_MAX, FP8_MAX))
+    return op.Cast(op.Clip(q, low, high), to=FP8)  # Cast saturates and rounds to nearest even
 
 
 def _scatter_slots(x, cache, slots, h0: int, h_in: int):

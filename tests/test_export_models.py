@@ -104,22 +104,27 @@ class ExportableBlock(video.Block):
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                                               attn_mask=mask[None, :])
         x = x + self.out(attn.transpose(1, 2).reshape(b, n, -1))
-        return x + self.ffn(self.norm2(x)), new_cursors
+        return x + self.ffn(self.norm2(x)), new_cursors, k, v
 
 
 class StreamStep(torch.nn.Module):
     """One pass of the streaming model over a chunk: ``(x, k_caches, v_caches, cursors, start) -> (x, cursors,
-    *k_caches, *v_caches)``; every layer shares the cursors (they advance identically)."""
+    *k_caches, *v_caches, *chunk_keys, *chunk_values)``; every layer shares the cursors (they advance identically).
+    The chunk's K/V of every layer are returned too, so a test can replay the cache updates eagerly on exactly the
+    values a compiled program wrote and compare the caches bit for bit."""
 
     def __init__(self, model: video.StreamingModel, sink_tokens: int):
         super().__init__()
         self.blocks, self.sink_tokens = model.blocks, sink_tokens
 
     def forward(self, x, k_caches, v_caches, cursors, start):
-        new_cursors = cursors
+        new_cursors, keys, values = cursors, [], []
         for block, k_cache, v_cache in zip(self.blocks, k_caches, v_caches):
-            x, new_cursors = ExportableBlock.forward(block, x, k_cache, v_cache, cursors, start, self.sink_tokens)
-        return (x, new_cursors, *k_caches, *v_caches)
+            x, new_cursors, k, v = ExportableBlock.forward(block, x, k_cache, v_cache, cursors, start,
+                                                            self.sink_tokens)
+            keys.append(k)
+            values.append(v)
+        return (x, new_cursors, *k_caches, *v_caches, *keys, *values)
 
 
 class StreamSession:
@@ -154,9 +159,10 @@ class StreamSession:
         k, v = self.zero_caches()
         return (self.latents[:, : self.TOKENS].clone(), k, v, init_cursors(), torch.tensor(0))
 
-    def run(self, fn, reference: bool = False):
+    def run(self, fn, reference: bool = False, replay: bool = False):
         """Run the whole stream through ``fn`` (a StreamStep-like callable, or the reference model); return every
-        pass's output and the final caches."""
+        pass's output and the final caches. ``replay``: after every pass, apply ``streaming_update`` eagerly to
+        copies of the caches with the chunk K/V ``fn`` returned, and check ``fn``'s caches equal them bit for bit."""
         outs = []
         if reference:
             caches = self.reference_caches()
@@ -171,13 +177,26 @@ class StreamSession:
                 if reference:
                     y = self.model(x, caches, s)
                 else:
-                    y, cursors, *_ = fn(x, k_caches, v_caches, cursors, torch.tensor(s))
+                    before = [c.clone() for c in k_caches + v_caches] if replay else None
+                    y, new_cursors, *rest = fn(x, k_caches, v_caches, cursors, torch.tensor(s))
+                    if replay:
+                        _replay(before, rest[2 * self.LAYERS :], cursors, s, self.SINK, k_caches + v_caches)
+                    cursors = new_cursors
                 outs.append(y)
                 if i < 2:
                     x = x - 0.25 * y
         if reference:
             return outs, [c.k for c in caches], [c.v for c in caches]
         return outs, k_caches, v_caches
+
+
+def _replay(before, chunk_kv, cursors, start, sink, after):
+    layers = len(before) // 2
+    for i in range(layers):
+        k_cache, v_cache = before[i], before[layers + i]
+        streaming_update(chunk_kv[i], chunk_kv[layers + i], k_cache, v_cache, cursors, torch.tensor(start),
+                         sink_tokens=sink)
+        assert torch.equal(k_cache, after[i]) and torch.equal(v_cache, after[layers + i]), "cache not bit-exact"
 
 
 # --- the export signature ---------------------------------------------------------------------------------------

@@ -80,9 +80,9 @@ class TestPagedWrite(unittest.TestCase):
         k_cache = torch.randn(num_blocks, block_size, heads, d)  # sentinel values everywhere
         v_cache = torch.randn(num_blocks, block_size, heads, 16)
         key, value = torch.randn(7, 2, d), torch.randn(7, 2, 16)  # N' = 7 rows, N = 5 slots, heads [1, 3)
-        slots = torch.tensor([14, -1, 0, 7, -1], dtype=torch.int32)
+        slots = torch.tensor([14, -1, 0, 7, -3], dtype=torch.int32)  # -3 would be a real row in ONNX indexing
         runs = [(key, value, k_cache, v_cache, slots),
-                (key * 2, value, k_cache, v_cache, torch.tensor([-1, -1, 3, -1, 13], dtype=torch.int32))]
+                (key * 2, value, k_cache, v_cache, torch.tensor([-2, -1, 3, -5, 13], dtype=torch.int32))]
         self.check(PagedWrite(cache_head_start=1), runs[0], runs)
 
     def test_fp8_per_head_scales(self):
@@ -224,20 +224,20 @@ class TestExamples(unittest.TestCase):
     def test_stream_step_with_eviction_matches_eager(self):
         session = StreamSession()
         ort_session = export_onnx(session.step, session.example_inputs())
-        caches = {}
 
         def onnx_step(x, k_caches, v_caches, cursors, start):
-            k_caches, v_caches = caches.get("k", k_caches), caches.get("v", v_caches)
+            """ONNX returns the new caches; copy them into the stream's (exactly: a copy)."""
             y, new_cursors, *rest = run_onnx(ort_session, (x, k_caches, v_caches, cursors, start))
-            caches["k"], caches["v"] = rest[: len(k_caches)], rest[len(k_caches):]
-            return y, new_cursors
+            for dst, src in zip(k_caches + v_caches, rest):
+                dst.copy_(src)
+            return (y, new_cursors, *rest)
 
-        outs, _, _ = session.run(onnx_step)
+        outs, k, v = session.run(onnx_step, replay=True)  # ONNX's caches == eager updates of its own K/V, bit for bit
         ref_outs, ref_k, ref_v = session.run(None, reference=True)
         self.assertEqual(len(outs), 21)  # 7 chunks x 3 passes; chunks 4-6 evict
         for got, expected in zip(outs, ref_outs):
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-        for got, expected in zip(caches["k"] + caches["v"], ref_k + ref_v):
+        for got, expected in zip(k + v, ref_k + ref_v):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -26,7 +26,7 @@ import unittest
 import torch
 import torch.multiprocessing as mp
 
-import kvops  # noqa: F401  (imported once by the fork server, so the 10 workers start without importing it)
+import kvops  # imported once by the fork server (this module is preloaded), so the workers start without importing it
 
 WORLD = 10
 CONFIGS = [(4, 2, 8), (2, 4, 8), (1, 4, 2), (4, 1, 8), (8, 2, 2)]
@@ -56,7 +56,6 @@ def prefill_caches(num_heads: int):
 def prefill_requests(k_caches, v_caches, lengths, total_heads, tp, rank, seed):
     """Write each request's local heads at a random permutation of blocks (kvops.paged_cache_write); returns the
     block tables."""
-    import kvops
     from kvops.transfer import rank_head_range
 
     h0, h1 = rank_head_range(total_heads, tp, rank)
@@ -138,6 +137,37 @@ def run_config(rank, index, cfg, decode_group, out):
         res["ready"] = sorted(r % 1000 for r in recv.ready)
         res["writers"] = [w.writer for w in recv.writers]
         out[key] = res
+
+
+def run_agreement(rank, pair_group, out):
+    """Ranks 6,7 -> 8,9 (H=2, one writer each): prefill rank 7 never sends request 10_005, so decode rank 9 fails it;
+    decode rank 8, which received its part, learns it through the decode group and releases the request too."""
+    from kvops.transfer import KVReceiver, KVSender, KVTransferError, TransferGroups
+
+    groups = TransferGroups((6, 7), (8, 9))
+    lengths = {10_006: 6, 10_005: 5}
+    if rank in (6, 7):
+        k, v = prefill_caches(1)
+        tables = prefill_requests(k, v, lengths, 2, 2, rank - 6, seed=rank)
+        sender = KVSender(groups, rank - 6, k, v, 2, chunked_prefill_size=CHUNK, timeout_s=10)
+        sender.connect()
+        for rid, n in lengths.items():
+            if not (rank == 7 and rid == 10_005):
+                sender.send(rid, n, tables[rid])
+    else:
+        cache = decode_cache(1, seed=rank)
+        recv = KVReceiver(groups, rank - 8, cache, 2, chunked_prefill_size=CHUNK, timeout_s=FAULT_TIMEOUT_S,
+                          decode_group=pair_group)
+        recv.connect()
+        recv.receive(10_006, lengths[10_006])
+        free_before = cache.num_free_blocks
+        try:
+            recv.receive(10_005, lengths[10_005])
+            out["agreement_error"] = None
+        except KVTransferError as err:
+            out["agreement_error"] = str(err)
+        out["agreement_freed"] = cache.num_free_blocks == free_before and 10_005 not in cache.seq_ids
+        out["agreement_ready"] = sorted(recv.ready)
 
 
 def run_fault(rank, stall_released, out):
@@ -234,6 +264,7 @@ def worker(rank, port, outdir, stall_released):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
         decode_groups = [dist.new_group(list(range(p, p + d))) for p, d, _ in CONFIGS]
+        pair_group = dist.new_group([8, 9])
         survivors = dist.new_group([r for r in range(WORLD) if r != KILLED])
         out["times"].append(time.time())
         for index, (cfg, group) in enumerate(zip(CONFIGS, decode_groups)):  # no barrier needed: tags differ
@@ -242,6 +273,8 @@ def worker(rank, port, outdir, stall_released):
         out["times"].append(time.time())
         save(outdir, rank, out)  # before the fault phase, in which rank KILLED dies
         run_fault(rank, stall_released, out)
+        if rank in (6, 7, 8, 9):
+            run_agreement(rank, pair_group, out)
         out["times"].append(time.time())
         dist.barrier(group=survivors)  # nobody exits while a peer still completes a send to it
     except BaseException:  # reported to the parent test, which fails with the traceback
@@ -266,8 +299,8 @@ class TestDistributedTransfer(unittest.TestCase):
         ctx.set_forkserver_preload([__name__])
         cls.tmp = tempfile.TemporaryDirectory()
         stall_released = ctx.Event()
-        procs = [ctx.Process(target=worker, args=(r, free_port_cached(), cls.tmp.name, stall_released))
-                 for r in range(WORLD)]
+        port = free_port()
+        procs = [ctx.Process(target=worker, args=(r, port, cls.tmp.name, stall_released)) for r in range(WORLD)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + TEST_TIMEOUT_S
@@ -317,7 +350,8 @@ class TestDistributedTransfer(unittest.TestCase):
 
     def test_stalled_prefill_rank(self):
         res = self.result(2)
-        self.assertIn("prefill rank 1 (global rank 1) sent no data for tokens [8, 16): no message within 1.5 s", res["error"])
+        self.assertIn("prefill rank 1 (global rank 1) sent no data for tokens [8, 16): no message within 1.5 s",
+                      res["error"])
         self.assertIn("Its blocks were released and it is not ready", res["error"])
         self.assertLess(res["elapsed"], FAULT_TIMEOUT_S + 3)
         self.assertTrue(res["freed"])
@@ -336,6 +370,16 @@ class TestDistributedTransfer(unittest.TestCase):
         self.assertTrue(res["other_untouched"] and res["other_correct"])
         self.assertEqual(self.result(3)["sender_10_020"], "ok")
 
+    def test_decode_ranks_agree_on_failure(self):
+        for rank, why in ((8, "another decode rank of the group failed to receive its part"),
+                          (9, "prefill rank 1 (global rank 7) sent no data for tokens [0, 5): no message within 1.5 s"),
+                          ):
+            res = self.result(rank)
+            self.assertIn(f"KV transfer of request 10005 failed on decode rank {rank - 8}: {why}",
+                          res["agreement_error"])
+            self.assertTrue(res["agreement_freed"])
+            self.assertEqual(res["agreement_ready"], [10_006])
+
     def test_layout_mismatch_rejected_at_connect(self):
         for rank in (6, 7):
             self.assertEqual(
@@ -344,15 +388,6 @@ class TestDistributedTransfer(unittest.TestCase):
                 "model with the same KV cache layout (head_dim, dtype, page_size, layers, total KV heads); no KV "
                 "was transferred.",
             )
-
-
-_PORT = []
-
-
-def free_port_cached() -> int:
-    if not _PORT:
-        _PORT.append(free_port())
-    return _PORT[0]
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ class TestWorkedCases(expecttest.TestCase):
         self.assertEqual(senders, [0, 4])
 
     def test_4_1_8_and_equal(self):
-        self.assertEqual([(s.writer, s.cache_head_start) for s in writers(4, 1, 8)[0]], [(0, 0), (1, 2), (2, 4), (3, 6)])
+        self.assertEqual([(s.writer, s.cache_head_start) for s in writers(4, 1, 8)[0]],
+                         [(0, 0), (1, 2), (2, 4), (3, 6)])
         self.assertEqual(writers(2, 2, 8), [(HeadSlice(0, 0, 4, 0),), (HeadSlice(1, 0, 4, 0),)])
 
     def test_replication_on_both_sides_spreads_over_replicas(self):
@@ -114,7 +115,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(str(cm.exception), """decode tp_rank=2 is outside [0, 2).""")
         with self.assertRaises(ValueError) as cm:
             compute_grid_segments(4, 2, 0, 8)
-        self.assertExpectedInline(str(cm.exception), """compute_grid_segments needs start <= end, got start=4, end=2.""")
+        self.assertExpectedInline(str(cm.exception), """compute_grid_segments needs start <= end, got start=4, end=2.""")  # noqa: B950
         with self.assertRaises(ValueError):
             compute_grid_segments(0, 2, 0, 0)
         with self.assertRaises(ValueError):
@@ -145,3 +146,30 @@ class TestErrors(expecttest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestEndpointErrors(expecttest.TestCase):
+    """Argument errors of the transport, raised before any process group is touched."""
+
+    def test_endpoints(self):
+        import torch
+
+        from kvops.cache import PagedKVCache
+        from kvops.transfer import KVReceiver, KVSender, TransferGroups
+
+        with self.assertRaises(ValueError) as cm:
+            TransferGroups((0, 1), (1, 2))
+        self.assertExpectedInline(str(cm.exception), """TransferGroups needs non-empty, disjoint prefill and decode ranks, got (0, 1) and (1, 2).""")  # noqa: B950
+        groups = TransferGroups((0, 1), (2,))
+        cache = PagedKVCache(4, 4, 2, 8, num_layers=2, dtype=torch.float32)
+        with self.assertRaises(ValueError) as cm:
+            KVSender(groups, 0, cache.k_caches, cache.v_caches, 2)  # prefill TP 2 of H=2 holds 1 head per rank
+        self.assertExpectedInline(str(cm.exception), """prefill rank 0 caches hold 2 KV heads but total_kv_heads=2 over prefill tp_size=2 gives each rank 1; allocate caches with 1 KV heads.""")  # noqa: B950
+        with self.assertRaises(ValueError) as cm:
+            KVReceiver(groups, 1, cache, 2)
+        self.assertExpectedInline(str(cm.exception), """decode tp_rank=1 is outside [0, 1).""")
+        recv = KVReceiver(groups, 0, cache, 2)
+        with self.assertRaises(ValueError) as cm:
+            recv.receive("req-1", 4)
+        self.assertExpectedInline(str(cm.exception), """request_id must be an int in [0, 1073741823] (it tags the request's messages), got 'req-1'.""")  # noqa: B950
+        self.assertEqual(cache.seq_ids, [])  # nothing allocated

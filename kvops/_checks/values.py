@@ -5,7 +5,7 @@ a block id past ``P``, a ``seq_len`` past the block table) is checked here, in o
 
 * ``"eager"`` (default): eager calls read the index tensors (one host sync per call, as FlashAttention's
   ``TORCH_CHECK``\\ s do) and raise ``RuntimeError`` *before* anything is written. Nothing is emitted while tracing
-  (``torch.compile``, ``torch.export``, ``make_fx``): compiled code runs unchecked.
+  (``torch.compile``, ``torch.export``, fake-tensor tracing) or capturing a CUDA graph: that code runs unchecked.
 * ``"async"``: the checks become graph ops with no host sync (``torch._assert_async``), in eager code and in compiled
   or exported graphs alike. A write additionally routes every slot of a failing batch to ``-1`` ("skip"), so nothing
   is written even if the assert runs after the write (e.g. CUDA's asynchronous device assert).
@@ -66,6 +66,8 @@ def _active(*tensors: torch.Tensor) -> str | None:
         return "async"
     if torch.compiler.is_compiling() or any(type(t) not in _REAL or t.is_meta for t in tensors):  # tracing
         return None
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():  # CUDA-graph capture: no sync
+        return None
     return "eager"
 
 
@@ -96,7 +98,7 @@ def _assert(ok: torch.Tensor, msg: str) -> None:
 
 # --- paged_cache_write ----------------------------------------------------------------------------------------
 def raise_bad_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, op: str) -> None:
-    """Eager: ``RuntimeError`` naming the first slot ``>= num_blocks * block_size`` (one host sync when all are valid)."""
+    """Eager: ``RuntimeError`` naming the first slot ``>= num_blocks * block_size`` (one host sync if all are valid)."""
     capacity = num_blocks * block_size
     bad = slot_mapping >= capacity
     if not bool(bad.any()):
@@ -132,20 +134,27 @@ def check_paged_write(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_layo
 
 
 # --- paged_attention ------------------------------------------------------------------------------------------
+def _bad_blocks(block_table, lens, block_size, num_blocks):
+    """``[B, W]``: True where a used entry (the first ``ceil(lens[b] / block_size)`` of row ``b``) is outside
+    ``[0, num_blocks)``; entries past a sequence's blocks are never read and may hold any value."""
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    used = cols < ((lens + block_size - 1) // block_size)[:, None]
+    return used & ((block_table < 0) | (block_table >= num_blocks))
+
+
 def _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q):
     """Boolean tensors (each ``[B]`` or ``[B, W]`` or scalar) that are True where a contract is violated."""
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
     lens = seq_lens.long()
     capacity = block_table.shape[1] * block_size
-    used = torch.arange(block_table.shape[1], device=block_table.device) < ((lens + block_size - 1) // block_size)[:, None]
     return {
         "cu_start": cu[0] != 0,
         "cu_order": q_lens < 0,
         "cu_end": cu[-1] > q.shape[0],
         "q_len": q_lens > max_seqlen_q,
         "seq_len": (lens < 0) | (lens > capacity),
-        "block": used & ((block_table < 0) | (block_table >= num_blocks)),
+        "block": _bad_blocks(block_table, lens, block_size, num_blocks),
     }
 
 
@@ -216,7 +225,8 @@ def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
                   ) -> torch.Tensor | None:
     """``0 <= cache_seqlens[b]``, ``cache_seqlens[b] + num_new_tokens <= max_blocks * block_size`` and the block ids
     of the positions in use in ``[0, P)``, in the current mode. Returns the async ``ok`` flag (None otherwise), so the
-    caller can skip the whole write when it is False. ``mode="eager"`` forces the eager check (``check_kvcache_capacity``)."""
+    caller can skip the whole write when it is False. ``mode="eager"`` forces the eager check
+    (``check_kvcache_capacity``)."""
     if mode is None:
         mode = _active(cache_seqlens) if block_table is None else _active(cache_seqlens, block_table)
     if mode is None or (block_table is not None and block_table.device != cache_seqlens.device):
@@ -228,8 +238,7 @@ def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
     bad_len = (lens < 0) | (lens + num_new_tokens > capacity)
     bad_block = None
     if block_table is not None:
-        used = torch.arange(width, device=lens.device) < ((lens + num_new_tokens + block_size - 1) // block_size)[:, None]
-        bad_block = used & ((block_table < 0) | (block_table >= num_blocks))
+        bad_block = _bad_blocks(block_table, lens + num_new_tokens, block_size, num_blocks)
     if mode == "async":
         ok = ~bad_len.any() if bad_block is None else ~(bad_len.any() | bad_block.any())
         _assert(ok, f"{op}: cache_seqlens + {_known(num_new_tokens)} new tokens exceed the capacity addressable by "

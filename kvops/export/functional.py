@@ -98,9 +98,10 @@ def functionalize(ep: torch.export.ExportedProgram) -> torch.export.ExportedProg
     into ``torch.ops.higher_order.auto_functionalized_v2(op, **kwargs, _all_bases=[...])`` whose outputs
     ``(None, *new_bases)`` feed the graph signature's ``USER_INPUT_MUTATION`` outputs. ``torch.onnx.export`` in torch
     2.13 cannot translate that node at all (its first argument, the OpOverload, is mistaken for a graph value:
-    ``KeyError: <bound method OpOverload.name ...>``), whatever the ``custom_translation_table``. This pass replaces each
-    such node for a kvops write by one call of ``kvops::<op>_functional`` (arguments passed by name) and points the
-    node's consumers at its two outputs, so the program keeps its signature (the mutated caches are still outputs).
+    ``KeyError: <bound method OpOverload.name ...>``), whatever the ``custom_translation_table``. This pass replaces
+    each such node for a kvops write by one call of ``kvops::<op>_functional`` (arguments passed by name) and points
+    the node's consumers at its two outputs, so the program keeps its signature (the mutated caches are still
+    outputs).
 
     Caches must be graph inputs (or aliases of them). A cache recorded as a slice of its base is written back with
     ``aten.slice_scatter``; a cache that is a strided view of a larger allocation (e.g. K and V as ``kv[:, :, 0]``

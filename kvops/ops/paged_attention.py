@@ -19,6 +19,7 @@ from .. import _library  # noqa: F401  (other schemas; this op's schema is infer
 from .._checks import values
 from .._checks.paged_attention import check_paged_attention
 from .._checks.paged_write import as_nhd
+from .. import native
 from ..reference.paged_attention import paged_attention as _cpu_paged_attention
 from ..triton import HAS_TRITON
 
@@ -56,7 +57,9 @@ def _paged_attention_op(
             q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
             softcap, sinks, k_scale, v_scale,
         )
-    return _cpu_paged_attention(
+    # CPU: the native kernel (an opaque op with a fake rule, so compiled graphs call it too), else the composite
+    cpu_kernel = torch.ops.kvops._paged_attention_native if native.available() else _cpu_paged_attention
+    return cpu_kernel(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
         softcap, sinks, k_scale, v_scale,
     )

@@ -69,6 +69,15 @@ class PackedCausalKVCache:
         dtype, device: of the dense rows and of the returned K/V.
         name: used in error messages (default ``"PackedCausalKVCache"``).
 
+    Under ``torch.compile(fullgraph=True)`` use it as ``CausalKVCache`` (caches passed as an argument of the
+    compiled function, built outside it): the cursors become dynamic ``SymInt``s and nothing reads a tensor to decide
+    where to write. The window's segment structure (how many chunks are visible, which are packed) is Python
+    control flow, so each chunk adds an append graph and a rewrite graph until the window is full; then the
+    structure repeats and no graph is added. Bound (tests/test_packed_compile.py): ``2 * (ceil(S / N) + 1)``
+    graphs per stream, more than Dynamo's default ``recompile_limit`` (8) for windows of more than 3 chunks --
+    raise it in the generation loop's setup (kvops changes no config). Errors are raised at trace time (Dynamo
+    reports them as ``torch._dynamo.exc.Unsupported`` carrying the original exception).
+
     Raises:
         ValueError: ``S < K + N``, negative sizes, bad format parameters.
     """

@@ -9,17 +9,18 @@ both sides before any KV byte moves. Per request, both sides split ``[0, num_tok
 layers into one contiguous staging buffer (``kvops.paged_kv_gather``) and sends it; the decode rank receives its
 writers' buffers back to back (writer-major) with ``batch_isend_irecv`` and scatters each into its own pages at the
 writer's ``cache_head_start`` (``kvops.paged_kv_scatter``). Messages are tagged with the request id, so requests
-never mix.
+never mix (gloo matches tags; NCCL ignores them and matches in posting order, so with NCCL both sides must handle
+requests in the same order, and a pair on which a request failed should not be reused).
 
 Faults (decode side): a writer that dies (peer connection closed) or whose message does not arrive within
-``timeout_s`` seconds fails the request: the receiver still posts the receives of the request's remaining segments
-(into discard buffers, so every writer's sends can complete, a stalled one's included once it resumes), frees the
-request's blocks, never marks it ready and raises :class:`KVTransferError`. A request's data only ever lands in its
-own blocks, and only after every writer's slice of a segment arrived, so other requests' KV is never touched. With
-``decode_group`` given, the decode ranks agree on the outcome (a request is ready only when every decode rank
-received its part).
+``timeout_s`` seconds (per segment) fails the request: the receiver still posts the receives of the request's
+remaining segments (into discard buffers, so every writer's sends can complete, a stalled one's once it resumes),
+frees the request's blocks, never marks it ready and raises :class:`KVTransferError`. A request's data only ever
+lands in its own blocks, and only after every writer's slice of a segment arrived, so other requests' KV is never
+touched. With ``decode_group`` given, the decode ranks agree on the outcome (a request is ready only when every
+decode rank received its part).
 
-Timeouts are enforced by joining a waiter thread per message against a deadline, never with
+Timeouts are enforced by joining a waiter thread against a deadline, never with
 ``Work.wait(timeout)``: gloo answers a timed-out wait by closing *every* connection of the process ("Application
 timeout caused pair closure"), which would turn one stalled peer into a failure of all of them (and gloo's works
 report completion only through ``wait``, so ``is_completed`` cannot be polled). A receive (or send) given up on stays
@@ -113,13 +114,14 @@ class _Endpoint:
         if local_heads != expected:
             raise ValueError(
                 f"{self.side} rank {tp_rank} caches hold {local_heads} KV heads but total_kv_heads={total_kv_heads} "
-                f"over {self.side} tp_size={len(ranks)} places {expected} heads per rank."
+                f"over {self.side} tp_size={len(ranks)} gives each rank {expected}; allocate caches with {expected} "
+                f"KV heads."
             )
         self.num_layers = len(k_caches)
         self.dtype = k_caches[0].dtype
         self.grid_tokens = staging_grid_tokens(chunked_prefill_size, self.block_size)
         self.timeout_s = float(timeout_s)
-        self._abandoned: list = []  # (work, buffer) given up on but still posted
+        self._abandoned: list = []  # (waiter thread, works, buffers) given up on but still posted
         self.kv_args = KVArgs(total_kv_heads, local_heads, self.head_dim, str(self.dtype).removeprefix("torch."),
                               self.block_size, self.num_layers, len(ranks))
 
@@ -145,40 +147,36 @@ class _Endpoint:
         return torch.empty(numel, dtype=self.dtype, device=self.k_caches[0].device)
 
     def _wait(self, works: list, buffers: list) -> list[str | None]:
-        """Wait for each work until ``timeout_s`` after the call; returns per work ``None`` (done) or why it failed.
+        """Wait for the works until ``timeout_s`` after the call; returns per work ``None`` (done) or why it failed.
 
-        Each work is waited on by a daemon thread (``Work.wait()`` without a timeout; gloo's works report completion
-        only through ``wait``) that the caller joins against the deadline. A work given up on stays posted, and is
-        kept (with its buffer and thread) until it completes, so no message ever lands in a freed buffer.
+        One daemon thread waits on the works in order (``Work.wait()`` without a timeout: gloo's works report
+        completion only through ``wait``) while the caller waits for it against the deadline. When the deadline
+        passes, the work the thread is stuck on and every later one count as failed ("no message"); they stay
+        posted and are kept (with their buffers and the thread) until they complete, so no message ever lands in a
+        freed buffer.
         """
         self._abandoned = [x for x in self._abandoned if x[0].is_alive()]
-        deadline = time.monotonic() + self.timeout_s
-        waiters = []
-        for work, buf in zip(works, buffers):
-            result: dict = {}
-            thread = threading.Thread(target=_wait_one, args=(work, buf, result), daemon=True)
-            thread.start()
-            waiters.append((thread, result))
-        reasons = []
-        for (thread, result), work, buf in zip(waiters, works, buffers):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                self._abandoned.append((thread, work, buf))
-                reasons.append(f"no message within {self.timeout_s:g} s")
-            elif "error" in result:
-                reasons.append(f"connection failed: {result['error']}")
-            else:
-                reasons.append(None)
-        return reasons
+        results: list = [None] * len(works)  # filled by the thread: "" (done) or the error text
+        thread = threading.Thread(target=_wait_all, args=(works, buffers, results), daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            self._abandoned.append((thread, works, buffers))
+        return [
+            f"no message within {self.timeout_s:g} s" if r is None else (None if r == "" else f"connection failed: {r}")
+            for r in results
+        ]
 
 
-def _wait_one(work, buf, result: dict) -> None:
-    try:
-        work.wait()
-        if buf is not None and buf.is_cuda:  # NCCL: wait() orders the current stream; the host needs the data
-            torch.cuda.current_stream(buf.device).synchronize()
-    except RuntimeError as err:
-        result["error"] = str(err)
+def _wait_all(works, buffers, results: list) -> None:
+    for i, (work, buf) in enumerate(zip(works, buffers)):
+        try:
+            work.wait()
+            if buf is not None and buf.is_cuda:  # NCCL: wait() orders the current stream; the host needs the data
+                torch.cuda.current_stream(buf.device).synchronize()
+            results[i] = ""
+        except RuntimeError as err:
+            results[i] = str(err) or type(err).__name__
 
 
 class KVSender(_Endpoint):
@@ -188,7 +186,7 @@ class KVSender(_Endpoint):
         groups: the world's prefill and decode ranks. tp_rank: this rank's index in ``groups.prefill_ranks``.
         k_caches, v_caches: this rank's ``L`` paged caches ``[P, block_size, H // P_tp (or 1), D]`` each.
         total_kv_heads: ``H`` (see ``resolve_total_kv_heads``). chunked_prefill_size: staging grid size in tokens
-            (rounded to whole pages). timeout_s: per-message timeout.
+            (rounded to whole pages). timeout_s: seconds each segment's messages (and the handshake) may take.
     """
 
     side = "prefill"
