@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install kvops[transformers])")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers is not installed (pip install kvops[transformers])")
 
 import kvops.integrations.transformers as kvops_hf  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
@@ -185,5 +186,6 @@ def test_import_kvops_does_not_import_transformers():
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "transformers" or "integrations" in n]
+            offenders += [f"{path.name}: {n}" for n in names
+                          if n.split(".")[0] == "transformers" or "integrations" in n]
     assert not offenders, offenders

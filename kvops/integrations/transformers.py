@@ -3,7 +3,7 @@
 Usage (the three lines)::
 
     import kvops.integrations.transformers as kvops_hf              # registers "kvops" with transformers
-    model.set_attn_implementation("kvops")                           # or from_pretrained(..., attn_implementation="kvops")
+    model.set_attn_implementation("kvops")                           # or attn_implementation="kvops" at load
     out = model.generate(**inputs, past_key_values=kvops_hf.KvopsStaticCache(model.config, max_cache_len=256))
 
 How it plugs in (docs/semantics.md §10; transformers' own interfaces, no monkey-patching, no module-level state):
@@ -60,7 +60,8 @@ __all__ = [
 
 
 def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
-               attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu", **kwargs) -> torch.Tensor:
+               attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu",
+               **kwargs) -> torch.Tensor:
     """Mask function registered as ``"kvops"``: per-sequence visible key range (``start``, ``length``).
 
     Args (as transformers passes them to every mask function, ``masking_utils.create_causal_mask``):
@@ -70,7 +71,8 @@ def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         attention_mask: optional 2-D padding mask ``[B, >= kv_offset + kv_length]`` (bool/int, 1 = real token);
             padding must be *leading* (left padding, as ``generate()`` uses) or trailing; holes are not supported.
 
-    Returns ``[2, B, 1, 1]`` int32 (4-D so transformers passes it through as a prepared mask): row 0 ``start = max(0, pad_b - kv_offset)`` (first visible returned row), row 1
+    Returns ``[2, B, 1, 1]`` int32 (4-D so transformers passes it through as a prepared mask): row 0
+    ``start = max(0, pad_b - kv_offset)`` (first visible returned row), row 1
     ``length = max(0, q_offset + T - kv_offset - start)`` (rows from ``start`` through the last query). Causality,
     sliding windows, softcap and sinks are applied by the attention function from the module's own arguments.
     """
