@@ -174,10 +174,10 @@ class PackedCausalKVCache:
         n = self.chunk_tokens
         if self._in_ring(c, cur):
             row = (c % self.ring_chunks) * n
-            return self.k_ring[:, row : row + n], self.v_ring[:, row : row + n]
+            return self.k_ring.narrow(1, row, n), self.v_ring.narrow(1, row, n)
         if c < self.sink_chunks:
             if not self.quantize_sink:
-                return self.k_sink[:, c * n : (c + 1) * n], self.v_sink[:, c * n : (c + 1) * n]
+                return self.k_sink.narrow(1, c * n, n), self.v_sink.narrow(1, c * n, n)
             return _slot(self.k_sink_pool, c), _slot(self.v_sink_pool, c)
         slot = c % self.pool_chunks
         return _slot(self.k_pool, slot), _slot(self.v_pool, slot)
@@ -233,10 +233,12 @@ class PackedCausalKVCache:
             for i in range((p1 - 1) // size - p0 // size + 1):
                 c = p0 // size + i
                 a = torch.sym_max(p0, c * size) - c * size
-                b = torch.sym_min(p1, (c + 1) * size) - c * size
+                # The segment's length is specialized (a guard, stable once the window is full): Inductor then
+                # sees static segment shapes instead of nested Min/Max size expressions of the cursors.
+                rows = _static(torch.sym_min(p1, (c + 1) * size) - c * size - a)
                 kc, vc = self._chunk(c, cur)
-                ks.append(_segment(kc, a, b, h0, h1))
-                vs.append(_segment(vc, a, b, h0, h1))
+                ks.append(_segment(kc, a, rows, h0, h1))
+                vs.append(_segment(vc, a, rows, h0, h1))
         return PackedKVView(ks, vs, ls, local_end, local_end, g)
 
     def _advance(self, new: int) -> None:
@@ -288,14 +290,20 @@ class PackedCausalKVCache:
         return CausalKVView(k, v, *view[2:])
 
 
+def _static(n: int) -> int:
+    """``n`` as a plain int: under torch.compile Dynamo specializes the argument of ``range`` (a guard
+    ``expr == value``), so the segment shapes in the graph are constants (``int(SymInt)`` stays symbolic)."""
+    return len(range(n))
+
+
 def _slot(pool: PackedKV, i: int) -> PackedKV:
     return PackedKV(pool.quant, *(None if t is None else t[i] for t in pool[1:]))
 
 
-def _segment(chunk, a: int, b: int, h0: int, h1: int) -> Segment:
+def _segment(chunk, start: int, rows: int, h0: int, h1: int) -> Segment:
     if isinstance(chunk, PackedKV):
-        return chunk.rows(a, b).heads(h0, h1)
-    return chunk[:, a:b, h0:h1]
+        return chunk.rows(start, rows).heads(h0, h1)
+    return chunk.narrow(1, start, rows)[:, :, h0:h1]
 
 
 def _positions(rows: list[tuple[int, int]], sink: int, shift: int) -> list[tuple[int, int]]:
