@@ -232,10 +232,8 @@ class PackedCausalKVCache:
         for p0, p1 in _positions(rows, self.sink_tokens, g - local_end):
             for i in range((p1 - 1) // size - p0 // size + 1):
                 c = p0 // size + i
-                a = torch.sym_max(p0, c * size) - c * size
-                # The segment's length is specialized (a guard, stable once the window is full): Inductor then
-                # sees static segment shapes instead of nested Min/Max size expressions of the cursors.
-                rows = _static(torch.sym_min(p1, (c + 1) * size) - c * size - a)
+                a = _static(torch.sym_max(p0, c * size) - c * size, 0)
+                rows = _static(torch.sym_min(p1, (c + 1) * size) - c * size - a, size)
                 kc, vc = self._chunk(c, cur)
                 ks.append(_segment(kc, a, rows, h0, h1))
                 vs.append(_segment(vc, a, rows, h0, h1))
@@ -290,10 +288,11 @@ class PackedCausalKVCache:
         return CausalKVView(k, v, *view[2:])
 
 
-def _static(n: int) -> int:
-    """``n`` as a plain int: under torch.compile Dynamo specializes the argument of ``range`` (a guard
-    ``expr == value``), so the segment shapes in the graph are constants (``int(SymInt)`` stays symbolic)."""
-    return len(range(n))
+def _static(n: int, value: int) -> int:
+    """``value`` (a plain int) when ``n == value``, else ``n``. Under torch.compile this is one guard, stable once the
+    window is full, and makes whole-chunk segments static shapes instead of nested Min/Max size expressions of the
+    cursors (which Inductor then need not evaluate)."""
+    return value if n == value else n
 
 
 def _slot(pool: PackedKV, i: int) -> PackedKV:
