@@ -96,18 +96,6 @@ def _assert(ok: torch.Tensor, msg: str) -> None:
     torch._assert_async(ok, msg)
 
 
-def _validate(validate) -> None:
-    """Run the op's metadata validator (if given) before raising a value error: metadata errors come first."""
-    if validate is not None:
-        validate()
-
-
-def _validate_untraced(validate, *tensors) -> None:
-    """async mode: validate first in untraced code (a CPU assert raises at once); traced, the fake rule does."""
-    if not torch.compiler.is_compiling() and all(type(t) in _REAL and not t.is_meta for t in tensors):
-        _validate(validate)
-
-
 # --- paged_cache_write ----------------------------------------------------------------------------------------
 def raise_bad_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, op: str) -> None:
     """Eager: ``RuntimeError`` naming the first slot ``>= num_blocks * block_size`` (one host sync if all are valid)."""
@@ -124,13 +112,13 @@ def raise_bad_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int
 
 
 def check_paged_write(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_layout: str = "NHD",
-                      op: str = "kvops.paged_cache_write", validate=None) -> torch.Tensor:
+                      op: str = "kvops.paged_cache_write") -> torch.Tensor:
     """Apply the slot contract (``slot < P * block_size``) in the current mode; returns the slots to write.
 
     eager: raises before writing; async: asserts and returns the slots with every slot ``-1`` when any is bad (the
-    whole batch is skipped); off/tracing in eager mode: ``slot_mapping`` unchanged. ``validate`` (the op's metadata
-    validator, as a no-argument callable) runs before a value error is raised, so a metadata error (e.g. a cache in
-    the other ``kv_layout``, which misreads ``block_size``) always wins, as inside the op.
+    whole batch is skipped); off/tracing in eager mode: ``slot_mapping`` unchanged. The wrapper runs the op's
+    metadata validator before re-raising a value error, so a metadata error that explains it (e.g. a cache in the
+    other ``kv_layout``, which misreads ``block_size``) wins, as inside the op.
     """
     geometry = cache_geometry(k_cache, kv_layout)
     mode = _active(slot_mapping)
@@ -138,11 +126,8 @@ def check_paged_write(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_layo
         return slot_mapping  # checks off, or a metadata error that the op's validator reports
     num_blocks, block_size = geometry
     if mode == "eager":
-        if bool((slot_mapping >= num_blocks * block_size).any()):  # the one host sync of a valid call
-            _validate(validate)
-            raise_bad_slots(slot_mapping, num_blocks, block_size, op)
+        raise_bad_slots(slot_mapping, num_blocks, block_size, op)
     else:
-        _validate_untraced(validate, slot_mapping)
         ok = (slot_mapping < num_blocks * block_size).all()
         _assert(ok, f"{op}: slot_mapping holds a slot >= num_blocks * block_size = {_known(num_blocks * block_size)} "
                     f"(outside the cache); nothing was written. Run with kvops.value_checks('eager') to see the slot.")
@@ -207,12 +192,11 @@ def _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block
 
 
 def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout: str = "NHD",
-                          op: str = "kvops.paged_attention", validate=None) -> None:
+                          op: str = "kvops.paged_attention") -> None:
     """Apply the value contracts of ``paged_attention`` in the current mode (docs/semantics.md §7).
 
     eager: one host sync; ``RuntimeError`` naming the argument, index, value, bound and fix. async: one
     ``torch._assert_async`` per contract. ``cu_seqlens_q[-1] < T_q`` is allowed (rows owned by no sequence are 0).
-    ``validate``: the op's metadata validator, run before a value error (as :func:`check_paged_write`).
     """
     geometry = cache_geometry(k_cache, kv_layout)
     mode = _active(q, cu_seqlens_q, seq_lens, block_table)
@@ -225,10 +209,8 @@ def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_s
     v = _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q)
     if mode == "eager":
         if bool(torch.stack([t.any() for t in v.values()]).any()):
-            _validate(validate)
             _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, op)
         return
-    _validate_untraced(validate, q, cu_seqlens_q, seq_lens, block_table)
     cap = _known(block_table.shape[1] * block_size)
     hint = "Run with kvops.value_checks('eager') to see the index and value."
     _assert(~(v["cu_start"] | v["cu_order"].any() | v["cu_end"]),
