@@ -1,28 +1,38 @@
-"""Paged decode attention on CPU: kvops.paged_attention vs. unpaged SDPA and vs. gather-then-SDPA.
+"""Paged attention on CPU: kvops.paged_attention (eager and compiled) vs. the unpaged ideal, measured side by side.
 
-For each (batch, context) every sequence decodes one token (``q_len = 1``) over ``context`` cached tokens with the
-Qwen2.5-0.5B head geometry (14 query / 2 KV heads x 64, GQA 7:1), block_size 16 and a randomly permuted block table.
-Three ways to compute the same attention, timed in the same run:
+The ideal is SDPA over a contiguous ``[B, H_kv, S, D]`` cache with each KV head's query heads folded into query rows
+(``q.view(B, H_kv, G, D)``): K/V read once, no table indirection and no ``repeat_interleave`` (SDPA with
+``enable_gqa=True`` is several times slower than that on CPU, so it is not the bar). kvops reads a paged cache
+(block_size 16, randomly permuted block table) with the same values.
 
-* ``sdpa``    -- ``F.scaled_dot_product_attention(enable_gqa=True)`` over a contiguous ``[B, H_kv, S, D]`` cache: the
-                 unpaged ideal (no table indirection);
-* ``gather``  -- gather the paged blocks into a contiguous tensor through ``block_table``, then the same SDPA call (the
-                 usual fallback of frameworks without a paged kernel);
-* ``kvops``   -- ``kvops.paged_attention`` on the paged cache.
+* decode: every sequence decodes one token over ``context`` cached tokens, B in {1, 8, 32} x context in
+  {256, 1024, 4096}, for Qwen2.5-0.5B (14/2 heads x 64, GQA 7:1) and Llama-3.1-8B (32/8 x 128, GQA 4:1);
+* chunked prefill: 4 sequences x (512 cached + 128 new tokens), against SDPA with the same bottom-right causal mask
+  (query rows folded the same way);
+* bf16 and fp32; 1 and 2 threads; kvops eager and ``torch.compile(fullgraph=True, dynamic=True)``.
 
-Printed: median times, the ratios ``kvops / sdpa`` and ``kvops / gather`` (< 1 means kvops is faster), and the effective
-bandwidth of the K/V bytes each method must read (``B * S * H_kv * (D + D_v) * itemsize / time``), next to the machine's
-copy bandwidth measured at start. Only relative numbers are meaningful; nothing is asserted. On a machine shared
-with other jobs, multi-threaded timings are dominated by scheduling (OpenMP threads waiting on each other); use
-``--threads 1`` there.
+Timing: with one thread, the clock is the thread's CPU time (``time.thread_time``: time the process is preempted
+by other jobs on a shared machine is not counted); with more threads it is wall time (``--clock`` overrides).
+Candidates run interleaved (ideal, eager, compiled, alternating order each round), each sample a batch of
+calls lasting >= ~2 ms; the ratio is taken per round, and the table prints its median and spread (25th-75th
+percentile) over the rounds, so load from other processes hits both sides of a ratio. GB/s are the K/V bytes each
+call must read (``B * S * H_kv * (D + D_v) * itemsize``) over the median time, next to the machine's copy
+bandwidth (read + write of a 256 MiB ``copy_``) measured at each thread count. Synthetic data: K/V ~ N(0, 1), q ~
+N(0, 1). Only ratios are meaningful; nothing is asserted.
 
-    python benchmarks/paged_decode.py [--dtype float32|bfloat16] [--quick] [--threads N]
+Targets (issue 12): decode <= 1.2x at B in {8, 32} x context in {1024, 4096}, <= 2x at B = 1 and small contexts;
+prefill <= 1.3x. With matplotlib installed (``pip install -e '.[bench]'``) a PNG of the ratios against context is
+written next to the table (``--out``).
+
+    python benchmarks/paged_decode.py [--quick] [--threads 1 2] [--dtypes bfloat16 float32] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
 
 import torch
@@ -30,95 +40,189 @@ import torch.nn.functional as F
 
 import kvops
 
-H_Q, H_KV, HEAD_DIM, BLOCK_SIZE = 14, 2, 64, 16  # Qwen2.5-0.5B attention geometry (models.md)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from plots import save_ratio_plot  # noqa: E402
+
+BLOCK_SIZE = 16
+GEOMETRIES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.1-8b": (32, 8, 128)}  # (H_q, H_kv, D), models.md
+TARGETS = {"decode": {(8, 1024): 1.2, (8, 4096): 1.2, (32, 1024): 1.2, (32, 4096): 1.2, (1, 256): 2.0},
+           "prefill": 1.3}
 
 
-def median_time(fn, min_reps: int = 5, budget_s: float = 0.4) -> float:
-    """Median wall time of ``fn()`` in seconds over at least ``min_reps`` runs (after one warm-up)."""
-    fn()
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_reps or time.perf_counter() - start < budget_s:
-        t0 = time.perf_counter()
+CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = time.perf_counter
+
+
+def _sample(fn, reps: int) -> float:
+    t0 = clock()
+    for _ in range(reps):
         fn()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 200:
-            break
-    return statistics.median(times)
+    return (clock() - t0) / reps
+
+
+def interleaved(cands: dict, rounds: int, min_sample_s: float = 2e-3) -> dict:
+    """Per-call seconds of every candidate per round: ``{name: [t_round0, ...]}`` (candidates alternate order)."""
+    reps = {}
+    for name, fn in cands.items():
+        fn()  # warm-up (and compile)
+        t = _sample(fn, 1)
+        reps[name] = max(1, min(200, int(min_sample_s / max(t, 1e-7))))
+    out = {name: [] for name in cands}
+    names = list(cands)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            out[name].append(_sample(cands[name], reps[name]))
+    return out
+
+
+def spread(xs):
+    """(median, 25th percentile, 75th percentile)."""
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return statistics.median(xs), q[0], q[2]
 
 
 def copy_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
-    """Read + write GB/s of a large ``copy_`` (the machine's practical memory bandwidth for this benchmark)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    t = median_time(lambda: dst.copy_(src), min_reps=5, budget_s=0.5)
+    t = statistics.median(interleaved({"copy": lambda: dst.copy_(src)}, rounds=5)["copy"])
     return 2 * nbytes / t / 1e9
 
 
-def make_case(batch: int, context: int, dtype: torch.dtype, seed: int = 0):
+def make_case(geometry, batch: int, q_len: int, context: int, dtype, seed: int = 0):
+    """Paged and dense copies of the same K/V; ``context`` includes the ``q_len`` new tokens."""
+    h_q, h_kv, d = GEOMETRIES[geometry]
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 8
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, H_KV, HEAD_DIM, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, H_KV, HEAD_DIM, generator=g).to(dtype)
-    block_table = torch.randperm(num_blocks, generator=g)[: batch * blocks_per_seq].view(batch, -1).to(torch.int32)
-    q = torch.randn(batch, H_Q, HEAD_DIM, generator=g).to(dtype)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32)
-    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32)
-    # the equivalent contiguous cache [B, H_kv, S, D] for the unpaged ideal
-    k_dense = k_cache[block_table.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
-    v_dense = v_cache[block_table.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
-                cu_seqlens_q=cu_seqlens_q, k_dense=k_dense, v_dense=v_dense, context=context)
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, h_kv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, h_kv, d, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[: batch * blocks_per_seq].view(batch, -1).to(torch.int32)
+    q = torch.randn(batch * q_len, h_q, d, generator=g).to(dtype)
+    dense = lambda c: c[table.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()  # noqa: E731
+    group = h_q // h_kv
+    # folded queries [B, H_kv, q_len * G, D], rows (query, group head)
+    q_f = q.view(batch, q_len, h_kv, group, d).permute(0, 2, 1, 3, 4).reshape(batch, h_kv, q_len * group, d)
+    mask = None
+    if q_len > 1:  # bottom-right causal: query i sits at position context - q_len + i
+        pos = context - q_len + torch.arange(q_len).repeat_interleave(group)
+        mask = torch.arange(context)[None, :] <= pos[:, None]
+    return dict(q=q, q_f=q_f.contiguous(), mask=mask, k_cache=k_cache, v_cache=v_cache, block_table=table,
+                seq_lens=torch.full((batch,), context, dtype=torch.int32),
+                cu_seqlens_q=torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32), max_seqlen_q=q_len,
+                k_dense=dense(k_cache), v_dense=dense(v_cache), batch=batch, q_len=q_len, group=group)
 
 
-def run_sdpa(c):
-    return F.scaled_dot_product_attention(c["q"].unsqueeze(2), c["k_dense"], c["v_dense"], enable_gqa=True)
-
-
-def run_gather(c):
-    table = c["block_table"].long()
-    k = c["k_cache"][table].flatten(1, 2)[:, : c["context"]].transpose(1, 2)
-    v = c["v_cache"][table].flatten(1, 2)[:, : c["context"]].transpose(1, 2)
-    return F.scaled_dot_product_attention(c["q"].unsqueeze(2), k, v, enable_gqa=True)
+def run_ideal(c):
+    return F.scaled_dot_product_attention(c["q_f"], c["k_dense"], c["v_dense"], attn_mask=c["mask"])
 
 
 def run_kvops(c):
     return kvops.paged_attention(c["q"], c["k_cache"], c["v_cache"], c["cu_seqlens_q"], c["seq_lens"],
-                                 c["block_table"], 1)
+                                 c["block_table"], c["max_seqlen_q"])
+
+
+run_compiled = torch.compile(run_kvops, fullgraph=True, dynamic=True)
+
+
+def unfold(c, out_f):
+    """Ideal's ``[B, H_kv, q_len * G, D]`` back to kvops' packed ``[T, H_q, D]``."""
+    b, h_kv, _, d = out_f.shape
+    return out_f.view(b, h_kv, c["q_len"], c["group"], d).permute(0, 2, 1, 3, 4).reshape(-1, h_kv * c["group"], d)
+
+
+def measure(c, modes, rounds):
+    ref = unfold(c, run_ideal(c)).float()
+    err = max((f(c).float() - ref).abs().max().item() for f in (run_kvops, run_compiled))  # same attention
+    cands = {"ideal": lambda: run_ideal(c)}
+    if "eager" in modes:
+        cands["eager"] = lambda: run_kvops(c)
+    if "compiled" in modes:
+        cands["compiled"] = lambda: run_compiled(c)
+    times = interleaved(cands, rounds)
+    res = {"err": err, "ms": {n: statistics.median(ts) * 1e3 for n, ts in times.items()}}
+    for n in cands:
+        if n != "ideal":
+            res[n] = spread([a / b for a, b in zip(times[n], times["ideal"])])
+    kv_bytes = c["k_dense"].numel() * 2 * c["k_dense"].element_size()
+    res["gbs"] = {n: kv_bytes / (ms * 1e-3) / 1e9 for n, ms in res["ms"].items()}
+    return res
+
+
+def fmt_ratio(r):
+    return f"{r[0]:5.2f} [{r[1]:.2f}-{r[2]:.2f}]"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--quick", action="store_true", help="fewer configurations")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
+    parser.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=("eager", "compiled"))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[256, 1024, 4096])
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per configuration")
+    parser.add_argument("--quick", action="store_true", help="B in {1, 8} x context in {256, 1024}, 5 rounds")
+    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
+                        help="auto: thread CPU time at 1 thread, wall time otherwise")
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"),
+                        help="folder for the table (paged_decode.txt) and plot (paged_decode.png)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    batches = (1, 8) if args.quick else (1, 8, 32)
-    contexts = (256, 2048) if args.quick else (256, 1024, 4096)
+    if args.quick:
+        args.batches, args.contexts, args.rounds = [1, 8], [256, 1024], 5
 
-    bw = copy_bandwidth_gbs()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}; "
-          f"heads {H_Q}/{H_KV} x {HEAD_DIM} (Qwen2.5-0.5B), block_size {BLOCK_SIZE}, q_len 1")
-    print(f"measured copy bandwidth (read + write): {bw:.1f} GB/s")
-    header = (f"{'batch':>5} {'context':>7} | {'sdpa ms':>8} {'gather ms':>9} {'kvops ms':>8} | "
-              f"{'kvops/sdpa':>10} {'kvops/gather':>12} | {'sdpa GB/s':>9} {'gather GB/s':>11} {'kvops GB/s':>10}")
-    print(header)
-    print("-" * len(header))
-    for batch in batches:
-        for context in contexts:
-            c = make_case(batch, context, dtype)
-            ref = run_sdpa(c).squeeze(2).float()
-            err = (run_kvops(c).float() - ref).abs().max().item()  # sanity: the three compute the same attention
-            t_sdpa, t_gather, t_kvops = (median_time(lambda f=f: f(c)) for f in (run_sdpa, run_gather, run_kvops))
-            kv_bytes = batch * context * H_KV * 2 * HEAD_DIM * c["k_cache"].element_size()
-            gbs = [kv_bytes / t / 1e9 for t in (t_sdpa, t_gather, t_kvops)]
-            print(f"{batch:>5} {context:>7} | {t_sdpa * 1e3:>8.3f} {t_gather * 1e3:>9.3f} {t_kvops * 1e3:>8.3f} | "
-                  f"{t_kvops / t_sdpa:>10.2f} {t_kvops / t_gather:>12.2f} | {gbs[0]:>9.2f} {gbs[1]:>11.2f} "
-                  f"{gbs[2]:>10.2f}   (max |kvops - sdpa| {err:.1e})")
+    lines = []
+
+    def emit(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    native = kvops.native.available()
+    emit(f"torch {torch.__version__}; CPU kernel: {'native C++' if native else 'composite torch (no native build)'}; "
+         f"block_size {BLOCK_SIZE}; ratios = kvops / ideal per interleaved round: median [25th-75th pct] of "
+         f"{args.rounds} rounds")
+    panels = {}
+    global clock
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        clock_name = args.clock if args.clock != "auto" else ("cpu" if threads == 1 else "wall")
+        clock = CLOCK[clock_name]
+        emit(f"\n=== {threads} thread(s), {clock_name} clock: copy bandwidth (read + write) "
+             f"{copy_bandwidth_gbs():.1f} GB/s ===")
+        header = (f"{'case':<34} | {'ideal ms':>9} {'eager ms':>9} {'comp ms':>9} | {'eager/ideal':>18} "
+                  f"{'compiled/ideal':>18} | {'GB/s ideal':>10} {'eager':>6} {'comp':>6} | target")
+        emit(header)
+        emit("-" * len(header))
+        for geometry in args.geometries:
+            for dtype_name in args.dtypes:
+                dtype = getattr(torch, dtype_name)
+                shapes = [("decode", b, 1, s) for b in args.batches for s in args.contexts]
+                if not args.no_prefill:
+                    shapes.append(("prefill", 4, 128, 640))
+                for kind, batch, q_len, context in shapes:
+                    c = make_case(geometry, batch, q_len, context, dtype)
+                    r = measure(c, args.modes, args.rounds)
+                    del c
+                    target = TARGETS["prefill"] if kind == "prefill" else TARGETS["decode"].get((batch, context))
+                    name = (f"{geometry} {dtype_name[:4]} " + (f"B={batch} ctx={context}" if kind == "decode"
+                                                                  else "prefill 4x(512+128)"))
+                    ms, gbs = r["ms"], r["gbs"]
+                    emit(f"{name:<34} | {ms['ideal']:>9.3f} {ms.get('eager', 0):>9.3f} {ms.get('compiled', 0):>9.3f} | "
+                         f"{fmt_ratio(r['eager']) if 'eager' in r else '':>18} "
+                         f"{fmt_ratio(r['compiled']) if 'compiled' in r else '':>18} | {gbs['ideal']:>10.2f} "
+                         f"{gbs.get('eager', 0):>6.2f} {gbs.get('compiled', 0):>6.2f} | "
+                         f"{'<= ' + str(target) if target else '':<7} (max err {r['err']:.1e})")
+                    if kind == "decode":
+                        for mode in args.modes:
+                            panel = f"{geometry} {dtype_name} {mode}"
+                            series = panels.setdefault(panel, {}).setdefault(f"B={batch}, {threads}T", [])
+                            series.append((context, *r[mode]))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "paged_decode.txt").write_text("\n".join(lines) + "\n")
+    png = save_ratio_plot(out / "paged_decode.png", panels, "context (tokens)", "kvops / ideal",
+                          targets={p: 1.2 for p in panels})
+    print(f"\ntable: {out / 'paged_decode.txt'}" + (f"; plot: {png}" if png else " (no matplotlib: no plot)"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""Native (C++) CPU kernels, built on first use.
+
+``paged_attention.cpp`` registers ``kvops::_paged_attention_native`` (the CPU kernel behind ``kvops::paged_attention``,
+see the comment at its top). It is compiled by ``torch.utils.cpp_extension.load`` the first time a CPU paged attention
+runs (not at import), with the machine's C++ compiler (the one ``torch.compile`` on CPU needs too), into torch's
+extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the
+source, the flags and the CPU's instruction-set flags, so later processes load the cached build in well under a
+second, and differing sources or machines never share a binary.
+
+``available()`` says whether the kernel is usable. When the build fails (no compiler, missing headers) it returns
+False after ONE ``RuntimeWarning`` per process, and ``kvops.paged_attention`` keeps using the composite torch kernel
+(``kvops/reference/paged_attention.py``), which gives the same results, only slower. Setting ``KVOPS_NATIVE=0``
+selects the composite without trying to build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import warnings
+
+import torch
+
+SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+OP_NAME = "kvops::_paged_attention_native"
+
+_state: bool | None = None  # None: not tried yet in this process
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def build_name() -> str:
+    """Extension name: ``kvops_native_<hash of source, flags, CPU flags, torch version>``."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (*CFLAGS, _cpu_flags(), torch.__version__):
+        h.update(part.encode())
+    return f"kvops_native_{h.hexdigest()[:16]}"
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake(OP_NAME)
+    def _fake(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
+              softcap, sinks, k_scale, v_scale):
+        return (q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3]),
+                q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
+
+
+def _build(load=None) -> bool:
+    """Build (or load the cached build of) the extension and register its fake rule; False + one warning on failure."""
+    if os.environ.get("KVOPS_NATIVE", "1") == "0":
+        return False
+    try:
+        if load is None:
+            from torch.utils.cpp_extension import load
+        load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+        if not hasattr(torch.ops.kvops, "_paged_attention_native"):
+            raise RuntimeError(f"the built library does not define {OP_NAME}")
+    except Exception as e:  # any build/load failure: fall back, never crash
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        warnings.warn(
+            f"kvops: the native CPU paged-attention kernel could not be built ({type(e).__name__}: {first}); "
+            "kvops.paged_attention on CPU uses the slower composite torch kernel (same results). A C++ compiler "
+            "(g++/clang++, as torch.compile on CPU needs) makes it available; KVOPS_NATIVE=0 silences this.",
+            RuntimeWarning, stacklevel=3,
+        )
+        return False
+    _register_fake()
+    return True
+
+
+def available() -> bool:
+    """True when ``torch.ops.kvops._paged_attention_native`` is usable (built on the first call, then cached)."""
+    global _state
+    if _state is None:
+        _state = _build()
+    return _state

@@ -1,0 +1,624 @@
+// Native CPU kernel for kvops::paged_attention (semantics.md §4), registered as kvops::_paged_attention_native.
+//
+// Built on first use by kvops/native/__init__.py (torch.utils.cpp_extension.load); the Python op
+// kvops::paged_attention calls it for CPU tensors after its validator ran, so this file trusts its arguments'
+// metadata (dtypes, ranks, shapes) and only reads the index tensors' values.
+//
+// Work: one item per (sequence, tile of ~64 query rows per KV head) covering every KV head, optionally split along
+// the KV range (split-KV, merged afterwards) when there are fewer than two items per thread; items run under
+// at::parallel_for. A KV head's rows are all its GQA query heads times the tile's queries (row r = query i * G +
+// group head g), so every K/V token is read once per KV head (once per query tile in prefill), in its stored dtype
+// (fp32, bf16, fp16, fp8 e4m3 with per-tensor / per-KV-head scales: k_scale folded into q, v_scale into the output),
+// and the KV heads of a 16-token chunk are processed back to back so a token's rows are read together. K of a chunk
+// is converted to fp32 and transposed in registers (16 tokens = one vector), V is converted as it is accumulated: no
+// gathered copy of the context exists. Scores of 16 tokens are one vector per row: online softmax (running max m,
+// sum l, accumulator acc, all fp32) per chunk, softcap before masking, bottom-right causal mask and sliding window as
+// lane compares. Only positions < seq_len of blocks the table references for them are ever addressed (rows past a
+// chunk's end point at a zero buffer), so NaN/inf in unused slots or unreferenced blocks is never read. Caches are
+// addressed through their four strides (joint K|V allocations, interleaved blocks, HND caches viewed as NHD, sliced
+// heads); a last-dim stride != 1 or a head_dim that is not a multiple of 16 goes through a small fp32 staging tile.
+// Rows of the next chunks are software-prefetched (blocks are scattered). Vector code uses GCC/Clang vector
+// extensions (AVX-512 / AVX2 / NEON under -march=native).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace kvops_native {
+namespace {
+
+constexpr int L = 16;  // vector lanes = tokens per chunk
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+inline vi splati(int32_t x) { return vi{} + x; }
+inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < L; ++i) s += v[i]; return s; }
+inline float hmax(vf v) {
+#if defined(__clang__)
+  float m = v[0];
+  for (int i = 1; i < L; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+#else
+  for (int h = 8; h >= 1; h >>= 1) {
+    vi idx;
+    for (int c = 0; c < L; ++c) idx[c] = c ^ h;
+    const vf w = __builtin_shuffle(v, idx);
+    v = vsel(w > v, w, v);
+  }
+  return v[0];
+#endif
+}
+
+// exp with exact 0 for x < -87 (incl. -inf); Cephes expf polynomial, ~1 ulp.
+inline vf vexp(vf x) {
+  vi under = x < splat(-87.0f);
+  x = vsel(under, splat(-87.0f), x);
+  x = vsel(x > splat(88.0f), splat(88.0f), x);
+  vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  vf r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return vsel(under, splat(0.0f), p * (vf)e);
+}
+
+inline vf vtanh(vf x) {
+  vi neg = x < splat(0.0f);
+  vf ax = vsel(neg, -x, x);
+  vf e = vexp(ax * -2.0f);
+  vf t = (1.0f - e) / (1.0f + e);
+  return vsel(neg, -t, t);
+}
+
+// in-register 16x16 transpose: rows m[0..15] -> columns (swaps bit h of row and lane index for h = 8, 4, 2, 1)
+inline void transpose16(vf* m) {
+  for (int h = 8; h >= 1; h >>= 1) {
+    vi lo, hi;
+    for (int c = 0; c < L; ++c) {
+      lo[c] = (c & h) ? L + c - h : c;
+      hi[c] = (c & h) ? L + c : c + h;
+    }
+    for (int i = 0; i < L; ++i) {
+      if (i & h) continue;
+      vf a = m[i], b = m[i + h];
+#if defined(__clang__)
+      vf x, y;
+      for (int c = 0; c < L; ++c) {
+        x[c] = lo[c] < L ? a[lo[c]] : b[lo[c] - L];
+        y[c] = hi[c] < L ? a[hi[c]] : b[hi[c] - L];
+      }
+      m[i] = x;
+      m[i + h] = y;
+#else
+      m[i] = __builtin_shuffle(a, b, lo);
+      m[i + h] = __builtin_shuffle(a, b, hi);
+#endif
+    }
+  }
+}
+
+// --- loading one row of n elements (element stride st) into n_pad fp32 values (zeros after n) ------------------
+struct Fp8Lut {
+  float v[256];
+  Fp8Lut() {
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const Fp8Lut& fp8_lut() { static const Fp8Lut lut; return lut; }
+
+template <typename T>
+inline float to_f(const T& x) { return static_cast<float>(x); }
+template <>
+inline float to_f<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn& x) { return fp8_lut().v[x.x]; }
+
+template <typename T>
+inline void load_row(const T* src, int64_t st, int n, float* dst, int n_pad) {
+  int i = 0;
+  if (st == 1) {
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(dst, src, sizeof(float) * n);
+      i = n;
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+      for (; i + L <= n; i += L) {
+        vh h;
+        std::memcpy(&h, s + i, sizeof h);
+        storeu(dst + i, (vf)(__builtin_convertvector(h, vu) << 16));
+      }
+    } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+      const float* lut = fp8_lut().v;
+      const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+      for (; i < n; ++i) dst[i] = lut[s[i]];
+    }
+  }
+  for (; i < n; ++i) dst[i] = to_f(src[i * st]);
+  for (; i < n_pad; ++i) dst[i] = 0.f;
+}
+
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// --- the arguments of one call -----------------------------------------------------------------------------------
+struct Problem {
+  const void* q;
+  int64_t sq[3];
+  const void* k;
+  int64_t sk[4];
+  const void* v;
+  int64_t sv[4];
+  const int32_t* cu;
+  const int32_t* seq_lens;
+  const int32_t* table;
+  int64_t table_stride;
+  int num_heads, num_kv_heads, group, d, d_v, d_pad, dv_pad, block_size;
+  float scale, softcap;
+  bool causal;
+  int64_t window_left;
+  const float* sinks;  // [H_q] or null
+  const float* k_scale;  // [1] / [H_kv] or null
+  const float* v_scale;
+  int64_t n_k_scale, n_v_scale;
+  void* out;  // [T, H_q, D_v] contiguous, q's dtype
+  float* lse;  // [H_q, T] contiguous
+  int64_t num_tokens;
+};
+
+struct Item {
+  int b, q0, nq;  // sequence, first query of the tile, queries in the tile (all KV heads together)
+  int lo, hi;  // KV positions the tile can see
+  int parts;  // split-KV parts (1: no split)
+  int64_t partial;  // offset of this item's partial results (parts > 1)
+};
+
+// Per-thread scratch; rows_pad rows per KV head.
+struct Scratch {
+  std::vector<float> qf, ktmp, kt, vtmp, s, p, alpha, zeros;
+  std::vector<vf> lv;
+  std::vector<int> row_lo, row_hi;
+  void size(int rows_pad, const Problem& pb) {
+    qf.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d_pad, 0.f);
+    lv.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad, vf{});
+    zeros.assign(pb.d_pad + pb.dv_pad, 0.f);  // what rows past a chunk's end point at
+    ktmp.resize(static_cast<size_t>(L) * pb.d_pad);
+    kt.resize(static_cast<size_t>(pb.d_pad) * L);
+    vtmp.resize(static_cast<size_t>(L) * pb.dv_pad);
+    s.resize(static_cast<size_t>(rows_pad) * L);
+    p.assign(static_cast<size_t>(rows_pad) * L, 0.f);
+    alpha.assign(rows_pad, 1.f);
+    row_lo.resize(rows_pad);
+    row_hi.resize(rows_pad);
+  }
+};
+
+// qf[h][r] = q[token, h * G + g] * scale (* k_scale[h]) for row r = i * G + g; per-row visible range [lo, hi).
+template <typename TQ>
+void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc) {
+  const TQ* q = static_cast<const TQ*>(pb.q);
+  const int64_t t0 = pb.cu[it.b] + it.q0;
+  const int q_len = pb.cu[it.b + 1] - pb.cu[it.b], kv_len = pb.seq_lens[it.b];
+  std::fill(sc.qf.begin(), sc.qf.end(), 0.f);
+  for (int h = 0; h < pb.num_kv_heads; ++h) {
+    const float ks = pb.k_scale ? pb.k_scale[pb.n_k_scale == 1 ? 0 : h] : 1.f;
+    const float sc_all = pb.scale * ks;  // k_scale folded into q: q . (k * ks) = (q * ks) . k
+    for (int i = 0; i < it.nq; ++i) {
+      for (int g = 0; g < pb.group; ++g) {
+        const int r = i * pb.group + g;
+        const TQ* src = q + (t0 + i) * pb.sq[0] + static_cast<int64_t>(h * pb.group + g) * pb.sq[1];
+        float* dst = sc.qf.data() + (static_cast<size_t>(h) * rows_pad + r) * pb.d_pad;
+        for (int e = 0; e < pb.d; ++e) dst[e] = static_cast<float>(src[e * pb.sq[2]]) * sc_all;
+      }
+    }
+  }
+  for (int i = 0; i < it.nq; ++i) {
+    const int64_t pos = static_cast<int64_t>(kv_len) - q_len + it.q0 + i;
+    const int64_t lo = pb.window_left >= 0 ? std::max<int64_t>(0, pos - pb.window_left) : 0;
+    const int64_t hi = pb.causal ? std::min<int64_t>(kv_len, pos + 1) : kv_len;
+    for (int g = 0; g < pb.group; ++g) {
+      sc.row_lo[i * pb.group + g] = static_cast<int>(lo);
+      sc.row_hi[i * pb.group + g] = static_cast<int>(std::max<int64_t>(lo, hi));
+    }
+  }
+}
+
+template <typename T>
+inline vf load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return loadu(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    vh h;
+    std::memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+  } else {
+    vf v;
+    for (int i = 0; i < L; ++i) v[i] = to_f(p[i]);
+    return v;
+  }
+}
+
+// One chunk of n <= 16 tokens whose K/V rows are kp[t], vp[t] (unit stride, dp / dvp elements readable, tokens
+// t >= n point at zeros): scores, online softmax, accumulation.
+template <typename T>
+inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int n, int j0, int rows, int rows_pad,
+                  Scratch& sc, const float* qf, float* m, vf* lv, float* acc) {
+  const int dp = pb.d_pad, dvp = pb.dv_pad;
+  float* S = sc.s.data();
+  float* P = sc.p.data();
+  float* alpha = sc.alpha.data();
+  float* kt = sc.kt.data();
+  // K of the 16 tokens, transposed: kt[e] holds dim e of every token
+  for (int e0 = 0; e0 < dp; e0 += L) {
+    vf tile[L];
+    for (int t = 0; t < L; ++t) tile[t] = load16(kp[t] + e0);
+    transpose16(tile);
+    for (int e = 0; e < L; ++e) storeu(kt + static_cast<size_t>(e0 + e) * L, tile[e]);
+  }
+  // scores: S[r] = q_r . k_t for the 16 tokens, 4 rows at a time (each kt[e] load feeds 4 FMAs)
+  for (int r0 = 0; r0 < rows_pad; r0 += 4) {
+    const float* q0 = qf + static_cast<size_t>(r0) * dp;
+    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int e = 0; e < dp; ++e) {
+      const vf kv = loadu(kt + static_cast<size_t>(e) * L);
+      a0 += q0[e] * kv;
+      a1 += q0[dp + e] * kv;
+      a2 += q0[2 * dp + e] * kv;
+      a3 += q0[3 * dp + e] * kv;
+    }
+    storeu(S + (r0 + 0) * L, a0);
+    storeu(S + (r0 + 1) * L, a1);
+    storeu(S + (r0 + 2) * L, a2);
+    storeu(S + (r0 + 3) * L, a3);
+  }
+  // online softmax per row (softcap before masking)
+  vi lane;
+  for (int c = 0; c < L; ++c) lane[c] = c;
+  const vi pos = lane + j0;
+  for (int r = 0; r < rows; ++r) {
+    vf s = loadu(S + r * L);
+    if (pb.softcap > 0.f) s = vtanh(s * (1.0f / pb.softcap)) * pb.softcap;
+    const int rlo = sc.row_lo[r], rhi = sc.row_hi[r];
+    if (!(n == L && rlo <= j0 && j0 + L <= rhi)) {
+      const vi vis = (pos >= splati(rlo)) & (pos < splati(std::min(rhi, j0 + n)));
+      s = vsel(vis, s, splat(NEG_INF));
+    }
+    const float mc = hmax(s);
+    if (mc <= m[r]) {  // running max unchanged (also: nothing visible in this chunk)
+      alpha[r] = 1.f;
+      if (mc == NEG_INF) {
+        storeu(P + r * L, splat(0.f));
+        continue;
+      }
+    } else {
+      alpha[r] = std::exp(m[r] - mc);  // 0 when m was -inf
+      m[r] = mc;
+    }
+    const vf pr = vexp(s - m[r]);
+    storeu(P + r * L, pr);
+    lv[r] = lv[r] * alpha[r] + pr;
+  }
+  // acc[r] = acc[r] * alpha[r] + sum_t P[r, t] v_t, 8 rows x 16 dims of accumulators at a time
+  for (int e0 = 0; e0 < dvp; e0 += L) {
+    for (int r0 = 0; r0 < rows_pad; r0 += 8) {
+      vf a[8];
+      for (int i = 0; i < 8; ++i) a[i] = loadu(acc + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
+      for (int t = 0; t < n; ++t) {
+        const vf vv = load16(vp[t] + e0);
+        for (int i = 0; i < 8; ++i) a[i] += P[(r0 + i) * L + t] * vv;
+      }
+      for (int i = 0; i < 8; ++i) storeu(acc + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
+    }
+  }
+}
+
+// Online softmax of rows [0, rows) of every KV head over KV positions [lo, hi) of item `it`. `state` holds, per KV
+// head, m [rows_pad], l [rows_pad], acc [rows_pad, dv_pad] (head_size floats), updated in place. The KV heads of a
+// chunk are processed back to back, so a token's rows of all heads (often one contiguous run) are read together.
+template <typename TK>
+void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int rows_pad, Scratch& sc, float* state,
+            int64_t head_size) {
+  const TK* kc = static_cast<const TK*>(pb.k);
+  const TK* vc = static_cast<const TK*>(pb.v);
+  const int32_t* table = pb.table + it.b * pb.table_stride;
+  const int d = pb.d, dp = pb.d_pad, dvp = pb.dv_pad, nh = pb.num_kv_heads;
+  // rows are read in place when unit-stride and a multiple of 16 long; otherwise staged (converted, zero-padded)
+  const bool direct = pb.sk[3] == 1 && pb.sv[3] == 1 && d == dp && pb.d_v == dvp;
+  std::fill(sc.lv.begin(), sc.lv.end(), vf{});
+  const TK* kb[L];
+  const TK* vb[L];
+  const TK* kp[L];
+  const TK* vp[L];
+  const float* kps[L];
+  const float* vps[L];
+  const TK* zeros = reinterpret_cast<const TK*>(sc.zeros.data());
+  const int k_bytes = d * static_cast<int>(sizeof(TK)), v_bytes = pb.d_v * static_cast<int>(sizeof(TK));
+  auto token_base = [&](int j, const TK*& k, const TK*& v) {  // head 0's rows of position j
+    const int64_t blk = table[j / pb.block_size], row = j % pb.block_size;
+    k = kc + blk * pb.sk[0] + row * pb.sk[1];
+    v = vc + blk * pb.sv[0] + row * pb.sv[1];
+  };
+  // software prefetch of the rows PREFETCH chunks ahead: the blocks are scattered, so the hardware prefetcher alone
+  // leaves chunks waiting on memory
+  auto prefetch = [&](int j_begin, int j_end) {
+    for (int j = j_begin; j < j_end; ++j) {
+      const TK *k, *v;
+      token_base(j, k, v);
+      for (int h = 0; h < nh; ++h) {
+        const char* kh = reinterpret_cast<const char*>(k + h * pb.sk[2]);
+        const char* vh_ = reinterpret_cast<const char*>(v + h * pb.sv[2]);
+        if (pb.sk[3] == 1)
+          for (int off = 0; off < k_bytes; off += 64) __builtin_prefetch(kh + off);
+        if (pb.sv[3] == 1)
+          for (int off = 0; off < v_bytes; off += 64) __builtin_prefetch(vh_ + off);
+      }
+    }
+  };
+  constexpr int PREFETCH = 4;
+  prefetch(lo, std::min(hi, lo + PREFETCH * L));
+  for (int j0 = lo; j0 < hi; j0 += L) {
+    const int n = std::min(L, hi - j0);
+    const int pf0 = j0 + PREFETCH * L;
+    if (pf0 < hi) prefetch(pf0, std::min(hi, pf0 + L));
+    for (int t = 0; t < n; ++t) token_base(j0 + t, kb[t], vb[t]);
+    for (int h = 0; h < nh; ++h) {
+      const float* qf = sc.qf.data() + static_cast<size_t>(h) * rows_pad * dp;
+      float* m = state + h * head_size;
+      float* acc = m + 2 * rows_pad;
+      vf* lv = sc.lv.data() + static_cast<size_t>(h) * rows_pad;
+      for (int t = 0; t < L; ++t) {  // positions >= hi are never read: their rows point at zeros
+        kp[t] = t < n ? kb[t] + h * pb.sk[2] : zeros;
+        vp[t] = t < n ? vb[t] + h * pb.sv[2] : zeros;
+      }
+      if (direct) {
+        chunk<TK>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, m, lv, acc);
+        continue;
+      }
+      for (int t = 0; t < L; ++t) {
+        float* kr = sc.ktmp.data() + static_cast<size_t>(t) * dp;
+        float* vr = sc.vtmp.data() + static_cast<size_t>(t) * dvp;
+        if (t < n) {
+          load_row(kp[t], pb.sk[3], d, kr, dp);
+          load_row(vp[t], pb.sv[3], pb.d_v, vr, dvp);
+        } else {
+          std::memset(kr, 0, sizeof(float) * dp);
+          std::memset(vr, 0, sizeof(float) * dvp);
+        }
+        kps[t] = kr;
+        vps[t] = vr;
+      }
+      chunk<float>(pb, kps, vps, n, j0, rows, rows_pad, sc, qf, m, lv, acc);
+    }
+  }
+  for (int h = 0; h < nh; ++h)
+    for (int r = 0; r < rows; ++r) state[h * head_size + rows_pad + r] = hsum(sc.lv[h * rows_pad + r]);
+}
+
+// out / lse of KV head h's rows from (m, l, acc); sinks join the denominator here.
+template <typename TQ>
+void finalize(const Problem& pb, const Item& it, int h, int rows, int rows_pad, const float* state) {
+  const float* m = state;
+  const float* l = state + rows_pad;
+  const float* acc = state + 2 * rows_pad;
+  TQ* out = static_cast<TQ*>(pb.out);
+  const float vs = pb.v_scale ? pb.v_scale[pb.n_v_scale == 1 ? 0 : h] : 1.f;
+  const int64_t t0 = pb.cu[it.b] + it.q0;
+  for (int r = 0; r < rows; ++r) {
+    const int i = r / pb.group, hh = h * pb.group + r % pb.group;
+    float mr = m[r], lr = l[r], f = 1.f;
+    const bool has_keys = lr > 0.f;
+    if (pb.sinks) {  // exp(sink) joins the denominator, carries no value
+      const float sink = pb.sinks[hh], m_new = std::max(mr, sink);
+      f = std::exp(mr - m_new);
+      lr = lr * f + std::exp(sink - m_new);
+      mr = m_new;
+    }
+    const float w = has_keys ? f * vs / lr : 0.f;
+    TQ* o = out + ((t0 + i) * pb.num_heads + hh) * pb.d_v;
+    const float* a = acc + static_cast<size_t>(r) * pb.dv_pad;
+    for (int e = 0; e < pb.d_v; ++e) o[e] = static_cast<TQ>(has_keys ? a[e] * w : 0.f);
+    pb.lse[hh * pb.num_tokens + t0 + i] = lr > 0.f ? mr + std::log(lr) : NEG_INF;
+  }
+}
+
+template <typename TQ, typename TK>
+void run(const Problem& pb, const std::vector<Item>& items, const std::vector<std::pair<int, int>>& work,
+         int max_rows_pad, std::vector<float>& partials) {
+  const int dvp = pb.dv_pad, nh = pb.num_kv_heads;
+  const int64_t head_size = static_cast<int64_t>(max_rows_pad) * (dvp + 2), part_size = nh * head_size;
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch sc;
+    sc.size(max_rows_pad, pb);
+    std::vector<float> own(part_size);
+    for (int64_t w = begin; w < end; ++w) {
+      const Item& it = items[work[w].first];
+      const int part = work[w].second;
+      const int rows = it.nq * pb.group, rows_pad = round_up(rows, 8);
+      float* state = it.parts > 1 ? partials.data() + it.partial + part * part_size : own.data();
+      for (int h = 0; h < nh; ++h) {
+        std::fill(state + h * head_size, state + h * head_size + rows_pad, NEG_INF);
+        std::fill(state + h * head_size + rows_pad, state + (h + 1) * head_size, 0.f);
+      }
+      std::fill(sc.p.begin(), sc.p.end(), 0.f);
+      std::fill(sc.alpha.begin(), sc.alpha.end(), 1.f);
+      load_queries<TQ>(pb, it, rows_pad, sc);
+      const int span = it.hi - it.lo, per = (span + it.parts - 1) / it.parts;
+      const int lo = it.lo + part * per, hi = std::min(it.hi, lo + per);
+      if (lo < hi) attend<TK>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size);
+      if (it.parts == 1)
+        for (int h = 0; h < nh; ++h) finalize<TQ>(pb, it, h, rows, rows_pad, state + h * head_size);
+    }
+  });
+  // merge split-KV parts
+  std::vector<int> split;
+  for (int i = 0; i < static_cast<int>(items.size()); ++i)
+    if (items[i].parts > 1) split.push_back(i);
+  at::parallel_for(0, static_cast<int64_t>(split.size()) * nh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_size);
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const Item& it = items[split[sh / nh]];
+      const int h = static_cast<int>(sh % nh);
+      const int rows = it.nq * pb.group, rows_pad = round_up(rows, 8);
+      float* m = merged.data();
+      float* l = m + rows_pad;
+      float* acc = l + rows_pad;
+      for (int r = 0; r < rows; ++r) {
+        float mx = NEG_INF;
+        for (int p = 0; p < it.parts; ++p) mx = std::max(mx, partials[it.partial + p * part_size + h * head_size + r]);
+        m[r] = mx;
+        l[r] = 0.f;
+        std::fill(acc + static_cast<size_t>(r) * dvp, acc + static_cast<size_t>(r + 1) * dvp, 0.f);
+        if (mx == NEG_INF) continue;
+        for (int p = 0; p < it.parts; ++p) {
+          const float* base = partials.data() + it.partial + p * part_size + h * head_size;
+          const float mp = base[r];
+          if (mp == NEG_INF) continue;
+          const float f = std::exp(mp - mx);
+          l[r] += base[rows_pad + r] * f;
+          const float* ap = base + 2 * rows_pad + static_cast<size_t>(r) * dvp;
+          float* ar = acc + static_cast<size_t>(r) * dvp;
+          for (int e = 0; e < dvp; ++e) ar[e] += ap[e] * f;
+        }
+      }
+      finalize<TQ>(pb, it, h, rows, rows_pad, merged.data());
+    }
+  });
+}
+
+template <typename TQ>
+void run_cache(const Problem& pb, c10::ScalarType cache_dtype, const std::vector<Item>& items,
+               const std::vector<std::pair<int, int>>& work, int max_rows_pad, std::vector<float>& partials) {
+  if (cache_dtype == c10::ScalarType::Float8_e4m3fn)
+    run<TQ, c10::Float8_e4m3fn>(pb, items, work, max_rows_pad, partials);
+  else
+    run<TQ, TQ>(pb, items, work, max_rows_pad, partials);
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_native(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t max_seqlen_q, double scale, bool causal,
+    int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  (void)max_seqlen_q;  // sizes grids on CUDA; the CPU kernel reads the lengths
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2), d_v = v_cache.size(3), batch = block_table.size(0);
+  at::Tensor out = at::zeros({num_tokens, num_heads, d_v}, q.options());
+  at::Tensor lse = at::full({num_heads, num_tokens}, NEG_INF, q.options().dtype(at::kFloat));
+  if (num_tokens == 0 || batch == 0) return {out, lse};
+  const at::Tensor cu = cu_seqlens_q.contiguous(), sl = seq_lens.contiguous(), table = block_table.contiguous();
+  const at::Tensor sk = sinks ? sinks->contiguous() : at::Tensor();
+  const at::Tensor ksc = k_scale ? k_scale->contiguous() : at::Tensor();
+  const at::Tensor vsc = v_scale ? v_scale->contiguous() : at::Tensor();
+
+  Problem pb{};
+  pb.q = q.data_ptr();
+  for (int i = 0; i < 3; ++i) pb.sq[i] = q.stride(i);
+  pb.k = k_cache.data_ptr();
+  pb.v = v_cache.data_ptr();
+  for (int i = 0; i < 4; ++i) {
+    pb.sk[i] = k_cache.stride(i);
+    pb.sv[i] = v_cache.stride(i);
+  }
+  pb.cu = cu.data_ptr<int32_t>();
+  pb.seq_lens = sl.data_ptr<int32_t>();
+  pb.table = table.data_ptr<int32_t>();
+  pb.table_stride = table.size(1);
+  pb.num_heads = static_cast<int>(num_heads);
+  pb.num_kv_heads = static_cast<int>(num_kv_heads);
+  pb.group = static_cast<int>(num_heads / num_kv_heads);
+  pb.d = static_cast<int>(d);
+  pb.d_v = static_cast<int>(d_v);
+  pb.d_pad = round_up(pb.d, L);
+  pb.dv_pad = round_up(pb.d_v, L);
+  pb.block_size = static_cast<int>(k_cache.size(1));
+  pb.scale = static_cast<float>(scale);
+  pb.softcap = static_cast<float>(softcap);
+  pb.causal = causal;
+  pb.window_left = window_left;
+  pb.sinks = sinks ? sk.data_ptr<float>() : nullptr;
+  pb.k_scale = k_scale ? ksc.data_ptr<float>() : nullptr;
+  pb.v_scale = v_scale ? vsc.data_ptr<float>() : nullptr;
+  pb.n_k_scale = k_scale ? ksc.numel() : 0;
+  pb.n_v_scale = v_scale ? vsc.numel() : 0;
+  pb.out = out.data_ptr();
+  pb.lse = lse.data_ptr<float>();
+  pb.num_tokens = num_tokens;
+
+  // items: (sequence, query tile of ~64 rows per KV head), all KV heads in one item
+  const int q_tile = std::max(1, 64 / pb.group);
+  std::vector<Item> items;
+  int max_rows_pad = 8;
+  for (int b = 0; b < batch; ++b) {
+    const int q_len = pb.cu[b + 1] - pb.cu[b], kv_len = pb.seq_lens[b];
+    for (int q0 = 0; q0 < q_len; q0 += q_tile) {
+      const int nq = std::min(q_tile, q_len - q0);
+      const int64_t first = static_cast<int64_t>(kv_len) - q_len + q0, last = first + nq - 1;
+      const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, first - window_left) : 0;
+      const int64_t hi = causal ? std::min<int64_t>(kv_len, last + 1) : kv_len;
+      max_rows_pad = std::max(max_rows_pad, round_up(nq * pb.group, 8));
+      items.push_back({b, q0, nq, static_cast<int>(lo), static_cast<int>(std::max(lo, hi)), 1, 0});
+    }
+  }
+  // split-KV when there are fewer items than 2 per thread: parts of >= 256 positions
+  const int threads = at::get_num_threads();
+  if (threads > 1 && static_cast<int>(items.size()) < 2 * threads) {
+    const int want = (2 * threads + static_cast<int>(items.size()) - 1) / static_cast<int>(items.size());
+    for (Item& it : items) it.parts = std::max(1, std::min(want, (it.hi - it.lo) / 256));
+  }
+  std::vector<std::pair<int, int>> work;
+  int64_t partial_floats = 0;
+  const int64_t part_size = static_cast<int64_t>(pb.num_kv_heads) * max_rows_pad * (pb.dv_pad + 2);
+  for (int i = 0; i < static_cast<int>(items.size()); ++i) {
+    Item& it = items[i];
+    if (it.parts > 1) {
+      it.partial = partial_floats;
+      partial_floats += it.parts * part_size;
+    }
+    for (int p = 0; p < it.parts; ++p) work.emplace_back(i, p);
+  }
+  std::vector<float> partials(partial_floats);
+
+  const auto cache_dtype = k_cache.scalar_type();
+  switch (q.scalar_type()) {
+    case at::kFloat: run_cache<float>(pb, cache_dtype, items, work, max_rows_pad, partials); break;
+    case at::kBFloat16: run_cache<c10::BFloat16>(pb, cache_dtype, items, work, max_rows_pad, partials); break;
+    case at::kHalf: run_cache<c10::Half>(pb, cache_dtype, items, work, max_rows_pad, partials); break;
+    default: TORCH_CHECK(false, "kvops::_paged_attention_native: unsupported q dtype ", q.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace kvops_native
+
+TORCH_LIBRARY_FRAGMENT(kvops, m) {
+  m.def(
+      "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
+      "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
+      "Tensor? sinks, Tensor? k_scale, Tensor? v_scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("_paged_attention_native", &kvops_native::paged_attention_native); }

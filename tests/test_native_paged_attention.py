@@ -1,0 +1,174 @@
+"""The native C++ CPU kernel of kvops.paged_attention (kvops/native/): it is built and used, its own code paths
+(split-KV with several threads, the staging path for odd head_dim / strided rows, HND views) against the fp64
+reference of tests/test_paged_attention.py, the composite fallback (same results, one warning on a failed build),
+compiled graphs calling it, and no recompiles as the context grows from 16 to 8192 tokens.
+
+The sampled matrix in tests/test_paged_attention.py already runs against the native kernel (it is what
+``kvops.paged_attention`` calls on CPU once built).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import unittest
+import warnings
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
+import torch._dynamo.testing
+
+import kvops
+import kvops.native as native
+import kvops.reference.paged_attention as composite
+from tests.test_paged_attention import FP8, check_close, make_inputs, ref_kwargs, reference
+
+HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+ARGS = ("q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_table")
+
+
+@contextmanager
+def num_threads(n):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@contextmanager
+def native_state(value):
+    old = native._state
+    native._state = value
+    try:
+        yield
+    finally:
+        native._state = old
+
+
+def run_and_check(test, inputs, **options):
+    out, lse = kvops.paged_attention(**inputs, **options, return_lse=True)
+    check_close(test, out, lse, *reference(**ref_kwargs(inputs, **options)), inputs["q"].dtype)
+    return out, lse
+
+
+@unittest.skipUnless(HAS_COMPILER, "no C++ compiler on this machine: the composite fallback is what runs")
+class TestNativeKernel(unittest.TestCase):
+    def test_built_once_cached_and_used(self):
+        self.assertTrue(native.available())
+        build_dir = pathlib.Path(torch.utils.cpp_extension._get_build_directory(native.build_name(), False))
+        self.assertTrue((build_dir / f"{native.build_name()}.so").exists())  # later processes load this file
+        inputs = make_inputs(3, [40, 1, 0, 17], [1, 1, 1, 3], block_size=16, h_q=14, h_kv=2, d=64)
+        out, lse = kvops.paged_attention(**inputs, return_lse=True)
+        direct = torch.ops.kvops._paged_attention_native(
+            *(inputs[k] for k in ARGS), inputs["max_seqlen_q"], 64**-0.5, True, -1, 0.0, None, None, None)
+        self.assertTrue(torch.equal(out, direct[0]) and torch.equal(lse, direct[1]))
+
+    def test_split_kv_with_threads(self):
+        # one or two sequences and 4 threads: the KV range is split into parts and merged
+        with num_threads(4):
+            for dtype in (torch.float32, torch.bfloat16):
+                inputs = make_inputs(1, [3000], [1], block_size=16, h_q=14, h_kv=2, d=64, dtype=dtype, sinks=True)
+                run_and_check(self, inputs)
+                run_and_check(self, inputs, window_left=700, softcap=20.0)
+            inputs = make_inputs(2, [2600, 5], [1, 1], block_size=16, h_q=8, h_kv=2, d=128, cache_dtype=FP8,
+                                 scale_per_head=True)
+            run_and_check(self, inputs, window_left=1000)
+
+    def test_staging_path_odd_head_dim_and_strided_rows(self):
+        # head_dim 72 / 40 (not multiples of 16), a last-dim stride != 1, GQA 5:1 and 7:1
+        run_and_check(self, make_inputs(4, [300, 17, 1], [3, 1, 1], block_size=16, h_q=5, h_kv=1, d=72, d_v=40))
+        inputs = make_inputs(5, [129, 16, 2], [17, 1, 2], block_size=16, h_q=14, h_kv=2, d=32,
+                             dtype=torch.float16)
+        for name in ("k_cache", "v_cache"):
+            c = inputs[name]
+            inputs[name] = c.transpose(-1, -2).contiguous().transpose(-1, -2)  # [P, bs, H_kv, D] with stride (.., 1, H)
+            self.assertNotEqual(inputs[name].stride(-1), 1)
+        run_and_check(self, inputs, softcap=5.0)
+
+    def test_hnd_view_of_the_cache(self):
+        # an HND allocation [P, H_kv, bs, D] seen as NHD (what kv_layout="HND" passes down): strides only
+        inputs = make_inputs(6, [70, 33, 0], [1, 17, 1], block_size=16, h_q=28, h_kv=4, d=64, dtype=torch.bfloat16,
+                             sinks=True)
+        for name in ("k_cache", "v_cache"):
+            inputs[name] = inputs[name].transpose(1, 2).contiguous().transpose(1, 2)
+        run_and_check(self, inputs, window_left=20)
+
+    def test_compiled_graph_calls_native_kernel(self):
+        torch._dynamo.reset()
+        backend = torch._dynamo.testing.AotEagerAndRecordGraphs()
+        inputs = make_inputs(7, [33, 5], [3, 1], block_size=16, h_q=4, h_kv=2, d=16)
+
+        @torch.compile(backend=backend, fullgraph=True)
+        def f(*a):
+            return kvops.paged_attention(*a, 3, window_left=9, return_lse=True)
+
+        args = tuple(inputs[k] for k in ARGS)
+        out, lse = f(*args)
+        self.assertIn("_paged_attention_native", backend.fw_graphs[0].code)
+        want = kvops.paged_attention(*args, 3, window_left=9, return_lse=True)
+        self.assertTrue(torch.equal(out, want[0]) and torch.equal(lse, want[1]))
+
+    def test_decode_loop_context_16_to_8192_compiles_at_most_twice(self):
+        # block tables widen as the context grows (one block per 16 tokens); the table width and lengths are dynamic
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+
+        @torch.compile(backend=counter, fullgraph=True)
+        def step(*a):
+            return kvops.paged_attention(*a, 1, window_left=4000, return_lse=True)
+
+        for n in (16, 100, 700, 3000, 8192):
+            inputs = make_inputs(n, [n, n // 2 + 1], [1, 1], block_size=16, h_q=14, h_kv=2, d=64,
+                                 dtype=torch.bfloat16)
+            args = tuple(inputs[k] for k in ARGS)
+            out, lse = step(*args)
+            want = kvops.paged_attention(*args, 1, window_left=4000, return_lse=True)
+            self.assertTrue(torch.equal(out, want[0]) and torch.equal(lse, want[1]))
+        self.assertLessEqual(counter.frame_count, 2)
+
+
+class TestFallback(unittest.TestCase):
+    def test_fallback_is_the_composite_kernel(self):
+        inputs = make_inputs(8, [300, 1, 0, 17], [3, 1, 1, 17], block_size=16, h_q=14, h_kv=2, d=64, sinks=True,
+                             cache_dtype=FP8, scale_per_head=True)
+        with native_state(False):
+            out, lse = kvops.paged_attention(**inputs, window_left=50, softcap=10.0, return_lse=True)
+        args = tuple(inputs[k] for k in ARGS)
+        want = composite.paged_attention(*args, inputs["max_seqlen_q"], 64**-0.5, True, 50, 10.0, inputs["sinks"],
+                                         inputs["k_scale"], inputs["v_scale"])
+        self.assertTrue(torch.equal(out, want[0]) and torch.equal(lse, want[1]))
+        check_close(self, out, lse, *reference(**ref_kwargs(inputs, window_left=50, softcap=10.0)), torch.float32)
+        if HAS_COMPILER:  # both kernels compute the same attention
+            native_out, native_lse = kvops.paged_attention(**inputs, window_left=50, softcap=10.0, return_lse=True)
+            torch.testing.assert_close(native_out, out, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(native_lse, lse, atol=1e-4, rtol=1e-4)
+
+    def test_failed_build_warns_once_and_falls_back(self):
+        def no_compiler(**kwargs):
+            raise RuntimeError("Error building extension 'kvops_native': c++: command not found\nmore")
+
+        inputs = make_inputs(9, [20], [2], block_size=4)
+        with native_state(None), mock.patch("torch.utils.cpp_extension.load", no_compiler):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.assertFalse(native.available())
+                out = kvops.paged_attention(**inputs)  # composite, no second warning
+                self.assertFalse(native.available())
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        self.assertEqual(len(messages), 1, messages)
+        self.assertIn("c++: command not found", messages[0])
+        self.assertIn("composite torch kernel", messages[0])
+        ref_out, _ = reference(**ref_kwargs(inputs))
+        torch.testing.assert_close(out.double(), ref_out, atol=1e-4, rtol=1e-4)
+
+    def test_opt_out_environment_variable(self):
+        with mock.patch.dict("os.environ", {"KVOPS_NATIVE": "0"}), warnings.catch_warnings():
+            warnings.simplefilter("error")  # opting out does not warn
+            self.assertFalse(native._build())
+
+
+if __name__ == "__main__":
+    unittest.main()
