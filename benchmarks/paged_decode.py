@@ -121,6 +121,8 @@ def run_kvops(c):
                                  c["block_table"], c["max_seqlen_q"])
 
 
+# one graph per (geometry, dtype, batch == 1) under dynamic shapes (sizes 0/1 specialize): above Dynamo's default 8
+torch._dynamo.config.recompile_limit = 64
 run_compiled = torch.compile(run_kvops, fullgraph=True, dynamic=True)
 
 

@@ -23,7 +23,7 @@ import warnings
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
 _state: bool | None = None  # None: not tried yet in this process
