@@ -110,19 +110,17 @@ def serve(model, cache: PagedKVCache, requests: list[Request], args, device, syn
             cache.add_sequence(req.rid)
             running.append(req)
         # decode tokens of prefilled requests first, then one prompt chunk of the first request still in prefill
-        items, ids, pos = [], [], []
+        items, ids = [], []
         left = budget - sum(1 for r in running if r.prefilled == len(r.prompt))
         for r in running:
             if r.prefilled == len(r.prompt):
                 items.append((r.rid, 1))
                 ids.append(r.tokens[-1])
-                pos.append(len(r.tokens) - 1)
         for r in running:
             if r.prefilled < len(r.prompt) and left > 0:
                 n = min(left, len(r.prompt) - r.prefilled)
                 items.append((r.rid, n))
                 ids += r.prompt[r.prefilled : r.prefilled + n]
-                pos += range(r.prefilled, r.prefilled + n)
                 left -= n
         free_before = cache.num_free_blocks
         step = cache.prepare(items, pad_tokens=budget, pad_batch=width, max_blocks=max_blocks)
@@ -134,8 +132,8 @@ def serve(model, cache: PagedKVCache, requests: list[Request], args, device, syn
             "block_table": step.block_table, "max_seqlen_q": step.max_seqlen_q,
         }
         input_ids = torch.tensor(ids + [0] * pad, device=device)
-        positions = torch.tensor(pos + [0] * pad, device=device)
-        next_tokens = model(input_ids, positions, cache.k_caches, cache.v_caches, meta).tolist()
+        # step.positions: each new token's position in its sequence (RoPE), 0 for the padding tokens
+        next_tokens = model(input_ids, step.positions, cache.k_caches, cache.v_caches, meta).tolist()
         by_rid = dict(zip(step.seq_ids, next_tokens))
         for rid, n in items:
             r = next(r for r in running if r.rid == rid)

@@ -14,12 +14,14 @@ Printed: max |eager - compiled| over every chunk output, compilations, per-chunk
 warm-up), and the resident cache bytes.
 
     python examples/streaming_video.py                 # CPU, about a minute on 2 cores
+    python examples/streaming_video.py --kv-cache-quant int8 fp8 int4 int2   # + packed (quantized) caches
     python examples/streaming_video.py --device cuda --dtype bfloat16 --tokens-per-frame 1560 --layers 30 --ffn 8960
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -30,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kvops
-from kvops.cache import CausalKVCache
+from kvops.cache import CausalKVCache, PackedCausalKVCache
+from kvops.packed import packed_attention
 
 # Wan-2.1 1.3B (models.md): 12 heads x 128 = dim 1536, FFN 8960, 30 layers; chunk 3 frames, window 21 frames.
 HEADS, HEAD_DIM = 12, 128
@@ -64,9 +67,13 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, HEADS, HEAD_DIM).unbind(2)
         positions = torch.arange(n, device=x.device) + start
         q, k = rope(self.q_norm(q), positions), rope(self.k_norm(k), positions)
-        # The K/V write (append, rewrite or evict-and-append) happens here; the chunk sees the visible window.
-        view = cache.update_and_get_attention_kv(k, v, current_chunk_start=start)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), view.k.transpose(1, 2), view.v.transpose(1, 2))
+        if isinstance(cache, PackedCausalKVCache):  # --kv-cache-quant: attend to the packed segments directly
+            view = cache.update(k, v, current_chunk_start=start)
+            attn = packed_attention(q, view.k, view.v).transpose(1, 2)
+        else:
+            # The K/V write (append, rewrite or evict-and-append) happens here; the chunk sees the visible window.
+            view = cache.update_and_get_attention_kv(k, v, current_chunk_start=start)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), view.k.transpose(1, 2), view.v.transpose(1, 2))
         x = x + self.out(attn.transpose(1, 2).reshape(b, n, -1))
         return x + self.ffn(self.norm2(x))
 
@@ -111,6 +118,9 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=2240, help="FFN width (8960 in Wan-2.1 1.3B)")
     p.add_argument("--chunks", type=int, default=10, help="chunks per stream (must pass the window to evict)")
     p.add_argument("--steps", type=int, default=3, help="denoising steps per chunk (DMD: 3-4)")
+    p.add_argument("--kv-cache-quant", default=["off"], nargs="+", choices=["off", "int8", "fp8", "int4", "int2"],
+                   help="also stream (eager) on a PackedCausalKVCache in this format (or these formats) and compare "
+                        "with the dense run")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
@@ -185,8 +195,38 @@ def main() -> None:
               f"first compiled stream incl. compilation {first_stream:.1f} s")
         print(f"  resident cache: {cache_bytes / 2**20:.2f} MiB for {args.layers} layers "
               f"({cache_bytes // args.layers} bytes/layer: [1, {window_f * tpf}, 2, {HEADS}, {HEAD_DIM}] {dtype})")
+        for quant in args.kv_cache_quant:
+            if quant != "off":
+                compare_packed(model, latents, args, quant, eager_out, eager_times, cache_bytes, sink_f * tpf,
+                               chunk_tokens, window_f * tpf, dtype, device, sync)
     if not ok:
         raise SystemExit("eager and compiled disagree beyond tolerance, or the second stream recompiled")
+
+
+# --- --kv-cache-quant: the same stream on kvops.packed.PackedCausalKVCache (eager), vs the dense eager run -------
+def compare_packed(model, latents, args, quant, dense_out, dense_times, dense_bytes, sink, chunk, window, dtype, device,
+                   sync):
+    """Stream again with packed caches (the newest completed chunk dense, older ones in ``--kv-cache-quant``;
+    attention reads the packed segments, kvops.packed.packed_attention) and print memory, time and the output's
+    difference and PSNR vs the dense run (PSNR over the denoised latents, peak = max |dense|)."""
+    caches = [
+        PackedCausalKVCache.allocate(1, window, HEADS, HEAD_DIM, chunk_tokens=chunk, quant=quant,
+                                     keep_recent_chunks=1, sink_tokens=sink, dtype=dtype, device=device)
+        for _ in range(args.layers)
+    ]
+    with torch.no_grad():
+        out, times = stream(model, caches, latents, chunk, args.steps, sync)
+    packed_bytes = sum(c.nbytes for c in caches)
+    err = (out.float() - dense_out.float()).pow(2).mean().item()
+    peak = dense_out.float().abs().max().item()
+    psnr = 10 * math.log10(peak**2 / err) if err > 0 else float("inf")
+    warm = slice(len(times) // 2, None)
+    ms = lambda ts: 1e3 * sum(ts) / len(ts)  # noqa: E731
+    print(f"  --kv-cache-quant {quant} (eager, keep_recent_chunks=1): resident cache "
+          f"{packed_bytes / 2**20:.2f} MiB ({packed_bytes / dense_bytes:.3f}x dense); per-chunk latency after warm-up "
+          f"{ms(times[warm]):.1f} ms vs dense eager {ms(dense_times[warm]):.1f} ms "
+          f"({ms(times[warm]) / ms(dense_times[warm]):.2f}x); output vs dense: max |diff| "
+          f"{(out.float() - dense_out.float()).abs().max().item():.3e}, PSNR {psnr:.1f} dB")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,20 @@ __all__ = [
     "CausalKVCache",
     "PagedKVCache",
 ]
+from ._checks.values import get_value_checks, set_value_checks, value_checks  # noqa: E402  (docs/semantics.md §7)
+
+__all__ += ["value_checks", "set_value_checks", "get_value_checks"]
 __version__ = "0.1.0"
+
+# Prefill->decode KV transfer staging ops (kvops/ops/transfer.py); the planner and transport live in kvops.transfer.
+from .ops.transfer import paged_kv_gather, paged_kv_scatter  # noqa: E402
+
+__all__ += ["paged_kv_gather", "paged_kv_scatter"]
+
+# rotary embeddings fused into the paged write (kvops/ops/rotary.py)
+from .ops import apply_rotary, rotary_paged_cache_write  # noqa: E402
+
+__all__ += ["rotary_paged_cache_write", "apply_rotary"]
 
 # The one call from kvops into lowering/ (installed as kvops.lowering): registers the Inductor lowerings so
 # torch.compile fuses cache writes.
@@ -36,3 +49,19 @@ from ._lowering_path import import_lowering as _import_lowering  # noqa: E402
 
 lowering = _import_lowering()
 lowering.register()
+
+
+# --- deployment (issue 9): ONNX translations; needs the `onnx` extra (onnxscript), imported on first use ----------
+def onnx_translation_table() -> dict:
+    """The ``custom_translation_table`` for ``torch.onnx.export(..., dynamo=True)`` of programs using kvops ops.
+
+    Export ``kvops.export.functionalize(torch.export.export(model, args))`` with it (the writes must be functional
+    first, see ``lowering/onnx.py``). Requires ``pip install 'kvops[onnx]'`` (onnxscript); raises ``ImportError``
+    otherwise.
+    """
+    from .lowering.onnx import onnx_translation_table as table
+
+    return table()
+
+
+__all__.append("onnx_translation_table")

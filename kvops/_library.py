@@ -24,11 +24,40 @@ lib.define(
 # --- paged caches [P, block_size, H_kv, D] (kvops/ops/paged_write.py, kvops/ops/paged_attention.py) -------------
 lib.define(
     "paged_cache_write(Tensor key, Tensor? value, Tensor(a!) k_cache, Tensor(b!)? v_cache, Tensor slot_mapping, "
-    "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+    "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None, str kv_layout=\"NHD\") -> ()"
 )
+# kv_layout (both paged ops): "NHD" caches [P, block_size, H_kv, D] | "HND" caches [P, H_kv, block_size, D] (FlashInfer)
 # kvops::paged_attention is a torch.library.triton_op (kvops/ops/paged_attention.py): its schema is inferred from the
 # annotations there, and reads
 #   paged_attention(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor cu_seqlens_q, Tensor seq_lens,
 #                   Tensor block_table, SymInt max_seqlen_q, float? scale=None, bool causal=True,
 #                   SymInt window_left=-1, float softcap=0., Tensor? sinks=None, Tensor? k_scale=None,
-#                   Tensor? v_scale=None) -> (Tensor, Tensor)
+#                   Tensor? v_scale=None, str kv_layout="NHD") -> (Tensor, Tensor)
+
+# --- prefill->decode KV transfer staging (kvops/ops/transfer.py; docs/semantics.md §6) -------------------------
+# caches: the K caches of all layers, then their V caches (2 * L tensors [P, block_size, H_kv, D]);
+# staging: [2, L, num_tokens, num_heads, D], contiguous (K layers then V layers).
+lib.define(
+    "paged_kv_gather(Tensor[] caches, Tensor block_table, Tensor(a!) staging, SymInt start, int head_start) -> ()"
+)
+lib.define(
+    "paged_kv_scatter(Tensor staging, Tensor(a!)[] caches, Tensor block_table, SymInt start, "
+    "int cache_head_start) -> ()"
+)
+
+# --- packed (quantized) K/V (kvops/packed/ops.py; layouts: kvops.packed.packed_layout) -------------------------
+lib.define(
+    "quantize_kv(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? zeros, Tensor(d!)? centroids, "
+    "Tensor(e!)? cluster_ids, str quant, int kmeans_iters=4) -> ()"
+)
+lib.define(
+    "dequantize_kv(Tensor codes, Tensor scales, Tensor? zeros, Tensor? centroids, Tensor? cluster_ids, str quant, "
+    "ScalarType dtype) -> Tensor"
+)
+
+# --- rotary embedding fused into the paged write (kvops/ops/rotary.py) ------------------------------------------
+lib.define(
+    "rotary_paged_cache_write(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "Tensor positions, Tensor rotary_cos, Tensor rotary_sin, bool rotary_interleaved=False, "
+    "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+)

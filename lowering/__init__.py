@@ -7,6 +7,7 @@ Lowerings (each replaces the op's extern kernel call by a scatter that fuses wit
 
 - ``kvops::cache_write``, ``kvops::cache_roll``: ``lowering/inductor_contiguous.py``
 - ``kvops::paged_cache_write``: ``lowering/inductor_paged.py``
+- ``kvops::rotary_paged_cache_write`` (rotation in the store loop): ``lowering/inductor_rotary.py``
 
 Caveat: Inductor's FX graph cache does not include custom lowerings in its key. After changing a lowering, clear the
 cache (``torch._inductor.utils.fresh_inductor_cache()``, or ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``), or a warm cache
@@ -33,4 +34,28 @@ def register() -> None:
     register_lowering(ops.cache_write.default, type_promotion_kind=None)(inductor_contiguous.cache_write)
     register_lowering(ops.cache_roll.default, type_promotion_kind=None)(inductor_contiguous.cache_roll)
     inductor_paged.register(register_lowering)
+    from . import inductor_rotary  # kvops::rotary_paged_cache_write
+
+    inductor_rotary.register(register_lowering)
     _registered = True
+
+
+# --- deployment (issue 9): ONNX translations (lowering/onnx.py) and TensorRT converters (lowering/tensorrt.py) ------
+# Neither is imported by register() or by `import kvops`: onnx.py needs the `onnx` extra (onnxscript), tensorrt.py
+# needs torch_tensorrt, which imports TensorRT's libraries.
+def register_tensorrt() -> bool:
+    """Register kvops' torch-tensorrt converters (``lowering/tensorrt.py``) if ``torch_tensorrt`` imports.
+
+    Returns True when registered, False when ``torch_tensorrt`` (or TensorRT's libraries) is not available. Call it
+    before ``torch_tensorrt.dynamo.compile`` of a program passed through ``kvops.export.functionalize``. Unverified:
+    no TensorRT engine has been built on our machines (see lowering/tensorrt.py).
+    """
+    try:
+        import torch_tensorrt  # noqa: F401
+    except (ImportError, OSError):  # not installed, or installed without libnvinfer
+        return False
+    import kvops.export  # noqa: F401  (defines the functional ops the converters are keyed on)
+
+    from . import tensorrt  # noqa: F401  (the decorators register the converters)
+
+    return True

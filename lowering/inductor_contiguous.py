@@ -16,6 +16,7 @@ Nothing is checked here: the fake rule already ran the op's validator at trace t
 
 from __future__ import annotations
 
+import sympy
 from torch._inductor import ir
 from torch._inductor.virtualized import V
 
@@ -23,6 +24,40 @@ from torch._inductor.virtualized import V
 def buffer_names(*nodes) -> set[str]:
     """Names of the buffers behind ``nodes`` (a view's name is its underlying buffer's)."""
     return {n.get_name() for n in nodes}
+
+
+def bind_layout_symbols(*nodes) -> None:
+    """Make sure the generated wrapper defines every size symbol of ``nodes``' layouts (sizes, strides, offset).
+
+    K/V caches that are views of one allocation reach Inductor as ``as_strided(base, sizes, strides, offset)`` whose
+    sizes are SymInt *graph inputs* (AOTAutograd's synthetic base). Inductor binds such an input under the symbol it
+    was created with (``_get_placeholder_expr``: ``s59 = arg2_1``), while every expression it generates uses the
+    shape environment's replacement (``s59 -> s20``, from the validator's ``k_cache.shape == v_cache.shape``): the
+    kernel call then names ``s20``, which the wrapper never defines (``NameError`` after a recompile with new cache
+    geometry). The wrapper does emit aliases ``old = canonical`` for replaced symbols once the canonical one is
+    bound, so binding such an input under its canonical symbol defines both names.
+    """
+    sizevars = V.graph.sizevars
+    needed = set()
+    for node in nodes:
+        layout = node.get_layout()
+        for expr in (*layout.size, *layout.stride, layout.offset):
+            needed |= sizevars.simplify(sympy.sympify(expr)).free_symbols
+    bound = set()
+    for value in V.graph.graph_inputs.values():
+        if isinstance(value, sympy.Expr):
+            bound |= value.free_symbols
+        elif isinstance(value, ir.TensorBox):
+            for expr in (*value.get_size(), *value.get_stride()):
+                bound |= sympy.sympify(expr).free_symbols
+    missing = needed - bound
+    if not missing:
+        return
+    for name, value in V.graph.graph_inputs.items():
+        if isinstance(value, sympy.Symbol) and sizevars.simplify(value) in missing:
+            canonical = sizevars.simplify(value)
+            V.graph.graph_inputs[name] = canonical
+            missing.discard(canonical)
 
 
 def scatter_into(cache, src, index_fn) -> None:
@@ -76,6 +111,7 @@ def cache_write(key, value, k_cache, v_cache, start, cache_head_start=None):
     h0 = cache_head_start or 0
     k_cache.realize()
     v_cache.realize()
+    bind_layout_symbols(k_cache, v_cache)
     written = buffer_names(k_cache, v_cache)
     # values computed from the caches themselves are copied out before either cache is written
     sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
@@ -93,6 +129,7 @@ def cache_roll(k_cache, v_cache, src, dst, num_tokens, cache_head_start=None, nu
     moved = []
     for cache in (k_cache, v_cache):
         cache.realize()
+        bind_layout_symbols(cache)
         batch, _, cache_heads, head_dim = cache.get_size()
         heads = num_heads if num_heads is not None else cache_heads - h0
         rows = ir.Pointwise(  # the view cache[:, src:src+n, h0:h0+heads], as a loader

@@ -1,4 +1,4 @@
-"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, semantics.md §3).
+"""Inductor lowering for ``kvops::paged_cache_write`` (caches ``[P, block_size, H_kv, D]``, docs/semantics.md §3).
 
 Like the contiguous write (``lowering/inductor_contiguous.py``): an ``ir.Scatter`` over tokens ``[N, H_in, D]`` whose
 values come from the producer's loader (RoPE, norm, and for ``float8_e4m3fn`` caches the quantization
@@ -12,30 +12,37 @@ iteration of a ``Scatter`` stores. So a skipped token is routed to an equivalent
 - if some token in ``[0, N)`` has a slot, let ``j`` be the first one; a skipped token stores token ``j``'s value
   into token ``j``'s slot: the same bytes at the same address as token ``j``'s own store (the write is a duplicate,
   not a dummy row; its only "race" is with an identical write);
-- if no token has a slot (e.g. an all-padding batch), each skipped token stores the current bits of cache row
-  (block 0, row 0) of its head back into that row. The select is done on integer bit patterns, so the row stays
-  bit-identical (NaN payloads included). This is the one case where the cache is stored to without a token being
-  written; it is invisible unless another stream writes that row concurrently with this op.
+- if no token has a slot (e.g. an all-padding batch), each skipped token stores the current value of cache row
+  (block 0, row 0) of its head back into that row. This is the one case where the cache is stored to without a token
+  being written; it is invisible unless another stream writes that row concurrently with this op.
+
+**Vectorized over the head dim.** The choice between the two is one select per element, done in the compute dtype
+(fp32 for fp8 caches, which have no select) so that Inductor's C++ backend vectorizes the store loop over
+``H_in * D`` (it vectorizes no 16-bit integer type, so a select on bf16/fp16 bit patterns would make the whole kernel
+scalar). The routing (``slot``, first slotted token, selects, bounds check) depends on the token only, so it is
+computed once per vector of the store loop, next to Inductor's own ``index_put_`` per-vector slot load and check.
+Stored bits equal eager's for float32 and fp8 caches; for bf16/fp16 the fp32 round trip is exact for every value
+except NaN, which is stored as the canonical NaN (a bf16/fp16 NaN payload in a key without a producer, or in row
+(block 0, row 0) of an all-padding batch, comes back as a NaN with another payload).
 
 A slot ``>= P * block_size`` fails Inductor's indirect-index bounds check: on CPU a C++ exception thrown inside the
-kernel, which was seen to abort the process (``std::terminate``) rather than raise; check slots with
-``kvops.check_slot_mapping`` in eager/debug runs. Nothing else is checked: the fake rule ran the op's validator at
+kernel, which was seen to abort the process (``std::terminate``) rather than raise; compiled code gets a
+clean error and no write with ``kvops.value_checks("async")`` (docs/semantics.md §7), eager calls are checked by
+default. Nothing else is checked: the fake rule ran the op's validator at
 trace time.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._inductor import config as inductor_config
 from torch._inductor import ir
-from torch._inductor import lowering as L
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from kvops._checks.common import FP8_MAX
 
-from .inductor_contiguous import buffer_names, scatter_into, unfused_copy
-
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from .inductor_contiguous import bind_layout_symbols, buffer_names, scatter_into, unfused_copy
 
 
 def first_slotted_token(slot_mapping, n):
@@ -80,13 +87,14 @@ class Router:
         return any_slot, src, dst
 
 
-def paged_scatter(src, cache, scale, slot_mapping, router, h0) -> None:
-    """``cache[dst // block_size, dst % block_size, h0 + h, d] = q(src[src_token, h, d])`` for every token."""
-    num_blocks, block_size = cache.get_size()[0], cache.get_size()[1]
+def paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout) -> None:
+    """``cache[dst // block_size, dst % block_size, h0 + h, d] = q(src[src_token, h, d])`` for every token (NHD
+    indices; an HND cache ``[P, H_kv, block_size, D]`` is indexed with heads and rows swapped)."""
+    hnd = kv_layout == "HND"
+    num_blocks, block_size = cache.get_size()[0], cache.get_size()[2 if hnd else 1]
     dtype = cache.get_dtype()
-    bits = BITS[dtype.itemsize]
     load_src = src.make_loader()
-    load_old_bits = L.to_dtype_bitcast(cache, bits).make_loader()
+    load_old = cache.make_loader()
     load_scale = scale.make_loader() if scale is not None else None
     per_head_scale = scale is not None and scale.get_size()[0] != 1
     num_src_rows, src_dtype = src.get_size()[0], src.get_dtype()
@@ -96,27 +104,35 @@ def paged_scatter(src, cache, scale, slot_mapping, router, h0) -> None:
         any_slot, token, _ = router.route(i)
         x = load_src([ops.indirect_indexing(token, num_src_rows, check=False, wrap_neg=False), h, d])
         if load_scale is not None:  # fp8: x / scale in fp32, saturated to ±448, round to nearest even
-            if src_dtype != torch.float32:  # round to the key's dtype first, as eager does (Inductor may skip it)
+            if src_dtype != torch.float32 and inductor_config.emulate_precision_casts:
+                # round the producer's result to the key's dtype first, as eager does; by default Inductor keeps a
+                # bf16/fp16 producer's result in fp32 (as it does for its own fused ``x.float() / scale``)
                 x = ops.to_dtype(x, src_dtype, use_compute_types=False)
             s = load_scale([h0 + h] if per_head_scale else [0])
             x = ops.truediv(ops.to_dtype(x, torch.float32), s)
             x = ops.maximum(x, ops.constant(-FP8_MAX, torch.float32))
             x = ops.minimum(x, ops.constant(FP8_MAX, torch.float32))
-        new_bits = ops.to_dtype_bitcast(ops.to_dtype(x, dtype), bits, dtype)
-        old_bits = load_old_bits([0, 0, h0 + h, d])
-        return ops.to_dtype_bitcast(ops.where(any_slot, new_bits, old_bits), dtype, bits)
+        old_index = [0, h0 + h, 0, d] if hnd else [0, 0, h0 + h, d]
+        if load_scale is not None:  # fp8 has no select: select in fp32 (exact: fp32 holds every e4m3 value and NaN)
+            old = ops.masked(ops.logical_not(any_slot), lambda: ops.to_dtype(load_old(old_index), torch.float32), 0.0)
+            return ops.to_dtype(ops.where(any_slot, x, old), dtype)
+        # a select in the compute dtype (module docstring); the old row is read only when no token has a slot
+        old = ops.masked(ops.logical_not(any_slot), lambda: load_old(old_index), 0.0)
+        return ops.where(any_slot, ops.to_dtype(x, dtype), old)
 
     def index_fn(idx):
         i, h, d = idx
         _, _, dst = router.route(i)
         slot = ops.indirect_indexing(dst, num_blocks * block_size, check=True, wrap_neg=False)
-        return [FloorDiv(slot, block_size), ModularIndexing(slot, 1, block_size), h0 + h, d]
+        block, row = FloorDiv(slot, block_size), ModularIndexing(slot, 1, block_size)
+        return [block, h0 + h, row, d] if hnd else [block, row, h0 + h, d]
 
     scatter_into(cache, ir.Pointwise(device=cache.get_device(), dtype=dtype, inner_fn=value_fn,
                                      ranges=[slot_mapping.get_size()[0], *src.get_size()[1:]]), index_fn)
 
 
-def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None, v_scale=None):
+def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None, v_scale=None,
+                      kv_layout="NHD"):
     """Lowering of ``kvops::paged_cache_write``."""
     h0 = cache_head_start or 0
     n = slot_mapping.get_size()[0]
@@ -124,12 +140,13 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
         return
     k_cache.realize()
     v_cache.realize()
+    bind_layout_symbols(k_cache, v_cache)
     written = buffer_names(k_cache, v_cache)
     # values computed from the caches themselves are copied out before either cache is written
     sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
     router = Router(slot_mapping, first_slotted_token(slot_mapping, n), n)
     for src, cache, scale in zip(sources, (k_cache, v_cache), (k_scale, v_scale)):
-        paged_scatter(src, cache, scale, slot_mapping, router, h0)
+        paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout)
 
 
 def register(register_lowering) -> None:

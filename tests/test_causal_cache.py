@@ -1,4 +1,5 @@
-"""CausalKVCache (semantics.md §1) against a plain-Python oracle of token rows; worked examples; documented errors.
+"""CausalKVCache (docs/semantics.md §1) against a plain-Python oracle of token rows; worked examples; documented
+errors.
 
 The oracle keeps, per cache head, a list of row labels (an int per token written, a negative label for a row's initial
 sentinel, ``None`` for rows a growth left uninitialized) and per head slice the cursors and the pin. Caches are filled
@@ -8,6 +9,7 @@ with a distinct sentinel per element first, so a write or move that touches the 
 from __future__ import annotations
 
 import unittest
+from collections import Counter
 
 import expecttest
 import torch
@@ -47,13 +49,14 @@ class _Slice:
 
 
 class Oracle:
-    """semantics.md §1 on lists of labels, written from the contract (not from the implementation)."""
+    """docs/semantics.md §1 on lists of labels, written from the contract (not from the implementation)."""
 
     def __init__(self, size, heads, sink=0, global_sink=0, window=None, grow=False):
         self.cap, self.k_sink, self.gs, self.grow = size, sink, global_sink, grow
         self.w = size if window is None else window
         self.rows = [[-(r + 1) for r in range(size)] for _ in range(heads)]  # per head
         self.slices: dict[tuple[int, int], _Slice] = {}
+        self.cases: Counter = Counter()  # which §1.6 cases the schedule reached (for coverage checks)
 
     def sink(self, sl):
         if sl.pin is not None:
@@ -113,17 +116,35 @@ class Oracle:
                 rows[dst : dst + len(vals)] = vals
             rows[ls : ls + n] = labels
         sl.g, sl.l, sl.pin = new_g, new_l, new_pin
-        # visible rows
-        sink = self.sink(sl)
-        idx = set(range(min(sink, new_l)))
-        if sl.pin is not None and sl.pin[0] != self.gs:
-            idx |= set(range(sl.pin[0], min(sl.pin[0] + sl.pin[1], new_l)))
-        start = max(0, new_l - self.w) if recent is None else max(min(sink, new_l), ls - recent)
-        idx |= set(range(start, new_l))
-        order = sorted(idx)
+        order = self.visible(sl, ls, new_l, recent)
         contiguous = not order or order == list(range(order[0], order[-1] + 1))
         visible = [[self.rows[h][i] for i in order] for h in range(h0, h1)]
         return ls, ls + n, new_l, new_g, visible, contiguous
+
+    def visible(self, sl, ls, new_l, recent):
+        """Visible rows after an update (semantics.md §1.6), as a sorted list of row indices."""
+        sink = self.sink(sl)
+        loose_pin = []  # a pinned chunk not yet next to the global sink, clipped to the rows in use
+        if sl.pin is not None and sl.pin[0] != self.gs:
+            loose_pin = list(range(sl.pin[0], min(sl.pin[0] + sl.pin[1], new_l)))
+        sink_rows = list(range(min(sink, new_l)))
+        if recent is not None:  # sink, the loose pin, the r rows before the chunk and the rows from the chunk on
+            idx = set(sink_rows) | set(loose_pin) | set(range(max(min(sink, new_l), ls - recent), new_l))
+            return sorted(idx)
+        a = max(0, new_l - self.w)
+        if a == 0 or (sink == 0 and not loose_pin):
+            self.cases["window from row 0" if a == 0 else "window [a, L')"] += 1
+            return list(range(a, new_l))
+        # W is the whole budget: the sink, a pin that starts before a, then the newest W - E - p rows
+        pin_rows = loose_pin if loose_pin and loose_pin[0] < a else []
+        newest = max(0, self.w - sink - len(pin_rows))
+        tail = list(range(max(sink, new_l - newest), new_l))
+        view = sink_rows + pin_rows + tail
+        self.cases["sink + pin + newest" if pin_rows else "sink + newest"] += 1
+        self.cases["pin past the window shown"] += bool(pin_rows) and a > 0
+        self.cases["budget exhausted (no newest rows)"] += not tail
+        assert view == sorted(set(view)), view  # disjoint and in row order
+        return view
 
     def pin(self, num_tokens):
         if self.k_sink <= 0 or num_tokens <= 0:
@@ -242,25 +263,66 @@ def scenarios(draw):
                 fused=draw(st.booleans()), **kwargs), draw(_ops)
 
 
+@st.composite
+def windowed_scenarios(draw):
+    """W < S (issue 11): the window starts past the sink; sinks and pins common, growth and head slices too."""
+    size = draw(st.integers(4, 12))
+    heads = draw(st.integers(1, 2))
+    slices = draw(st.sampled_from([[(0, heads)], [(h, h + 1) for h in range(heads)]]))
+    kwargs = dict(
+        sink_tokens=draw(st.integers(0, 3)),
+        global_sink_tokens=draw(st.integers(0, 2)),
+        attention_window_size=draw(st.integers(1, size - 1) | st.integers(size // 2, size - 1)),
+        allow_growth=draw(st.booleans()),
+    )
+    chunk = st.tuples(
+        st.just("chunk"), st.integers(1, 3), st.integers(0, 1), st.booleans(),
+        st.none() | st.none() | st.integers(0, 3), st.none() | st.integers(1, 3),
+    )
+    ops = draw(st.lists(st.one_of(chunk, chunk, chunk, chunk, _call), min_size=3, max_size=12))
+    return dict(batch=1, size=size, heads=heads, dim=draw(st.integers(1, 2)), slices=slices,
+                fused=draw(st.booleans()), **kwargs), ops
+
+
+def run_schedule(h, ops):
+    for op in ops:
+        if op[0] == "chunk":
+            _, n, steps, context, recent, pin = op
+            s = h.global_end
+            for _ in range(1 + steps + int(context)):  # append, denoising rewrites, clean context pass
+                h.call(s, n, recent)
+            if pin is not None:
+                h.pin(pin)
+        elif op[0] == "call":  # rewrites of old chunks, overlapping appends, gaps, chunks longer than the cache
+            _, back, fwd, n = op
+            h.call(max(0, h.global_end - back) + fwd, n)
+        else:
+            h.reset()
+
+
 class TestAgainstOracle(unittest.TestCase):
     @settings(derandomize=True, max_examples=120, deadline=None)
     @given(scenarios())
     def test_random_schedules(self, scenario):
         config, ops = scenario
-        h = Harness(self, **config)
-        for op in ops:
-            if op[0] == "chunk":
-                _, n, steps, context, recent, pin = op
-                s = h.global_end
-                for _ in range(1 + steps + int(context)):  # append, denoising rewrites, clean context pass
-                    h.call(s, n, recent)
-                if pin is not None:
-                    h.pin(pin)
-            elif op[0] == "call":  # rewrites of old chunks, overlapping appends, gaps, chunks longer than the cache
-                _, back, fwd, n = op
-                h.call(max(0, h.global_end - back) + fwd, n)
-            else:
-                h.reset()
+        run_schedule(Harness(self, **config), ops)
+
+    def test_random_windowed_schedules(self):
+        """Issue 11: W < S with sinks, pinned chunks, growth and head slices against the §1.6 oracle; the schedules
+        reach every case of the windowed view (checked on the counts, so the test cannot pass vacuously)."""
+        seen = Counter()
+
+        @settings(derandomize=True, max_examples=150, deadline=None)
+        @given(windowed_scenarios())
+        def run(scenario):
+            config, ops = scenario
+            h = Harness(self, **config)
+            run_schedule(h, ops)
+            seen.update(h.oracle.cases)
+
+        run()
+        for case in ("sink + newest", "sink + pin + newest", "window [a, L')", "budget exhausted (no newest rows)"):
+            self.assertGreater(seen[case], 10, (case, seen))
 
     def test_long_stream_every_feature(self):
         """A fixed long schedule: sink, pin, growth off, head slices, recent windows, well past eviction."""
@@ -285,7 +347,7 @@ def ids(t):
 
 class TestWorkedExamples(unittest.TestCase):
     def test_no_sink_eviction(self):
-        """semantics.md §1: S=4, no sink: [1,2,3] at 0, then [4,5,6] at 3 -> rows [3,4,5,6]."""
+        """docs/semantics.md §1: S=4, no sink: [1,2,3] at 0, then [4,5,6] at 3 -> rows [3,4,5,6]."""
         c = CausalKVCache(torch.zeros(1, 4, 1, 1), torch.zeros(1, 4, 1, 1))
         c.update_and_get_attention_kv(tokens(1, 2, 3), tokens(1, 2, 3), 0)
         r = c.update_and_get_attention_kv(tokens(4, 5, 6), tokens(4, 5, 6), 3)
@@ -296,7 +358,8 @@ class TestWorkedExamples(unittest.TestCase):
         self.assertEqual(ids(r.k), [3, 4, 5, 6])
 
     def test_sink_eviction(self):
-        """semantics.md §1: S=6, sink 2, chunks of 3: [1,1,2,3,3,3] after the chunk at 6, [1,1,3,4,4,4] after 9."""
+        """docs/semantics.md §1: S=6, sink 2, chunks of 3: [1,1,2,3,3,3] after the chunk at 6, [1,1,3,4,4,4] after
+        9."""
         c = CausalKVCache(torch.zeros(1, 6, 1, 1), torch.zeros(1, 6, 1, 1), sink_tokens=2)
         seen = []
         for i in range(4):
@@ -307,15 +370,44 @@ class TestWorkedExamples(unittest.TestCase):
         self.assertEqual(seen[3], [1, 1, 3, 4, 4, 4])
         self.assertEqual((c.global_end, c.local_end), (12, 6))
 
-    def test_sink_prepended_to_window(self):
-        """W < S: the window starts past the sink, so the sink rows are prepended (a cat, not a view)."""
-        c = CausalKVCache(torch.zeros(1, 8, 1, 1), torch.zeros(1, 8, 1, 1), sink_tokens=1, attention_window_size=3)
+    def test_window_is_the_whole_budget(self):
+        """Issue 11 / semantics.md §1.6: S=6, sink 2, W=3, chunks of 3 (ids 1,1,1 then 2,2,2): after the second chunk
+        the view is the 2 sink rows and the newest row (3 rows, as sglang), not the sink plus 3 window rows."""
+        c = CausalKVCache(torch.zeros(1, 6, 1, 1), torch.zeros(1, 6, 1, 1), sink_tokens=2, attention_window_size=3)
+        views = []
         for i in range(4):
-            x = tokens(*range(10 * i, 10 * i + 2))
+            x = tokens(*[i + 1] * 3)
+            r = c.update_and_get_attention_kv(x, x, 3 * i)
+            views.append((ids(r.k), ids(r.v), tuple(r[2:])))
+        self.assertEqual(views[0], ([1, 1, 1], [1, 1, 1], (0, 3, 3, 3)))  # L' = 3 <= W: every row
+        self.assertEqual(views[1], ([1, 1, 2], [1, 1, 2], (3, 6, 6, 6)))  # rows [0, 2) + [5, 6)
+        self.assertEqual(views[2], ([1, 1, 3], [1, 1, 3], (3, 6, 6, 9)))  # rows [1,1,2,3,3,3]
+        self.assertEqual(views[3], ([1, 1, 4], [1, 1, 4], (3, 6, 6, 12)))
+        self.assertNotEqual(r.k.untyped_storage().data_ptr(), c.k.untyped_storage().data_ptr())  # a cat
+
+    def test_window_budget_with_pinned_chunk(self):
+        """§1.6 with a pin past the sink that fell before the window: sink, the pinned rows, then W - E - p rows."""
+        c = CausalKVCache(torch.zeros(1, 12, 1, 1), torch.zeros(1, 12, 1, 1), sink_tokens=2, global_sink_tokens=1,
+                          attention_window_size=5)
+        for i in range(2):
+            x = tokens(*[i + 1] * 2)
+            c.update_and_get_attention_kv(x, x, 2 * i)
+        c.pin_current_chunk(2)  # rows [2, 4) hold chunk 2; global sink row 0; E = 1 while the pin is not next to it
+        for i in range(2, 5):
+            x = tokens(*[i + 1] * 2)
             r = c.update_and_get_attention_kv(x, x, 2 * i)
-        self.assertEqual(ids(c.k), [0, 1, 10, 11, 20, 21, 30, 31])
-        self.assertEqual(ids(r.k), [0, 21, 30, 31])
-        self.assertNotEqual(r.k.untyped_storage().data_ptr(), c.k.untyped_storage().data_ptr())
+        self.assertEqual(ids(c.k)[:10], [1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
+        self.assertEqual(ids(r.k), [1, 2, 2, 5, 5])  # L' = 10, a = 5: row 0, pinned rows [2, 4), newest 5 - 1 - 2 = 2
+        self.assertEqual(len(ids(r.k)), 5)
+
+    def test_window_smaller_than_sink(self):
+        """W <= E: no room for newer rows, the view is the sink alone (max(0, W - E - p) = 0 newest rows)."""
+        c = CausalKVCache(torch.zeros(1, 6, 1, 1), torch.zeros(1, 6, 1, 1), sink_tokens=3, attention_window_size=2)
+        for i in range(2):
+            x = tokens(*[i + 1] * 3)
+            r = c.update_and_get_attention_kv(x, x, 3 * i)
+        self.assertEqual(ids(r.k), [1, 1, 1])
+        self.assertEqual(r.k.untyped_storage().data_ptr(), c.k.untyped_storage().data_ptr())  # one range: a view
 
     def test_recent_window_tokens(self):
         """r = 0: sink + current chunk; r = 1: one row before the chunk too; large r: everything (a view)."""

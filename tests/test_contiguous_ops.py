@@ -308,5 +308,18 @@ class TestOpcheck(unittest.TestCase):
             torch.library.opcheck(torch.ops.kvops.cache_roll.default, (k_cache, v_cache, 0, 4, 4, None, None))
 
 
+
+class TestSDPALayoutError(expecttest.TestCase):
+    def test_heads_and_tokens_swapped(self):
+        """A cache in SDPA's layout [B, H, S, D] is named as such (issue 6 §3), not just "requires cache_head_start"."""
+        key = torch.randn(1, 3, 4, 8)
+        k_cache, v_cache = torch.zeros(1, 4, 32, 8), torch.zeros(1, 4, 32, 8)
+        msg = raises_everywhere(self, ValueError, lambda k, kc, vc: kvops.cache_write(k, k, kc, vc, 0),
+                                (key, k_cache, v_cache))
+        self.assertExpectedInline(msg, """kvops.cache_write requires cache_head_start when cache heads (32) differ from input heads (4). k_cache of shape (1, 4, 32, 8) has the 4 input heads in dim 1: it looks like SDPA's layout [batch, num_heads, seq_len, head_dim], with heads and tokens swapped. kvops caches are [batch, cache_len, num_kv_heads, head_dim]: pass k_cache.transpose(1, 2) and v_cache.transpose(1, 2) (views of the same memory, no copy).""")
+        kvops.cache_write(key, key, k_cache.transpose(1, 2), v_cache.transpose(1, 2), 0)  # the suggested fix
+        self.assertTrue(torch.equal(k_cache[:, :, :3], key.transpose(1, 2)))
+
+
 if __name__ == "__main__":
     unittest.main()

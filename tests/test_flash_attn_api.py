@@ -163,31 +163,33 @@ class TestFlashAttnWithKVCache(expecttest.TestCase):
         self.check(out, want, torch.float32)
 
     def test_content_dependent_overflow_is_contained_and_debug_check(self):
-        """cache_seqlens values past the capacity: nothing outside the table's blocks changes; the debug check raises."""
+        """Unchecked (value checks off) cache_seqlens past the capacity: nothing outside the table's blocks changes;
+        the eager check raises (tests/test_value_checks.py: the default mode raises before writing)."""
         k_cache, v_cache, table = paged_setup(2, 8, 4, 2, 16, 16, torch.float32, 2)
         before_k = k_cache.clone()
         lens = torch.tensor([2, 7], dtype=torch.int32)  # sequence 1: positions 7, 8, 9 but capacity is 8
         k = torch.randn(2, 3, 2, 16)
-        out = kvops.flash_attn_with_kvcache(torch.randn(2, 3, 2, 16), k_cache, v_cache, k, k, cache_seqlens=lens,
-                                            block_table=table, causal=True)
+        with kvops.value_checks("off"):
+            out = kvops.flash_attn_with_kvcache(torch.randn(2, 3, 2, 16), k_cache, v_cache, k, k,
+                                                cache_seqlens=lens, block_table=table, causal=True)
         self.assertTrue(bool(out.isfinite().all()))
         untouched = torch.ones(8, dtype=torch.bool)
         untouched[table.flatten().long()] = False
         self.assertTrue(torch.equal(k_cache[untouched], before_k[untouched]))
         self.assertTrue(torch.equal(k_cache[table[1, 1], 3], k[1, 0]))  # position 7 was written
-        with self.assertRaises(ValueError) as cm:
+        with self.assertRaises(RuntimeError) as cm:
             kvops.check_kvcache_capacity(k_cache, lens, table, num_new_tokens=3)
         self.assertExpectedInline(
             str(cm.exception),
-            """flash_attn_with_kvcache: sequence 1 has cache_seqlens=7; with 3 new tokens it needs positions [0, 10) but the capacity is 8 tokens and cache_seqlens must be >= 0.""",
+            """flash_attn_with_kvcache: sequence 1 has cache_seqlens=7; with 3 new tokens it needs positions [0, 10) but block_table addresses only 8 tokens (2 blocks x block_size 4) and cache_seqlens must be >= 0. Give block_table more blocks or write fewer tokens.""",
         )
         kvops.check_kvcache_capacity(k_cache, lens, table, num_new_tokens=1)
         bad_table = table.clone()
         bad_table[0, 0] = 8
-        with self.assertRaises(IndexError) as cm:
+        with self.assertRaises(RuntimeError) as cm:
             kvops.check_kvcache_capacity(k_cache, lens, bad_table, num_new_tokens=1)
         self.assertExpectedInline(
-            str(cm.exception), """flash_attn_with_kvcache: block_table[0] uses block 8 but the cache has 8 blocks."""
+            str(cm.exception), """flash_attn_with_kvcache: block_table[0, 0] = 8 is not a block of the cache: block ids must be in [0, 8) (P = 8 blocks) for the blocks sequence 0 uses."""
         )
 
 
@@ -315,12 +317,12 @@ class TestContracts(expecttest.TestCase):
 
     def test_unsupported(self):
         f = kvops.flash_attn_with_kvcache
-        msg = self.check(lambda q, kc, vc, bt, c: f(q, kc, vc, rotary_cos=c, rotary_sin=c, cache_seqlens=1,
-                                                    block_table=bt),
-                         self.q, self.k_cache, self.v_cache, self.table, torch.ones(12, 8), exc=NotImplementedError)
+        msg = self.check(lambda q, kc, vc, bt, c: f(q, kc, vc, cache_seqlens=1, cache_leftpad=c, block_table=bt),
+                         self.q, self.k_cache, self.v_cache, self.table, torch.zeros(2, dtype=torch.int32),
+                         exc=NotImplementedError)
         self.assertExpectedInline(
             msg,
-            """flash_attn_with_kvcache: rotary_cos is not supported by kvops; apply it before the call (e.g. rotary embeddings to q and k) or pass rotary_cos=None.""",
+            """flash_attn_with_kvcache: cache_leftpad is not supported by kvops; apply it before the call (e.g. index the caches, or shift cache_seqlens) or pass cache_leftpad=None.""",
         )
         msg = self.check(lambda q, kc, vc, bt: f(q, kc, vc, cache_seqlens=1, block_table=bt, window_size=(2, 3)),
                          self.q, self.k_cache, self.v_cache, self.table, exc=NotImplementedError)

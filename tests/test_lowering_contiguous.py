@@ -209,5 +209,27 @@ class TestRegistration(unittest.TestCase):
         self.assertEqual(out.stdout.strip(), "True")
 
 
+
+class TestGeometryChanges(FreshInductorCache):
+    def test_joint_caches_after_recompiles(self):
+        """Issue 6 §1 for contiguous caches: K/V as ``unbind`` views of one ``[B, S, 2, H, D]`` / ``[B, 2, S, H, D]``
+        allocation; batch and cache length, then heads change (automatic dynamic shapes). Before the fix the
+        recompiled wrapper raised ``NameError`` for a size symbol it never defined."""
+
+        def write(key, value, k_cache, v_cache, start):
+            kvops.cache_write(key * 0.5, value, k_cache, v_cache, start)
+
+        torch._dynamo.reset()
+        step = torch.compile(write, fullgraph=True)
+        for b, s, h in ((1, 16, 2), (2, 64, 2), (2, 64, 4)):
+            key, value = torch.randn(b, 5, h, 8), torch.randn(b, 5, h, 8)
+            for shape, dim in (((b, s, 2, h, 8), 2), ((b, 2, s, h, 8), 1)):
+                kv = torch.randn(shape)
+                ref = kv.clone()
+                step(key, value, *kv.unbind(dim), 3)
+                write(key, value, *ref.unbind(dim), 3)
+                self.assertTrue(torch.equal(kv, ref), (shape, dim))
+
+
 if __name__ == "__main__":
     expecttest.run_tests() if hasattr(expecttest, "run_tests") else unittest.main()

@@ -7,9 +7,12 @@ fresh Inductor cache (the FX graph cache does not key on custom lowerings).
 """
 
 
+import re
+
 import expecttest
 import torch
 import torch._dynamo
+import torch._inductor.config
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kvops
@@ -78,7 +81,10 @@ class TestPagedWriteLowering(FreshInductorCache):
         expected = kv.clone()
         slot_mapping = torch.tensor([5, -1, 0, 11, -1], dtype=torch.int32)
         args = (cos, sin, kv[:, 0], kv[:, 1], slot_mapping, 1, k_scale, v_scale)
-        _, code = compiled(rope_write, key, value, *args)
+        # eager rounds the bf16 RoPE result before quantizing; Inductor does so under emulate_precision_casts (by
+        # default it keeps the producer's fp32 value, as in its own fusion of ``x.float() / scale``)
+        with torch._inductor.config.patch(emulate_precision_casts=True):
+            _, code = compiled(rope_write, key, value, *args)
         rope_write(key, value, cos, sin, expected[:, 0], expected[:, 1], slot_mapping, 1, k_scale, v_scale)
         self.assertExpectedInline(code_facts(code), """cpp kernels: 1, kvops calls: 0""")
         self.assertTrue(same_bits(kv, expected))
@@ -105,6 +111,139 @@ class TestPagedWriteLowering(FreshInductorCache):
             write(key, value, k_ref, v_ref, slot_mapping)
             self.assertTrue(torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), n)
         self.assertLessEqual(counter.frame_count, 2)
+
+
+
+def geometry_caches(layout, p, bs, h, d):
+    """K/V caches ``[P, block_size, H, D]`` of one geometry, random bits; returns (caches, allocation to compare).
+
+    joint_rows: ``unbind(2)`` of ``[P, bs, 2, H, D]``; joint_blocks: ``unbind(1)`` of ``[P, 2, bs, H, D]`` (FlashInfer);
+    head_view: heads ``[1, 1 + H)`` of ``[P, bs, H + 2, D]`` caches; plain: two contiguous caches.
+    """
+    seed = p * 1000 + bs * 10 + h
+    if layout == "joint_rows":
+        kv = random_bits((p, bs, 2, h, d), torch.float32, seed)
+        return kv.unbind(2), (kv,)
+    if layout == "joint_blocks":
+        kv = random_bits((p, 2, bs, h, d), torch.float32, seed)
+        return kv.unbind(1), (kv,)
+    if layout == "head_view":
+        k, v = random_bits((p, bs, h + 2, d), torch.float32, seed), random_bits((p, bs, h + 2, d), torch.float32, seed + 1)
+        return (k[:, :, 1 : 1 + h], v[:, :, 1 : 1 + h]), (k, v)
+    k, v = random_bits((p, bs, h, d), torch.float32, seed), random_bits((p, bs, h, d), torch.float32, seed + 1)
+    return (k, v), (k, v)
+
+
+def scaled_write(key, value, k_cache, v_cache, slot_mapping):
+    kvops.paged_cache_write(key * 0.5, value, k_cache, v_cache, slot_mapping)
+
+
+class TestGeometryChanges(FreshInductorCache):
+    """Issue 6 §1: recompiles after the cache geometry changes (blocks, then heads, then block_size) must run and
+    write what eager writes, for K/V views of one allocation (the case that raised ``NameError: name 's20' is not
+    defined`` from the generated wrapper), head-sliced and plain caches; with automatic dynamic shapes and with
+    ``torch._dynamo.mark_dynamic``."""
+
+    GEOMETRIES = ((4, 16, 2, 8), (64, 16, 2, 8), (64, 16, 4, 8), (12, 4, 4, 8))  # (P, block_size, H_kv, D)
+
+    def run_geometries(self, layout, geometries, mark_dynamic=False):
+        torch._dynamo.reset()
+        step = torch.compile(scaled_write, fullgraph=True)
+        for p, bs, h, d in geometries:
+            n = min(40, p * bs - 3)
+            (k_cache, v_cache), alloc = geometry_caches(layout, p, bs, h, d)
+            (k_ref, v_ref), expected = geometry_caches(layout, p, bs, h, d)
+            g = torch.Generator().manual_seed(p + h)
+            slot_mapping = torch.randperm(p * bs, generator=g)[:n]
+            slot_mapping[1::4] = -1
+            key, value = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+            if mark_dynamic:
+                for t in (*alloc, key, value, slot_mapping):
+                    torch._dynamo.mark_dynamic(t, 0)
+            step(key, value, k_cache, v_cache, slot_mapping)
+            scaled_write(key, value, k_ref, v_ref, slot_mapping)
+            for got, want in zip(alloc, expected):
+                self.assertTrue(same_bits(got, want), (layout, p, bs, h))
+
+    def test_joint_rows_automatic_dynamic(self):
+        self.run_geometries("joint_rows", self.GEOMETRIES)
+
+    def test_joint_blocks_automatic_dynamic(self):
+        self.run_geometries("joint_blocks", self.GEOMETRIES)
+
+    def test_head_sliced_and_plain_automatic_dynamic(self):
+        self.run_geometries("head_view", self.GEOMETRIES[:3])
+        self.run_geometries("plain", self.GEOMETRIES[1:])
+
+    def test_mark_dynamic(self):
+        self.run_geometries("joint_blocks", ((6, 16, 2, 8), (64, 16, 2, 8)), mark_dynamic=True)
+        self.run_geometries("joint_rows", ((6, 16, 2, 8), (64, 16, 2, 8)), mark_dynamic=True)
+
+
+class TestHNDLowering(FreshInductorCache):
+    def test_compiled_hnd_write(self):
+        """The Inductor lowering indexes an HND cache (and a joint [P, 2, H, bs, D] allocation) like eager."""
+
+        def write(key, value, k_cache, v_cache, slots):
+            kvops.paged_cache_write(key * 0.5, value, k_cache, v_cache, slots, kv_layout="HND")
+
+        p, bs, h, d, n = 4, 4, 2, 8, 7
+        kv = torch.randn(p, 2, h, bs, d)
+        expected = kv.clone()
+        key, value = torch.randn(n, h, d), torch.randn(n, h, d)
+        slots = torch.tensor([5, -1, 0, 13, 7, -1, 2])
+        _, code = compiled(write, key, value, *kv.unbind(1), slots)
+        write(key, value, *expected.unbind(1), slots)
+        self.assertTrue(torch.equal(kv, expected))
+        self.assertExpectedInline(code_facts(code), """cpp kernels: 1, kvops calls: 0""")
+
+
+
+class TestGeneratedCode(FreshInductorCache):
+    def test_store_loop_is_vectorized_over_heads_and_head_dim(self):
+        """8 KV heads x 128 in bf16 (issue 6 §6): the store loop of both caches is vectorized (vector stores only; the
+        one scalar store is the first-slotted-token reduction), in one kernel with no kvops extern call."""
+
+        def write(key, value, k_cache, v_cache, slots):
+            kvops.paged_cache_write(key * 0.5, value, k_cache, v_cache, slots)
+
+        h, d = 8, 128
+        key, value = torch.randn(6, h, d, dtype=torch.bfloat16), torch.randn(6, h, d, dtype=torch.bfloat16)
+        k_cache, v_cache = torch.zeros(4, 16, h, d, dtype=torch.bfloat16), torch.zeros(4, 16, h, d, dtype=torch.bfloat16)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        slots = torch.tensor([3, -1, 40, 17, -1, 63])
+        _, code = compiled(write, key, value, k_cache, v_cache, slots)
+        write(key, value, k_ref, v_ref, slots)
+        self.assertTrue(torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref))
+        self.assertExpectedInline(code_facts(code), """cpp kernels: 1, kvops calls: 0""")
+        vector_stores = re.findall(r"\.store\(out_ptr\d+ \+", code)
+        scalar_stores = re.findall(r"^\s*out_ptr\d+\[[^\]]*\] = ", code, re.M)
+        self.assertEqual((len(vector_stores), len(scalar_stores)), (2, 1))
+
+    def test_all_padding_keeps_special_values(self):
+        """All-padding batch over a row (block 0, row 0) holding NaN payloads, infinities and the values around them:
+        fp8 rows (all 256 patterns) stay bit-identical (as float32 rows: a select on fp32 is a bit copy); bf16 rows too except that a NaN may come back with another payload
+        (the documented cost of the vectorized select)."""
+
+        def write(key, value, k_cache, v_cache, slots, k_scale=None, v_scale=None):
+            kvops.paged_cache_write(key * 2, value, k_cache, v_cache, slots, None, k_scale, v_scale)
+
+        for dtype, bits, first in ((FP8, torch.uint8, 0), (torch.bfloat16, torch.int16, 0x7F80 - 1024)):
+            n, d = (256, 32) if dtype == FP8 else (2048, 64)
+            k_cache = torch.zeros(2, 2, n // d, d, dtype=bits)
+            k_cache[0, 0] = (torch.arange(n) + first).view(n // d, d).to(bits)
+            k_cache = k_cache.view(dtype)
+            v_cache, before = k_cache.clone(), k_cache.clone()
+            key = torch.randn(3, n // d, d).to(torch.float32 if dtype == FP8 else dtype)
+            scales = (torch.tensor([1.0]), torch.tensor([1.0])) if dtype == FP8 else ()
+            compiled(write, key, key, k_cache, v_cache, torch.tensor([-1, -1, -1]), *scales)
+            for cache in (k_cache, v_cache):
+                if dtype == torch.bfloat16:
+                    nan = before.isnan()
+                    self.assertTrue(torch.equal(cache[~nan].view(bits), before[~nan].view(bits)))
+                    self.assertTrue(cache[nan].isnan().all())
+                else:
+                    self.assertTrue(same_bits(cache, before), dtype)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,15 @@ class TestPackaging(unittest.TestCase):
         self.assertEqual(out.stdout.strip(), "False [0.0, 1.0, 0.0, 0.0]")
 
     def test_wheel_ships_lowering_inside_kvops(self):
+        import shutil
         import tempfile
 
         with tempfile.TemporaryDirectory() as d:
+            # Build from a copy: setuptools reuses (and leaves) a build/ folder in the tree it builds.
+            src = pathlib.Path(d) / "src"
+            shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__"))
             out = subprocess.run(
-                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", d, str(ROOT)],
+                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", d, str(src)],
                 capture_output=True, text=True, timeout=300,
             )
             self.assertEqual(out.returncode, 0, out.stderr)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import kvops
 from kvops.cache import OutOfBlocksError, PagedKVCache
+from tests.contract import _Wrap
 
 
 class Model:
@@ -286,7 +287,55 @@ PagedKVCache: num_blocks must be positive, got 0.""",
         self.assertEqual(step.seq_lens.tolist(), [5, 1, 0, 0])
         self.assertEqual(step.block_table.tolist(), [[0, 1, 0], [2, 0, 0], [0, 0, 0], [0, 0, 0]])
         self.assertEqual(step.slot_mapping.tolist(), [0, 1, 2, 3, 4, 8, -1, -1, -1])
+        self.assertEqual(step.positions.tolist(), [0, 1, 2, 3, 4, 0, 0, 0, 0])  # padding tokens: position 0
         self.assertEqual(step.max_seqlen_q, 5)
+
+    def test_positions_of_prefill_chunks_and_decode(self):
+        """PagedStep.positions [N_pad] int64: each new token's position in its sequence (for RoPE)."""
+        c = PagedKVCache(8, 4, 1, 2)
+        for s in "abc":
+            c.add_sequence(s)
+        c.prepare({"a": 6, "b": 2})
+        c.fork("a", "d")  # shares a's first 4 tokens
+        step = c.prepare([("b", 1), ("a", 3), ("c", 2), ("d", 1)], pad_tokens=9)
+        self.assertEqual(step.positions.dtype, torch.int64)
+        self.assertEqual(step.positions.tolist(), [2, 6, 7, 8, 0, 1, 4, 0, 0])
+        self.assertEqual(step.positions.tolist()[:step.num_tokens],
+                         [c.seq_len(s) - n + i for s, n in [("b", 1), ("a", 3), ("c", 2), ("d", 1)] for i in range(n)])
+
+    def test_dtype_and_device_follow_torch_defaults(self):
+        """One rule, like torch factories and CausalKVCache.allocate: dtype None -> torch.get_default_dtype()."""
+        self.assertEqual(PagedKVCache(2, 2, 1, 2).k_caches[0].dtype, torch.float32)
+        old = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(torch.float64)
+            c = PagedKVCache(2, 2, 1, 2, joint=True)
+            causal = kvops.CausalKVCache.allocate(1, 4, 1, 2)
+        finally:
+            torch.set_default_dtype(old)
+        self.assertEqual((c.k_caches[0].dtype, c.v_caches[0].dtype, causal.k.dtype), (torch.float64,) * 3)
+        self.assertEqual(c.device, torch.get_default_device())
+        self.assertEqual(PagedKVCache(2, 2, 1, 2, dtype=torch.float16).k_caches[0].dtype, torch.float16)
+
+    def test_prepare_is_eager_only(self):
+        """Host-side planning: a clear error under torch.compile and torch.export, and nothing allocated."""
+        c = PagedKVCache(4, 2, 1, 2)
+        c.add_sequence(0)
+
+        def plan(x):
+            step = c.prepare({0: 3})
+            return x + step.seq_lens
+
+        torch._dynamo.reset()
+        with self.assertRaises(torch._dynamo.exc.Unsupported) as cm:
+            torch.compile(plan, fullgraph=True, backend="eager")(torch.zeros(1, dtype=torch.int32))
+        self.assertIn("PagedKVCache.prepare is host-side planning (Python block manager) and runs eagerly only",
+                      str(cm.exception))
+        with self.assertRaises(RuntimeError) as cm:
+            torch.export.export(_Wrap(plan), (torch.zeros(1, dtype=torch.int32),), strict=False)
+        self.assertExpectedInline(str(cm.exception), """PagedKVCache.prepare is host-side planning (Python block manager) and runs eagerly only; it was called while compiling (torch.compile or torch.export). Call cache.prepare(...) outside the compiled function and pass the PagedStep's tensors (block_table, seq_lens, cu_seqlens_q, slot_mapping, positions) and max_seqlen_q to it as arguments.""")  # noqa: E501
+        self.assertEqual((c.seq_len(0), c.num_free_blocks), (0, 4))
+        self.assertEqual(plan(torch.zeros(1, dtype=torch.int32)).tolist(), [3])  # eager planning works
 
 
 class TestWriteAndAttention(unittest.TestCase):

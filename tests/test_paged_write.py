@@ -141,7 +141,7 @@ class TestPagedWrite(expecttest.TestCase):
     def test_out_of_range_slot_raises_on_cpu(self):
         k_cache, v_cache = make_paged_caches(2, 4, 2, 8)
         key = torch.randn(2, 2, 8)
-        with self.assertRaises(IndexError) as cm:
+        with self.assertRaises(IndexError) as cm, kvops.value_checks("off"):  # the kernel's own check (eager: §7)
             kvops.paged_cache_write(key, key, k_cache, v_cache, torch.tensor([1, 8]))
         self.assertExpectedInline(
             str(cm.exception),
@@ -152,11 +152,11 @@ class TestPagedWrite(expecttest.TestCase):
     def test_check_slot_mapping(self):
         k_cache, _ = make_paged_caches(2, 4, 2, 8)
         kvops.check_slot_mapping(torch.tensor([-1, 0, 7, -1], dtype=torch.int32), k_cache)
-        with self.assertRaises(IndexError) as cm:
+        with self.assertRaises(RuntimeError) as cm:  # the eager value check of docs/semantics.md §7
             kvops.check_slot_mapping(torch.tensor([3, 9]), k_cache)
         self.assertExpectedInline(
             str(cm.exception),
-            """kvops.paged_cache_write: slot_mapping holds slot 9 but the cache has only 8 slots (2 blocks x block_size 4); valid slots are [0, 8) or negative (skip).""",
+            """kvops.paged_cache_write: slot_mapping[1] = 9 is outside the cache: valid slots are [0, 8) (2 blocks x block_size 4), or negative to skip a padding token. Nothing was written. Pass block * block_size + row for a block of the cache (or -1 for padding).""",
         )
         with self.assertRaises(ValueError) as cm:
             kvops.check_slot_mapping(torch.tensor([-1, 2, 5, -1, 2]), k_cache)

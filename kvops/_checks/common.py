@@ -68,8 +68,8 @@ def require_dim_match(
 def check_head_slice(op: str, cache_heads: int, in_heads: int, cache_head_start: int | None) -> int:
     """Resolve ``cache_head_start`` for a writer carrying ``in_heads`` of the cache's ``cache_heads`` KV heads.
 
-    Returns the first cache head written. Raises the ``requires cache_head_start`` ValueError of semantics.md §1 when
-    the head counts differ and no start was given, and a ValueError when the slice leaves ``[0, cache_heads)``.
+    Returns the first cache head written. Raises the ``requires cache_head_start`` ValueError of docs/semantics.md §1
+    when the head counts differ and no start was given, and a ValueError when the slice leaves ``[0, cache_heads)``.
     """
     if cache_head_start is None:
         if in_heads != cache_heads:

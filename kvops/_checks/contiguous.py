@@ -55,7 +55,16 @@ def check_cache_write(
         require_same_device(op, name, t, cache_name, cache)
         require_dim_match(op, "batch", name, t, 0, cache_name, cache, 0)
         require_dim_match(op, "head_dim", name, t, 3, cache_name, cache, 3)
-    h0 = check_head_slice(op, k_cache.shape[2], key.shape[2], cache_head_start)
+    in_heads, cache_heads = key.shape[2], k_cache.shape[2]
+    if cache_head_start is None and in_heads != cache_heads and in_heads == k_cache.shape[1]:
+        raise ValueError(
+            f"{op} requires cache_head_start when cache heads ({as_int(cache_heads)}) differ from input heads "
+            f"({as_int(in_heads)}). k_cache of shape {tuple(k_cache.shape)} has the {as_int(in_heads)} input heads in "
+            f"dim 1: it looks like SDPA's layout [batch, num_heads, seq_len, head_dim], with heads and tokens "
+            f"swapped. kvops caches are {CACHE_LAYOUT}: pass k_cache.transpose(1, 2) and v_cache.transpose(1, 2) "
+            f"(views of the same memory, no copy)."
+        )
+    h0 = check_head_slice(op, cache_heads, in_heads, cache_head_start)
     num_new, cache_len = key.shape[1], k_cache.shape[1]
     if start < 0 or start + num_new > cache_len:
         s = as_int(start)

@@ -1,8 +1,10 @@
-"""Validator of ``kvops.flash_attn_with_kvcache`` (semantics.md §5)."""
+"""Validator of ``kvops.flash_attn_with_kvcache`` (docs/semantics.md §5)."""
 
 from __future__ import annotations
 
 import torch
+
+from .rotary import check_rotary
 
 OP = "flash_attn_with_kvcache"
 
@@ -16,13 +18,12 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
     ``torch.compile(fullgraph=True)`` its errors are raised while Dynamo traces, as an "Observed exception" whose text
     carries the original type and message; eager and ``torch.export`` raise the original exception.
     """
-    unsupported = {"rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx,
-                   "cache_leftpad": cache_leftpad, "alibi_slopes": alibi_slopes}
+    unsupported = {"cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "alibi_slopes": alibi_slopes}
     for name, value in unsupported.items():
         if value is not None:
             raise NotImplementedError(
-                f"{OP}: {name} is not supported by kvops; apply it before the call (e.g. rotary embeddings to q and "
-                f"k) or pass {name}=None."
+                f"{OP}: {name} is not supported by kvops; apply it before the call (e.g. index the caches, or shift "
+                f"cache_seqlens) or pass {name}=None."
             )
     if not causal and window_size[1] > 0:
         raise NotImplementedError(
@@ -78,6 +79,11 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
         raise ValueError(f"{OP}: cache_seqlens must be >= 0 (tokens already in the cache), got {cache_seqlens}.")
     capacity = (1 if block_table is None else block_table.shape[1]) * k_cache.shape[1]
     if k is None:
+        if rotary_cos is not None or rotary_sin is not None:
+            raise ValueError(
+                f"{OP}: If rotary cos/sin are provided, new key / value to be appended to KV cache must also be "
+                f"provided (pass k and v, or rotary_cos=None and rotary_sin=None)."
+            )
         return
     if cache_seqlens is None:
         raise ValueError(f"{OP}: k/v were given without cache_seqlens; pass cache_seqlens to say where they go.")
@@ -88,6 +94,7 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
                 f"head_dim={cache.shape[3]}] (k and v with the same seqlen_new), got shape {tuple(t.shape)}."
             )
     s_new = k.shape[1]
+    check_rotary_tables(q, k, rotary_cos, rotary_sin, capacity)
     start = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else 0
     if start < 0 or start + s_new > capacity:
         where = f"at cache_seqlens={cache_seqlens} " if not isinstance(cache_seqlens, torch.Tensor) else ""
@@ -95,4 +102,20 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
             f"{OP}: writing {s_new} new tokens {where}exceeds the capacity addressable by the cache: "
             f"{capacity} tokens (max_blocks {capacity // k_cache.shape[1]} x block_size {k_cache.shape[1]}). Give "
             f"block_table more blocks or write fewer tokens."
+        )
+
+
+def check_rotary_tables(q, k, rotary_cos, rotary_sin, capacity) -> None:
+    """FlashAttention's rotary contract: both tables or neither, ``[seqlen_ro, rotary_dim / 2]`` in q's dtype with
+    ``seqlen_ro >=`` the cache capacity and ``rotary_dim <= head_dim`` (the write op's validator checks the rest)."""
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{OP}: rotary_cos and rotary_sin must be given together (got only "
+                         f"{'rotary_cos' if rotary_cos is not None else 'rotary_sin'}).")
+    if rotary_cos is None:
+        return
+    check_rotary(OP, "q", q, rotary_cos, rotary_sin, torch.zeros(0, dtype=torch.int32, device=q.device), 0)
+    if rotary_cos.shape[0] < capacity:
+        raise ValueError(
+            f"{OP}: cos/sin seqlen must be at least the seqlen of KV cache: rotary_cos has {rotary_cos.shape[0]} "
+            f"positions but the cache holds {capacity} (max_blocks x block_size); extend the tables."
         )

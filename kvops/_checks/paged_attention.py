@@ -1,9 +1,10 @@
-"""Validator for ``kvops::paged_attention`` (semantics.md §4).
+"""Validator for ``kvops::paged_attention`` (docs/semantics.md §4).
 
-``q [T_q, H_q, D]`` packed (varlen); caches ``[P, block_size, H_kv, D]`` / ``[P, block_size, H_kv, D_v]`` (NHD);
+``q [T_q, H_q, D]`` packed (varlen); caches ``[P, block_size, H_kv, D]`` / ``[P, block_size, H_kv, D_v]`` (NHD), or
+``[P, H_kv, block_size, D]`` with ``kv_layout="HND"`` (validated as the NHD view ``transpose(1, 2)``);
 ``cu_seqlens_q [B + 1]``, ``seq_lens [B]``, ``block_table [B, max_blocks]``, all int32. Only metadata and the scalar
-arguments are checked. Value contracts that depend on tensor *contents* are documented on the public wrapper and not
-checked (no host sync): ``cu_seqlens_q`` non-decreasing from 0 to ``T_q``, every ``q_len <= max_seqlen_q``,
+arguments are checked. Value contracts that depend on tensor *contents* are checked per the value-check mode by
+``kvops/_checks/values.py`` (docs/semantics.md §7), not here: ``cu_seqlens_q`` non-decreasing from 0 to ``T_q``, every ``q_len <= max_seqlen_q``,
 ``seq_len <= max_blocks * block_size``, and table entries of the first ``ceil(seq_len / block_size)`` blocks
 in ``[0, P)``.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .common import FP8_DTYPE, as_int, check_fp8_scales, require_dim_match, require_ndim, require_same_device
-from .paged_write import check_paged_caches
+from .paged_write import check_paged_caches, layout_hint
 
 OP = "kvops.paged_attention"
 Q_LAYOUT = "[num_tokens, num_heads, head_dim]"
@@ -44,10 +45,13 @@ def check_paged_attention(
     sinks: torch.Tensor | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    kv_layout: str = "NHD",
 ) -> float:
     """Validate a paged attention call; returns the resolved softmax scale (``D ** -0.5`` when ``scale`` is None).
 
-    Raises ``ValueError`` (same type and message in eager, under ``torch.compile`` and ``torch.export``) for: a missing
+    Raises ``ValueError`` (same type and message in eager, under ``torch.compile`` and ``torch.export``) for: a
+    ``kv_layout`` other than "NHD"/"HND" (an error on ``num_kv_heads`` says when the cache may be in the other layout);
+    a missing
     ``v_cache`` (``"v_cache must be provided"``); ranks; K/V caches that disagree in dtype, device, ``P``,
     ``block_size`` or ``H_kv``; a q dtype other than fp32/bf16/fp16; a non-fp8 cache whose dtype differs from q's;
     ``head_dim`` of q vs ``k_cache``; ``H_q % H_kv != 0``; index tensors that are not int32 or have the wrong rank;
@@ -55,7 +59,7 @@ def check_paged_attention(
     an fp8 cache without ``k_scale``/``v_scale``, scales with a non-fp8 cache, scales not fp32 ``[1]``/``[H_kv]``;
     ``max_seqlen_q < 1`` while q has tokens; ``window_left < -1``; ``softcap < 0``.
     """
-    check_paged_caches(OP, k_cache, v_cache)  # raises ValueError("v_cache must be provided") first
+    k_cache, v_cache = check_paged_caches(OP, k_cache, v_cache, kv_layout)  # "v_cache must be provided" first
     require_ndim(OP, "q", q, 3, Q_LAYOUT)
     require_same_device(OP, "k_cache", k_cache, "q", q)
     if q.dtype not in Q_DTYPES:
@@ -73,6 +77,7 @@ def check_paged_attention(
             f"{OP}: num_heads ({as_int(num_heads)}) must be a multiple of num_kv_heads ({as_int(num_kv_heads)}) "
             f"(GQA: query head h reads KV head h // (num_heads // num_kv_heads)). Pass q with a multiple of "
             f"{as_int(num_kv_heads)} heads."
+            + layout_hint(k_cache, kv_layout, f"{as_int(num_heads)} query heads", lambda h: num_heads % h == 0)
         )
 
     _check_index("block_table", block_table, 2, "[batch, max_blocks_per_seq]", q)

@@ -1,8 +1,10 @@
-"""Validator for ``kvops::paged_cache_write`` (semantics.md §3).
+"""Validator for ``kvops::paged_cache_write`` (docs/semantics.md §3), and the ``kv_layout`` rule of both paged ops.
 
-Caches are ``[P, block_size, H_kv, D]`` (NHD; ``D_v`` for values); writers carry ``[N', H_in, D]`` and ``slot_mapping``
+Caches are ``[P, block_size, H_kv, D]`` (``kv_layout="NHD"``) or ``[P, H_kv, block_size, D]`` (``"HND"``, FlashInfer's
+name; ``D_v`` for values). An HND cache is validated and written as its NHD view ``cache.transpose(1, 2)`` (no copy:
+every kernel takes strides). Writers carry ``[N', H_in, D]`` and ``slot_mapping``
 ``[N]`` with ``N' >= N``. Only metadata is checked here: slot *values* (negative = skip, ``< P * block_size``) are
-content and are documented, not checked at trace time (see ``kvops.ops.paged_write.check_slot_mapping``).
+content: they are checked per the value-check mode by ``kvops/_checks/values.py`` (docs/semantics.md §7).
 """
 
 from __future__ import annotations
@@ -26,11 +28,47 @@ OP = "kvops.paged_cache_write"
 CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
 TOKENS_LAYOUT = "[num_tokens, num_heads, head_dim]"
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KV_LAYOUTS = {  # kv_layout -> (cache layout, the dims K and V must agree in)
+    "NHD": (CACHE_LAYOUT, "[num_blocks, block_size, num_kv_heads]"),
+    "HND": ("[num_blocks, num_kv_heads, block_size, head_dim]", "[num_blocks, num_kv_heads, block_size]"),
+}
 
 
-def check_paged_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None) -> None:
-    """K and V paged caches: both present, 4-D NHD, same dtype, device, blocks, block_size and heads."""
-    check_kv_pair(op, k_cache, v_cache, CACHE_LAYOUT, "[num_blocks, block_size, num_kv_heads]")
+def as_nhd(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as ``[P, block_size, H_kv, D]`` views (``transpose(1, 2)`` of HND caches; never a copy)."""
+    if kv_layout == "HND":
+        return k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    return k_cache, v_cache
+
+
+def check_paged_caches(
+    op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None, kv_layout: str = "NHD"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_layout`` is "NHD" or "HND"; K and V paged caches: both present, 4-D in that layout, same dtype, device,
+    blocks, block_size and heads. Returns the caches as NHD views (see :func:`as_nhd`)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(
+            f"{op}: kv_layout must be \"NHD\" (caches [num_blocks, block_size, num_kv_heads, head_dim]) or \"HND\" "
+            f"(caches [num_blocks, num_kv_heads, block_size, head_dim]), got {kv_layout!r}."
+        )
+    layout, agree = KV_LAYOUTS[kv_layout]
+    check_kv_pair(op, k_cache, v_cache, layout, agree)
+    return as_nhd(k_cache, v_cache, kv_layout)
+
+
+def layout_hint(cache: torch.Tensor, kv_layout: str, heads: str, fits) -> str:
+    """When the NHD view ``cache``'s ``num_kv_heads`` does not ``fit`` the input's heads (``heads``, e.g. "8 input
+    heads") but its ``block_size`` dim does, a sentence saying the cache may be in the other layout and how to pass
+    it; else ``""``."""
+    if fits(cache.shape[2]) or not fits(cache.shape[1]):
+        return ""
+    other = "HND" if kv_layout == "NHD" else "NHD"
+    shape = tuple(cache.shape) if kv_layout == "NHD" else tuple(cache.transpose(1, 2).shape)
+    return (
+        f" The cache of shape {shape} read as kv_layout=\"{kv_layout}\" has {as_int(cache.shape[2])} heads, but its "
+        f"dim of size {as_int(cache.shape[1])} fits the {heads}: it may be an {other} cache "
+        f"{KV_LAYOUTS[other][0]}; if so, pass kv_layout=\"{other}\"."
+    )
 
 
 def check_paged_cache_write(
@@ -42,17 +80,18 @@ def check_paged_cache_write(
     cache_head_start: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    kv_layout: str = "NHD",
     op: str = OP,
 ) -> int:
     """Validate a paged write of ``N = slot_mapping.shape[0]`` tokens; returns the first cache head written.
 
-    Raises ``ValueError`` for: a missing ``v_cache`` (``"v_cache must be provided"``) or ``value``; ranks; a
+    Raises ``ValueError`` for: a ``kv_layout`` other than "NHD"/"HND"; a missing ``v_cache`` (``"v_cache must be provided"``) or ``value``; ranks; a
     ``slot_mapping`` that is not 1-D int32/int64 on the caches' device; ``key`` shorter than ``slot_mapping``
     (``N' < N``); key/value dtype, device, token-count, head and head_dim mismatches; a head slice outside the cache;
     an fp8 cache without ``k_scale``/``v_scale``; scales for a non-fp8 cache; scales that are not fp32 ``[1]`` or
     ``[H_kv]``; a cache with a stride-0 dim (an expanded view cannot be written in place).
     """
-    check_paged_caches(op, k_cache, v_cache)
+    k_cache, v_cache = check_paged_caches(op, k_cache, v_cache, kv_layout)
     require_writable(op, "k_cache", k_cache)
     require_writable(op, "v_cache", v_cache)
     if value is None:
@@ -90,7 +129,15 @@ def check_paged_cache_write(
             require_same_dtype(op, name, t, cache_name, cache)
         require_same_device(op, name, t, cache_name, cache)
         require_dim_match(op, "head_dim", name, t, 2, cache_name, cache, 3)
-    h0 = check_head_slice(op, k_cache.shape[2], key.shape[1], cache_head_start)
+    in_heads = key.shape[1]
+    if cache_head_start is None and in_heads != k_cache.shape[2]:
+        hint = layout_hint(k_cache, kv_layout, f"{as_int(in_heads)} input heads", lambda h: h == in_heads)
+        if hint:
+            raise ValueError(
+                f"{op} requires cache_head_start when cache heads ({as_int(k_cache.shape[2])}) differ from input "
+                f"heads ({as_int(in_heads)}).{hint}"
+            )
+    h0 = check_head_slice(op, k_cache.shape[2], in_heads, cache_head_start)
 
     check_fp8_scales(op, k_cache, k_scale, v_scale)
     return h0

@@ -1,10 +1,22 @@
 """Cache modules: bookkeeping in Python ints, all tensor work through the kvops ops.
 
-- :class:`CausalKVCache` (``causal.py``): contiguous streaming cache for block-causal generation (semantics.md §1).
-- :class:`PagedKVCache` (``paged.py``): paged caches with a block manager and per-step metadata (semantics.md §3-4).
+- :class:`CausalKVCache` (``causal.py``): contiguous streaming cache for block-causal generation
+  (docs/semantics.md §1).
+- :class:`PagedKVCache` (``paged.py``): paged caches with a block manager and per-step metadata
+  (docs/semantics.md §3-4).
 """
 
 from .causal import CausalKVCache, CausalKVView
 from .paged import OutOfBlocksError, PagedKVCache, PagedStep
 
 __all__ = ["CausalKVCache", "CausalKVView", "PagedKVCache", "PagedStep", "OutOfBlocksError"]
+
+# Rolling-window (sliding-window) contiguous cache: rolling.py
+from .rolling import RollingKVCache  # noqa: E402
+
+__all__ += ["RollingKVCache"]
+
+# --- packed (quantized) streaming cache (kvops/packed/cache.py, semantics.md §2) ---------------------------------
+from ..packed.cache import PackedCausalKVCache, PackedKVView  # noqa: E402
+
+__all__ += ["PackedCausalKVCache", "PackedKVView"]

@@ -1,4 +1,4 @@
-"""``CausalKVCache``: one transformer block's K/V for block-causal streaming (semantics.md §1).
+"""``CausalKVCache``: one transformer block's K/V for block-causal streaming (docs/semantics.md §1).
 
 Bookkeeping is plain Python ints; every tensor write and move goes through ``kvops.cache_write`` / ``kvops.cache_roll``.
 """
@@ -12,13 +12,15 @@ import torch
 from .._checks.common import require_ndim
 from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write, check_caches
 from ..ops.contiguous import cache_roll, cache_write
+from ._window import visible_rows
 
 
 class CausalKVView(NamedTuple):
     """What :meth:`CausalKVCache.update_and_get_attention_kv` returns.
 
-    ``k``/``v`` are the visible rows ``[B, V, H_in, D]`` / ``[B, V, H_in, D_v]`` (a view of the cache when they are
-    one contiguous row range, else a ``torch.cat`` of the sink rows and the window). The four ints are cache rows
+    ``k``/``v`` are the visible rows ``[B, V, H_in, D]`` / ``[B, V, H_in, D_v]`` in row order (a view of the cache
+    when they are one contiguous row range, else a ``torch.cat`` of the ranges of
+    :func:`kvops.cache._window.visible_rows`: sink rows, a pinned chunk, the newest rows; semantics.md §1.6). The four ints are cache rows
     (``local_*``) and token positions (``*_global_*``): the chunk was written at rows
     ``[local_start_index, local_end_index)``; ``visible_local_end`` is the cache's local end after the update (``L'``)
     and ``visible_global_end`` its global end (``G'``).
@@ -45,7 +47,7 @@ class _Cursors:
 
 
 class CausalKVCache:
-    """Streaming K/V cache of one attention layer for block-causal generation, as in semantics.md §1.
+    """Streaming K/V cache of one attention layer for block-causal generation, as in docs/semantics.md §1.
 
     Used by causal video diffusion (Self-Forcing, CausVid, LingBot-world, LongLive) and streaming LLMs with attention
     sinks; the behaviour follows sglang's ``CausalSelfAttentionKVCache`` (and LongLive-2's pinned "shot" sink).
@@ -83,7 +85,8 @@ class CausalKVCache:
             model(x_clean, caches, s)           # context pass (a rewrite)
 
     Pass the caches (a list, or any plain object holding them) as an **argument** of the compiled function, and
-    build them outside it. Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
+    build them outside it. (A cache can also be built and used inside a compiled or exported function, e.g. an
+    exported step that wraps given buffers; its cursors are then trace-time constants of that graph.) Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
     recompile they become dynamic ``SymInt``s. The bookkeeping is branch-free (``torch.sym_max``/``sym_min``), so
     appends, rewrites and evictions run the same graph; the loop compiles a small fixed set of graphs during the
     first chunks and none after (measured on torch 2.13, tests/test_causal_compile.py):
@@ -120,7 +123,8 @@ class CausalKVCache:
         k, v: the cache buffers, ``[B, S, H_cache, D]`` and ``[B, S, H_cache, D_v]``, same dtype/device/B/S/H_cache.
         sink_tokens: ``K``, rows at the start never evicted (attention sinks); also the pinned chunk's max length.
         global_sink_tokens: rows kept in front of a pinned chunk (default 0).
-        attention_window_size: ``W`` rows visible before the sink is prepended (default ``S``).
+        attention_window_size: ``W``, the whole visible budget in rows, sink and pinned rows included (default
+            ``S``); as sglang's windowed cache with sinks (semantics.md §1.6).
         allow_growth: grow the buffers (to ``max(L + a, 2 S)`` rows, copying rows ``[0, L)``; new rows are zero)
             instead of evicting.
         name: used in error messages (default ``"CausalKVCache"``).
@@ -162,8 +166,8 @@ class CausalKVCache:
         self.global_sink_tokens = global_sink_tokens
         self.attention_window_size = k.shape[1] if attention_window_size is None else attention_window_size
         self.allow_growth = allow_growth
-        # Growth keeps K and V in one allocation when they share one (checked once, here, outside any trace).
-        self._fused_kv = k.shape[3] == v.shape[3] and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        # Growth keeps K and V in one allocation when they share one.
+        self._fused_kv = k.shape[3] == v.shape[3] and _share_storage(k, v)
         # Cursors per head slice; the full-head entry exists from the start (its ints are then seen by Dynamo on the
         # first call, which saves a recompile) and is dropped when head-sliced writers start instead.
         self._cursors: dict[tuple[int, int], _Cursors] = {(0, k.shape[2]): _Cursors()}
@@ -310,7 +314,7 @@ class CausalKVCache:
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
     ) -> CausalKVView:
-        """Write a chunk of K/V at its global position and return the rows the chunk attends to (semantics.md §1).
+        """Write a chunk of K/V at its global position and return the rows the chunk attends to (docs/semantics.md §1).
 
         Args:
             key: ``[B, n, H_in, D]``, value: ``[B, n, H_in, D_v]`` (cache dtype/device/B/D).
@@ -318,7 +322,7 @@ class CausalKVCache:
             cache_head_start: ``h0`` when ``H_in != H_cache``: only heads ``[h0, h0 + H_in)`` are written, moved
                 and returned.
             recent_window_tokens: ``r`` (optional): return the sink rows and only the ``r`` rows before the chunk
-                plus the rows from the chunk to ``L'``, instead of the ``W``-row window.
+                plus the rows from the chunk to ``L'``, instead of the ``W``-row budget.
 
         With ``e = s + n``:
 
@@ -331,9 +335,12 @@ class CausalKVCache:
           ``[L + a - n, L + a)``. Then ``G = e`` and ``L`` = the written end. An unsettled pinned chunk is never
           evicted: rows between the sink and the pin go first, then the pin moves right after the global sink and
           rows after it are evicted.
-        - visible rows: the window ``[max(0, L' - W), L')`` (or ``[max(E', ls - r), L')`` with
-          ``recent_window_tokens``), preceded by the sink rows ``[0, min(E', L'))`` and an unsettled pinned chunk,
-          without duplicates. One contiguous range is returned as a view of the cache, several as a ``torch.cat``.
+        - visible rows (semantics.md §1.6, :func:`kvops.cache._window.visible_rows`), with ``E'`` the effective sink
+          after the update and ``a = L' - W``: all rows ``[0, L')`` while ``a <= 0``; else ``W`` is the whole
+          budget: the sink rows ``[0, min(E', L'))``, an unsettled pinned chunk that starts before ``a`` (``p``
+          rows), then the newest ``max(0, W - E' - p)`` rows (``[a, L')`` without sink or pin). With
+          ``recent_window_tokens = r``: the sink rows, an unsettled pinned chunk and ``[max(E', ls - r), L')``.
+          One contiguous range is returned as a view of the cache, several as a ``torch.cat`` in row order.
 
         Returns:
             :class:`CausalKVView` ``(k, v, local_start_index, local_end_index, visible_local_end,
@@ -443,42 +450,34 @@ class CausalKVCache:
             self.attention_window_size = new_size
 
     def _visible(self, c: _Cursors, ls: int, end: int, recent: int | None, h0: int, h1: int, sliced: bool):
-        """Rows ``[0, min(E, L'))`` + an unsettled pinned chunk + the window, merged; a view when contiguous."""
+        """The rows of :func:`visible_rows` (semantics.md §1.6): a view of the cache when they are one range."""
 
         def rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
             return t[:, a:b, h0:h1] if sliced else t[:, a:b]
 
-        sink = self._effective_sink(c)
-        unsettled_pin = c.pinned_len > 0 and c.pinned_start != self.global_sink_tokens
-        if sink == 0 and not unsettled_pin:  # one range, no guard under torch.compile
-            start = _max(0, end - self.attention_window_size if recent is None else ls - recent)
-            return rows(self.k, start, end), rows(self.v, start, end)
-        sink_end = _min(sink, end)
-        if recent is None:
-            start = _max(0, end - self.attention_window_size)
-        else:
-            start = _max(sink_end, ls - recent)
-        ranges = [(0, sink_end)]
-        if unsettled_pin:
-            pin = (c.pinned_start, _min(c.pinned_start + c.pinned_len, end))
-            ranges += [pin, (start, end)] if pin[0] < start else [(start, end), pin]
-        else:
-            ranges.append((start, end))
-        merged: list[tuple[int, int]] = []
-        for a, b in ranges:
-            if b <= a:
-                continue
-            if merged and a <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], _max(merged[-1][1], b))
-            else:
-                merged.append((a, b))
-        if len(merged) <= 1:
-            a, b = merged[0] if merged else (0, 0)
+        ranges = visible_rows(
+            end, self.attention_window_size, self._effective_sink(c), c.pinned_start, c.pinned_len, ls, recent
+        )
+        if len(ranges) == 1:
+            (a, b), = ranges
             return rows(self.k, a, b), rows(self.v, a, b)
         return (
-            torch.cat([rows(self.k, a, b) for a, b in merged], dim=1),
-            torch.cat([rows(self.v, a, b) for a, b in merged], dim=1),
+            torch.cat([rows(self.k, a, b) for a, b in ranges], dim=1),
+            torch.cat([rows(self.v, a, b) for a, b in ranges], dim=1),
         )
+
+
+def _share_storage(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``k`` and ``v`` are views of one allocation (only decides the layout of grown buffers).
+
+    Eager: the storages' data pointers. Inside ``torch.compile``/``torch.export`` (strict and non-strict) a storage
+    has no data pointer, so views of one base tensor count (``kv.unbind(2)``, ``kv[:, :, 0]``); K/V made to share
+    storage by other means (``as_strided`` on a storage, ``set_``) then grow as two allocations, which is the same
+    cache with another layout.
+    """
+    if torch.compiler.is_compiling():
+        return k._base is not None and k._base is v._base
+    return k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
 
 
 _max, _min = torch.sym_max, torch.sym_min  # plain max/min on ints; no guard on SymInts under torch.compile

@@ -1,8 +1,9 @@
 """``PagedKVCache``: per-layer paged K/V caches and a block manager for a batch of sequences (vLLM-style).
 
-Bookkeeping (block lists, lengths, reference counts) is plain Python ints, kept outside compiled regions; the tensors a
-step needs are built by :meth:`PagedKVCache.prepare` and every cache write goes through ``kvops.paged_cache_write``
-(reads through ``kvops.paged_attention``).
+Bookkeeping (block lists, lengths, reference counts) is plain Python ints and runs eagerly, outside compiled regions
+(host-side planning: :meth:`PagedKVCache.prepare` raises a clear error when called while compiling or exporting); the
+tensors a step needs are built by :meth:`PagedKVCache.prepare` and passed to the compiled step, and every cache write
+goes through ``kvops.paged_cache_write`` (reads through ``kvops.paged_attention``). docs/semantics.md §3-4.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class PagedStep:
         cu_seqlens_q: ``[B' + 1]`` int32 cumulative new-token counts; ``cu_seqlens_q[-1]`` equals the padded token
             count, so it matches ``q``'s rows.
         slot_mapping: ``[N_pad]`` int64 slot of each new token (``block * block_size + row``), ``-1`` for padding.
+        positions: ``[N_pad]`` int64 position of each new token in its sequence (``seq_len_before + i`` for the
+            ``i``-th new token), e.g. for RoPE; padding tokens (rows ``[N, N_pad)``) get position 0.
         max_seqlen_q: the largest per-row query length (a Python int).
         num_tokens: ``N``, the real new tokens (rows ``[N, N_pad)`` of ``q``/``key``/``value`` are padding).
         seq_ids: the sequences of rows ``[0, B)``; rows ``[B, B')`` are padding rows (``seq_len`` 0, their query rows
@@ -42,6 +45,7 @@ class PagedStep:
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     slot_mapping: torch.Tensor
+    positions: torch.Tensor
     max_seqlen_q: int
     num_tokens: int
     seq_ids: tuple
@@ -66,15 +70,17 @@ class PagedKVCache:
     atomic: when the free blocks do not suffice, :class:`OutOfBlocksError` is raised and nothing changes.
 
     Per step, :meth:`prepare` returns a :class:`PagedStep` (``block_table``, ``seq_lens``, ``cu_seqlens_q``,
-    ``slot_mapping``); with ``pad_tokens``/``pad_batch``/``max_blocks`` every tensor has a fixed shape, so a compiled
-    decode step does not recompile as sequences grow. The slot mapping stays valid for every layer.
+    ``slot_mapping``, ``positions``); with ``pad_tokens``/``pad_batch``/``max_blocks`` every tensor has a fixed
+    shape, so a compiled decode step does not recompile as sequences grow. The slot mapping stays valid for every layer.
 
     Args:
         num_blocks: ``P``, physical blocks per layer.
         block_size: tokens per block.
         num_kv_heads: ``H_kv``. head_dim: ``D``. head_dim_v: ``D_v`` (default ``D``).
         num_layers: caches allocated (one ``k_caches[l]``/``v_caches[l]`` pair per layer).
-        dtype, device: of the caches (``torch.float8_e4m3fn`` needs ``k_scale``/``v_scale``).
+        dtype, device: of the caches, as for torch's factory functions: ``None`` (default) means
+            ``torch.get_default_dtype()`` and the default device (``torch.get_default_device()``), as
+            ``CausalKVCache.allocate``. ``torch.float8_e4m3fn`` needs ``k_scale``/``v_scale``.
         joint: allocate K and V of a layer as views ``kv[:, :, 0]``/``kv[:, :, 1]`` of one
             ``[P, block_size, 2, H_kv, D]`` tensor (needs ``D_v == D``).
         k_scale, v_scale: float32 ``[1]`` or ``[H_kv]`` fp8 scales, passed to the write and attention ops.
@@ -94,8 +100,8 @@ class PagedKVCache:
         *,
         head_dim_v: int | None = None,
         num_layers: int = 1,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
         joint: bool = False,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
@@ -111,7 +117,6 @@ class PagedKVCache:
                 f"head_dim_v == head_dim, got {head_dim_v} and {head_dim}. Pass joint=False."
             )
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.device = torch.device(device)
         self.k_scale, self.v_scale = k_scale, v_scale
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
@@ -124,6 +129,7 @@ class PagedKVCache:
                 v = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim_v, dtype=dtype, device=device)
             self.k_caches.append(k)
             self.v_caches.append(v)
+        self.device = self.k_caches[0].device  # resolved like torch factories (None: the default device)
         self._free: list[int] = list(range(num_blocks))  # a heap: lowest free block id first
         self._refs = [0] * num_blocks
         self._seqs: dict[Hashable, _Seq] = {}
@@ -249,10 +255,24 @@ class PagedKVCache:
                 step with ``pad_tokens == pad_batch`` keeps ``max_seqlen_q == 1``.
             max_blocks: width of ``block_table`` (default: the longest sequence's block count).
 
+        Host-side planning, eager only: it allocates blocks in Python and builds the step's tensors from Python lists,
+        so call it outside compiled regions and pass the :class:`PagedStep`'s tensors (``max_seqlen_q`` is an int)
+        to the compiled step, as ``examples/llm_serving.py`` does. Called while compiling or exporting
+        (``torch.compiler.is_compiling()``), it raises ``RuntimeError`` before changing anything: traced, the
+        allocation would run once at trace time and its lists would be baked into the graph as constants.
+
         Atomic: every check (ids, counts, free blocks, ``max_blocks``, padding) runs before anything is allocated.
         Raises ``ValueError`` for unknown or repeated ids, negative counts and padding/width targets that are too
-        small; ``OutOfBlocksError`` when the step needs more blocks than are free.
+        small; ``OutOfBlocksError`` when the step needs more blocks than are free; ``RuntimeError`` when called
+        while compiling.
         """
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "PagedKVCache.prepare is host-side planning (Python block manager) and runs eagerly only; it was "
+                "called while compiling (torch.compile or torch.export). Call cache.prepare(...) outside the "
+                "compiled function and pass the PagedStep's tensors (block_table, seq_lens, cu_seqlens_q, "
+                "slot_mapping, positions) and max_seqlen_q to it as arguments."
+            )
         items = list(new_tokens.items()) if isinstance(new_tokens, Mapping) else list(new_tokens)
         ids = [seq_id for seq_id, _ in items]
         if len(set(ids)) != len(ids):
@@ -264,8 +284,9 @@ class PagedKVCache:
         bs = self.block_size
         needed = sum(self._blocks_needed(seq, n) for seq, (_, n) in zip(seqs, items))
         widths = [-(-(seq.length + n) // bs) for seq, (_, n) in zip(seqs, items)]
-        width = max(widths, default=0) if max_blocks is None else max_blocks
-        if max(widths, default=0) > width:
+        widest = max(widths, default=0)
+        width = widest if max_blocks is None else max_blocks
+        if widest > width:
             raise ValueError(
                 f"PagedKVCache.prepare: a sequence needs {max(widths)} blocks but max_blocks={max_blocks}; raise "
                 f"max_blocks to at least {max(widths)}."
@@ -288,6 +309,7 @@ class PagedKVCache:
         if needed > len(self._free):
             self._raise_out_of_blocks(needed, f"a step of {num_tokens} tokens over {batch} sequences")
 
+        positions = [p for seq, (_, n) in zip(seqs, items) for p in range(seq.length, seq.length + n)] + [0] * extra
         slots = [s for seq, (_, n) in zip(seqs, items) for s in self._grow(seq, n)] + [-1] * extra
         q_lens = [n for _, n in items]
         pad_rows = pad_batch - batch
@@ -303,6 +325,7 @@ class PagedKVCache:
             seq_lens=torch.tensor([seq.length for seq in seqs] + [0] * pad_rows, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             max_seqlen_q=max(q_lens, default=0),
             num_tokens=num_tokens,
             seq_ids=tuple(ids),

@@ -4,6 +4,7 @@ from .contiguous import cache_roll, cache_write
 from .paged_write import check_slot_mapping, paged_cache_write
 from .paged_attention import paged_attention
 from .flash_attn import check_kvcache_capacity, flash_attn_with_kvcache
+from .transfer import paged_kv_gather, paged_kv_scatter
 
 __all__ = [
     "cache_write",
@@ -13,4 +14,11 @@ __all__ = [
     "paged_attention",
     "flash_attn_with_kvcache",
     "check_kvcache_capacity",
+    "paged_kv_gather",
+    "paged_kv_scatter",
 ]
+
+# rotary embeddings fused into the paged write (rotary.py)
+from .rotary import apply_rotary, rotary_paged_cache_write  # noqa: E402
+
+__all__ += ["rotary_paged_cache_write", "apply_rotary"]

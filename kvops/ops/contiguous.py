@@ -43,7 +43,7 @@ def cache_write(
     All errors are raised by the fake rule too, so they fire at trace time under ``torch.compile`` and
     ``torch.export``. Semantics: a row-range ``copy_`` (as ``k_cache[:, start:start+T, h0:h0+H_in] = key``), the
     cache update of FlashAttention's ``flash_attn_with_kvcache`` (non-paged form, one ``start`` for the batch) and of
-    sglang's causal video-diffusion KV cache (semantics.md §1); a cache with a stride-0 dim (an ``expand``ed view)
+    sglang's causal video-diffusion KV cache (docs/semantics.md §1); a cache with a stride-0 dim (an ``expand``ed view)
     cannot be written in place and raises ``ValueError``.
     """
     torch.ops.kvops.cache_write(key, value, k_cache, v_cache, start, cache_head_start)

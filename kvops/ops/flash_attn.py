@@ -1,4 +1,4 @@
-"""``flash_attn_with_kvcache``: FlashAttention's KV-cache entry point on kvops ops (semantics.md §5).
+"""``flash_attn_with_kvcache``: FlashAttention's KV-cache entry point on kvops ops (docs/semantics.md §5).
 
 Not an op of its own: it appends ``k``/``v`` with ``kvops::paged_cache_write`` and attends with
 ``kvops::paged_attention``; the metadata between them (slot mapping, sequence lengths) is computed on the device with
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import values
 from .._checks.flash_attn import OP, check_flash_attn_with_kvcache
 from .paged_attention import paged_attention
 from .paged_write import paged_cache_write
+from .rotary import apply_rotary, rotary_paged_cache_write
 
 
 def flash_attn_with_kvcache(
@@ -63,7 +65,13 @@ def flash_attn_with_kvcache(
         softcap: ``> 0`` applies ``softcap * tanh(score / softcap)`` before masking.
         return_softmax_lse: also return the log-sum-exp ``[B, H_q, S_q]`` float32 (natural log; ``-inf`` for a query
             that sees no key).
-        num_splits: a scheduling hint; ignored. rotary_interleaved: only used with rotary (unsupported).
+        rotary_cos, rotary_sin: ``[seqlen_ro, rotary_dim / 2]`` in q's dtype (``rotary_dim <= D``, ``seqlen_ro >=``
+            the capacity), only with ``k``: ``k`` is rotated at its cache positions ``cache_seqlens + i`` inside the
+            write (``kvops.rotary_paged_cache_write``); ``q`` at ``cache_seqlens + i`` when ``causal`` or local
+            (``window_size != (-1, -1)``), else every query at ``cache_seqlens`` (FlashAttention's semantics).
+        rotary_interleaved: GPT-J pairs ``(2j, 2j + 1)`` (default, as FlashAttention) or GPT-NeoX pairs ``(j, j +
+            rotary_dim / 2)``.
+        num_splits: a scheduling hint; ignored.
         k_scale, v_scale: (kvops extension, keyword-only) float32 ``[1]`` or ``[H_kv]`` scales for
             ``float8_e4m3fn`` caches (written as ``x / scale``, read as ``cache * scale``).
 
@@ -80,18 +88,26 @@ def flash_attn_with_kvcache(
             (``S_new > capacity``, or ``cache_seqlens + S_new > capacity`` for an int ``cache_seqlens``). Errors of
             the ops (dtypes, devices, fp8 scales, ``window_left < -1``, ``softcap < 0``) propagate from their
             validators.
-        NotImplementedError: ``rotary_cos``/``rotary_sin``, ``cache_batch_idx``, ``cache_leftpad``,
+        ValueError (rotary): tables without ``k`` (``"If rotary cos/sin are provided, new key / value to be appended
+            to KV cache must also be provided"``), only one table, ``"cos/sin seqlen must be at least the seqlen of KV
+            cache"``, ``"rotary_dim must be <= headdim"``, a table dtype other than q's.
+        NotImplementedError: ``cache_batch_idx``, ``cache_leftpad``,
             ``alibi_slopes``, or ``window_size[1] > 0`` without ``causal``.
-
-    Content-dependent capacity overflow (a ``cache_seqlens`` tensor value with ``cache_seqlens[b] + S_new >
-    capacity``, or a negative one) cannot be checked without a host sync: those positions are neither written
-    (their slot is -1) nor read (``seq_lens`` is clamped to the capacity), so no other sequence's blocks are touched,
-    but the result is meaningless. Check with :func:`check_kvcache_capacity` outside compiled regions.
+        RuntimeError: value contracts (docs/semantics.md §7), before anything is written: a ``cache_seqlens``
+            value with ``cache_seqlens[b] + S_new`` past the capacity addressable by ``block_table``, or negative
+            (``"flash_attn_with_kvcache: sequence b has cache_seqlens=n; ... block_table addresses only C tokens
+            ..."``, as FlashAttention's ``RuntimeError`` matching ``"block_table"``), or a block id outside
+            ``[0, P)`` among the blocks a sequence uses. Checked per the value-check mode: ``"eager"`` (default;
+            eager calls, one host sync), ``"async"`` (``torch._assert_async``, also in compiled/exported graphs;
+            the write is skipped), ``"off"``. Unchecked (``"off"``, or compiled code in ``"eager"`` mode),
+            positions past the capacity are neither written (slot -1) nor read (``seq_lens`` clamped), so no other
+            sequence's blocks are touched, but the result is meaningless.
     """
     check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, causal, window_size, alibi_slopes)
     batch, s_q = q.shape[0], q.shape[1]
     device = q.device
+    user_table = block_table
     if block_table is None:  # contiguous form: sequence b is block b of block_size S
         block_table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
     block_size = k_cache.shape[1]
@@ -103,14 +119,27 @@ def flash_attn_with_kvcache(
         base = cache_seqlens.to(torch.int64)
     else:
         base = torch.full((batch,), cache_seqlens, dtype=torch.int64, device=device)
+    ok = values.check_kvcache(base, user_table, k_cache, s_new)  # value contract, docs/semantics.md §7
 
     if k is not None and s_new > 0:
         pos = base[:, None] + torch.arange(s_new, dtype=torch.int64, device=device)[None, :]  # [B, S_new]
         inside = (pos >= 0) & (pos < capacity)
         blocks = block_table.gather(1, pos.clamp(0, capacity - 1) // block_size).to(torch.int64)
         slots = torch.where(inside, blocks * block_size + pos % block_size, -1).view(-1)
-        paged_cache_write(k.reshape(batch * s_new, *k.shape[2:]), v.reshape(batch * s_new, *v.shape[2:]),
-                          k_cache, v_cache, slots, None, k_scale, v_scale)
+        if ok is not None:  # async value checks: a failing batch writes nothing
+            slots = torch.where(ok, slots, -1)
+        k_rows, v_rows = k.reshape(batch * s_new, *k.shape[2:]), v.reshape(batch * s_new, *v.shape[2:])
+        if rotary_cos is None:
+            paged_cache_write(k_rows, v_rows, k_cache, v_cache, slots, None, k_scale, v_scale)
+        else:  # k rotated at its cache positions inside the write (fused under Inductor)
+            ro_pos = pos.clamp(0, rotary_cos.shape[0] - 1).view(-1)
+            rotary_paged_cache_write(k_rows, v_rows, k_cache, v_cache, slots, ro_pos, rotary_cos, rotary_sin,
+                                     rotary_interleaved, None, k_scale, v_scale)
+    if rotary_cos is not None:  # q: at cache_seqlens + i when causal or local, else all at cache_seqlens (as FA)
+        local = causal or tuple(window_size) != (-1, -1)
+        q_pos = base[:, None] + (torch.arange(s_q, dtype=torch.int64, device=device) if local else 0)
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos.expand(batch, s_q).clamp(0, rotary_cos.shape[0] - 1),
+                         rotary_interleaved)
 
     seq_lens = (base + s_new).clamp(0, capacity).to(torch.int32)
     cu_seqlens_q = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * s_q
@@ -132,28 +161,14 @@ def check_kvcache_capacity(
     block_table: torch.Tensor | None = None,
     num_new_tokens: int = 0,
 ) -> None:
-    """Debug check of the value contract of :func:`flash_attn_with_kvcache` (eager only: it reads ``cache_seqlens``
-    and ``block_table``, a host sync on CUDA; do not call it inside compiled regions).
+    """Eager check of the value contract of :func:`flash_attn_with_kvcache`, whatever the value-check mode (it reads
+    ``cache_seqlens`` and ``block_table``: a host sync on CUDA; do not call it inside compiled regions).
 
-    Raises ``ValueError`` when a sequence has ``cache_seqlens[b] < 0`` or ``cache_seqlens[b] + num_new_tokens`` past
-    the capacity ``max_blocks * block_size``, and ``IndexError`` when a block id it uses is outside ``[0, P)``.
+    The same check ``flash_attn_with_kvcache`` runs in the default ``"eager"`` value-check mode (docs/semantics.md
+    §7): raises ``RuntimeError`` (naming ``block_table``) when a sequence has ``cache_seqlens[b] < 0`` or
+    ``cache_seqlens[b] + num_new_tokens`` past the capacity ``max_blocks * block_size`` addressable by
+    ``block_table``, or when a block id it uses is outside ``[0, P)``.
     """
     batch = k_cache.shape[0] if block_table is None else block_table.shape[0]
-    width = 1 if block_table is None else block_table.shape[1]
-    capacity = width * k_cache.shape[1]
-    lens = torch.as_tensor(cache_seqlens).to(torch.int64).cpu().expand(batch)
-    for b, n in enumerate(lens.tolist()):
-        if n < 0 or n + num_new_tokens > capacity:
-            raise ValueError(
-                f"{OP}: sequence {b} has cache_seqlens={n}; with {num_new_tokens} new tokens it needs positions "
-                f"[0, {n + num_new_tokens}) but the capacity is {capacity} tokens and cache_seqlens must be >= 0."
-            )
-    if block_table is not None:
-        table = block_table.cpu()
-        for b, n in enumerate(lens.tolist()):
-            used = table[b, : -(-(n + num_new_tokens) // k_cache.shape[1])]
-            bad = used[(used < 0) | (used >= k_cache.shape[0])]
-            if bad.numel():
-                raise IndexError(
-                    f"{OP}: block_table[{b}] uses block {int(bad[0])} but the cache has {k_cache.shape[0]} blocks."
-                )
+    lens = torch.as_tensor(cache_seqlens, device=k_cache.device).expand(batch)
+    values.check_kvcache(lens, block_table, k_cache, num_new_tokens, OP, mode="eager")

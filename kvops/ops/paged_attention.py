@@ -1,4 +1,4 @@
-"""Paged attention: ``kvops::paged_attention`` (semantics.md §4), decode and chunked prefill in one varlen batch.
+"""Paged attention: ``kvops::paged_attention`` (docs/semantics.md §4), decode and chunked prefill in one varlen batch.
 
 Registered with ``torch.library.triton_op`` (schema inferred from the annotations of ``_paged_attention_op``; it is
 written out in ``kvops/_library.py``). One function serves every face of the op:
@@ -16,7 +16,9 @@ from typing import Optional
 import torch
 
 from .. import _library  # noqa: F401  (other schemas; this op's schema is inferred by triton_op)
+from .._checks import values
 from .._checks.paged_attention import check_paged_attention
+from .._checks.paged_write import as_nhd
 from .. import native
 from ..reference.paged_attention import paged_attention as _cpu_paged_attention
 from ..triton import HAS_TRITON
@@ -41,11 +43,13 @@ def _paged_attention_op(
     sinks: Optional[torch.Tensor] = None,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
+    kv_layout: str = "NHD",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     sm_scale = check_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
-        sinks, k_scale, v_scale,
+        sinks, k_scale, v_scale, kv_layout,
     )
+    k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernels take strides
     if q.device.type == "cuda":
         if not HAS_TRITON:
             raise RuntimeError("kvops.paged_attention: CUDA tensors need triton; pip install triton.")
@@ -77,6 +81,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     return_lse: bool = False,
+    kv_layout: str = "NHD",
 ):
     """Attention of packed queries over a paged KV cache: decode and chunked prefill in one varlen batch.
 
@@ -87,9 +92,11 @@ def paged_attention(
 
     Args:
         q: ``[T_q, H_q, D]`` float32/bfloat16/float16, packed queries of all sequences (any strides).
-        k_cache: ``[P, block_size, H_kv, D]`` (NHD), q's dtype or ``float8_e4m3fn``; any strides (e.g. K and V as
-            views of one ``[P, block_size, 2, H_kv, D]`` allocation); never copied.
-        v_cache: ``[P, block_size, H_kv, D_v]``, same dtype, ``P``, ``block_size`` and ``H_kv`` as ``k_cache``.
+        k_cache: ``[P, block_size, H_kv, D]`` (NHD), or ``[P, H_kv, block_size, D]`` with ``kv_layout="HND"``; q's
+            dtype or ``float8_e4m3fn``; any strides (e.g. K and V as views of one ``[P, block_size, 2, H_kv, D]``
+            allocation); never copied.
+        v_cache: ``[P, block_size, H_kv, D_v]`` (HND: ``[P, H_kv, block_size, D_v]``), same dtype, ``P``,
+            ``block_size`` and ``H_kv`` as ``k_cache``.
         cu_seqlens_q: ``[B + 1]`` int32, cumulative query lengths (``0 = cu[0] <= cu[1] <= ... <= cu[B] = T_q``).
         seq_lens: ``[B]`` int32, KV length of each sequence including its new tokens (normally ``q_len <=
             seq_len``; a query whose position ``seq_len - q_len + i`` is negative sees no key under ``causal``).
@@ -109,6 +116,8 @@ def paged_attention(
         k_scale, v_scale: float32 ``[1]`` or ``[H_kv]``, required for (and only allowed with) fp8 caches, which are
             dequantized as ``cache.float() * scale`` (the inverse of ``kvops.paged_cache_write``'s ``x / scale``).
         return_lse: also return the log-sum-exp.
+        kv_layout: ``"NHD"`` (default) or ``"HND"`` (FlashInfer's name for ``[P, H_kv, block_size, D]``). An HND
+            cache is read through its NHD view ``transpose(1, 2)``: no copy.
 
     Returns:
         ``out [T_q, H_q, D_v]`` in q's dtype (fp32 accumulation), or ``(out, lse)`` with ``lse [H_q, T_q]`` float32,
@@ -120,21 +129,29 @@ def paged_attention(
         NaN/inf.
 
     Raises:
-        ValueError: ``"v_cache must be provided"``; ``H_q % H_kv != 0``; ``head_dim`` of q vs ``k_cache``; index
+        ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; ``H_q % H_kv != 0`` (the
+            message says when the cache may be in the other ``kv_layout``); ``head_dim`` of q vs ``k_cache``; index
             tensors not int32 or of the wrong rank; ``block_table``/``seq_lens``/``cu_seqlens_q`` inconsistent with
             ``B``; K/V caches disagreeing in dtype, ``P``, ``block_size`` or ``H_kv``; a non-fp8 cache dtype
             different from q's; ``sinks`` not float32 ``[H_q]``; an fp8 cache without scales (or scales without
             one, or scales not float32 ``[1]``/``[H_kv]``); devices; ``max_seqlen_q < 1`` with tokens;
             ``window_left < -1``; ``softcap < 0``. Raised by the fake rule too (trace time under ``torch.compile``
-            and ``torch.export``). Value contracts (``cu_seqlens_q`` non-decreasing from 0 to ``T_q``,
-            ``q_len <= max_seqlen_q``, ``seq_len <= max_blocks * block_size``, block ids in ``[0, P)``) are not
-            checked (that would need a host sync).
+            and ``torch.export``).
+        RuntimeError: value contracts (docs/semantics.md §7), checked per the value-check mode (default
+            ``"eager"``: eager calls, one host sync; ``"async"``: ``torch._assert_async``, also compiled): a
+            sequence's ``q_len > max_seqlen_q``; ``seq_lens[b]`` outside ``[0, max_blocks * block_size]`` (the
+            capacity of ``block_table``); a block id outside ``[0, P)`` in the first ``ceil(seq_len / block_size)``
+            entries of a ``block_table`` row (the message names ``block_table[b, j]``, the id and ``P``);
+            ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``. ``cu_seqlens_q[-1] < T_q`` is
+            allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
+            rows of a CUDA-graph batch.
 
     Kernels: CPU: vectorized torch with an online softmax over tiles of blocks (memory bounded by the tile). CUDA:
     Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
     """
+    values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout)  # §7
     out, lse = torch.ops.kvops.paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
-        sinks, k_scale, v_scale,
+        sinks, k_scale, v_scale, kv_layout,
     )
     return (out, lse) if return_lse else out

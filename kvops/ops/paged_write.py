@@ -1,4 +1,4 @@
-"""Paged-cache write: ``kvops::paged_cache_write`` (semantics.md §3; as vLLM's ``reshape_and_cache_flash``).
+"""Paged-cache write: ``kvops::paged_cache_write`` (docs/semantics.md §3; as vLLM's ``reshape_and_cache_flash``).
 
 Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/paged_write.py``. CPU kernel: ``kvops/reference/
 paged_write.py``. CUDA kernel: ``kvops/triton/paged_write.py``.
@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
-from .._checks.paged_write import check_paged_cache_write
+from .._checks import values
+from .._checks.paged_write import as_nhd, check_paged_cache_write
 from ..reference import paged_write as cpu
 from ..triton import HAS_TRITON
 
@@ -23,6 +24,7 @@ def paged_cache_write(
     cache_head_start: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    kv_layout: str = "NHD",
 ) -> None:
     """Write ``N`` tokens into a paged KV cache by slot, in place (as vLLM's ``reshape_and_cache_flash``).
 
@@ -33,10 +35,10 @@ def paged_cache_write(
         key: ``[N', H_in, D]`` with ``N' >= N``; rows ``>= N`` are never read. Same dtype as ``k_cache`` (for an fp8
             cache: float32, bfloat16 or float16). Any strides.
         value: ``[N', H_in, D_v]``, like ``key``.
-        k_cache: ``[P, block_size, H_kv, D]`` (NHD), any strides (e.g. ``kv[:, :, 0]`` of a
-            ``[P, block_size, 2, H_kv, D]`` allocation, or ``kv[:, 0]`` of ``[P, 2, block_size, H_kv, D]``); mutated in
-            place, never copied.
-        v_cache: ``[P, block_size, H_kv, D_v]``; mutated.
+        k_cache: ``[P, block_size, H_kv, D]`` (NHD), or ``[P, H_kv, block_size, D]`` with ``kv_layout="HND"``; any
+            strides (e.g. ``kv[:, :, 0]`` of a ``[P, block_size, 2, H_kv, D]`` allocation, or ``kv[:, 0]`` of
+            ``[P, 2, block_size, H_kv, D]``); mutated in place, never copied.
+        v_cache: ``[P, block_size, H_kv, D_v]`` (HND: ``[P, H_kv, block_size, D_v]``); mutated.
         slot_mapping: ``[N]`` int32 or int64 on the caches' device; slot ``x`` in ``[0, P * block_size)`` or
             negative. ``N`` is the number of tokens written.
         cache_head_start: first cache head written when ``H_in != H_kv`` (a tensor-parallel head slice); other heads
@@ -44,39 +46,40 @@ def paged_cache_write(
         k_scale, v_scale: float32 ``[1]`` or ``[H_kv]``; required for (and only for) ``float8_e4m3fn`` caches, which
             store ``x / scale`` (fp32 division) saturated to ``±448``, rounded to nearest even. With ``[H_kv]`` and a
             head slice, input head ``i`` uses the scale of cache head ``h0 + i``.
+        kv_layout: ``"NHD"`` (default, vLLM's flash layout) or ``"HND"`` (FlashInfer's name for
+            ``[P, H_kv, block_size, D]``). Slot semantics are the same in both.
 
     Raises:
-        ValueError: ``"v_cache must be provided"``; missing ``value``; ranks; ``slot_mapping`` not 1-D int32/int64;
+        ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; missing ``value``; ranks; ``slot_mapping`` not 1-D int32/int64;
             ``key`` with fewer rows than ``slot_mapping`` (``N' < N``); dtype/device/head/head_dim mismatches;
-            ``"... requires cache_head_start when cache heads (H_kv) differ from input heads (H_in)."``; a head slice
+            ``"... requires cache_head_start when cache heads (H_kv) differ from input heads (H_in)."`` (followed by
+            "it may be an HND cache ...; if so, pass kv_layout=\"HND\"" when the other dim fits ``H_in``); a head slice
             outside the cache; an fp8 cache without scales; scales for a non-fp8 cache; scales not fp32 ``[1]`` or
             ``[H_kv]``. All raised by the fake rule too, so they fire at trace time under ``torch.compile`` and
             ``torch.export``.
-        IndexError: (CPU kernel only, eager) a slot ``>= P * block_size``. On CUDA such a slot is undefined behaviour
-            (no host sync); check with :func:`check_slot_mapping` outside compiled regions.
+        RuntimeError: a slot ``>= P * block_size`` (value contract, docs/semantics.md §7), before anything is
+            written: ``"kvops.paged_cache_write: slot_mapping[i] = x is outside the cache: valid slots are [0, P *
+            block_size) ..."`` in the default ``"eager"`` value-check mode (eager calls; not checked while tracing);
+            with ``kvops.value_checks("async")`` a ``torch._assert_async`` that also works in compiled and exported
+            graphs, and the whole batch is skipped. With ``"off"``: undefined behaviour of the kernel.
 
     Duplicate non-negative slots within one call: which token lands is unspecified.
     """
-    torch.ops.kvops.paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale)
+    slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)  # value contract, docs/semantics.md §7
+    torch.ops.kvops.paged_cache_write(
+        key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout
+    )
 
 
-def check_slot_mapping(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """Debug check of slot *values* (eager only: it reads the tensor, a host sync on CUDA; not for compiled code).
+def check_slot_mapping(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_layout: str = "NHD") -> None:
+    """Debug check of slot *values*, whatever the value-check mode (reads the tensor: a host sync on CUDA; eager only).
 
-    Raises ``IndexError`` when a slot is ``>= P * block_size`` and ``ValueError`` when a non-negative slot repeats.
-    Negative slots (padding) are allowed.
+    Raises ``RuntimeError`` for a slot ``>= P * block_size`` (the check ``paged_cache_write`` runs in the default
+    ``"eager"`` value-check mode, docs/semantics.md §7) and ``ValueError`` when a non-negative slot repeats (allowed
+    by the op, where which token lands is unspecified). Negative slots (padding) are allowed.
     """
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    values.raise_bad_slots(slot_mapping, *values.cache_geometry(k_cache, kv_layout), "kvops.paged_cache_write")
     slots = slot_mapping[slot_mapping >= 0].to(torch.int64).cpu()
-    if slots.numel() == 0:
-        return
-    bad = slots[slots >= num_slots]
-    if bad.numel():
-        raise IndexError(
-            f"kvops.paged_cache_write: slot_mapping holds slot {int(bad[0])} but the cache has only {num_slots} "
-            f"slots ({k_cache.shape[0]} blocks x block_size {k_cache.shape[1]}); valid slots are [0, {num_slots}) "
-            f"or negative (skip)."
-        )
     uniq, counts = slots.unique(return_counts=True)
     if bool((counts > 1).any()):
         raise ValueError(
@@ -88,15 +91,19 @@ def check_slot_mapping(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> Non
 # --- fake rule: the contract at trace time ----------------------------------------------------------------------
 @torch.library.register_fake("kvops::paged_cache_write")
 def _paged_cache_write_fake(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None,
-                            v_scale=None):
-    check_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale)
+                            v_scale=None, kv_layout="NHD"):
+    check_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout)
 
 
 # --- kernels ----------------------------------------------------------------------------------------------------
 def _register(device: str, kernels) -> None:
     @torch.library.impl("kvops::paged_cache_write", device)
-    def _write(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None, v_scale=None):
-        h0 = check_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale)
+    def _write(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None, v_scale=None,
+               kv_layout="NHD"):
+        h0 = check_paged_cache_write(
+            key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout
+        )
+        k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernels take strides
         kernels.paged_cache_write(key, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale)
 
 

@@ -1,4 +1,4 @@
-"""CPU kernel for ``kvops::paged_attention`` (semantics.md §4): vectorized torch, fp32 accumulation.
+"""CPU kernel for ``kvops::paged_attention`` (docs/semantics.md §4): vectorized torch, fp32 accumulation.
 
 Layout of the computation. Queries are gathered from the packed ``[T_q, H_q, D]`` into a padded
 ``[B, H_kv, max_seqlen_q * G, D]`` (``G = H_q // H_kv``, rows ordered (query, group head)), so each (sequence, KV head)
@@ -159,4 +159,6 @@ def paged_attention(
     i = (t - starts[seq]).clamp(0, m_q - 1)
     o = o.view(batch, num_kv_heads, m_q, group, d_v).permute(0, 2, 1, 3, 4).reshape(batch, m_q, num_heads, d_v)
     row_lse = row_lse.view(batch, num_kv_heads, m_q, group).permute(0, 2, 1, 3).reshape(batch, m_q, num_heads)
-    return o[seq, i].to(q.dtype), row_lse[seq, i].t().contiguous()
+    owned = t < cu_seqlens_q[-1]  # rows [cu_seqlens_q[-1], T_q) belong to no sequence: 0 (LSE -inf), never garbage
+    out = torch.where(owned[:, None, None], o[seq, i], 0.0).to(q.dtype)
+    return out, torch.where(owned[:, None], row_lse[seq, i], float("-inf")).t().contiguous()

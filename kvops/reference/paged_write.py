@@ -1,4 +1,4 @@
-"""CPU kernel (and readable reference) for ``kvops::paged_cache_write`` (semantics.md §3).
+"""CPU kernel (and readable reference) for ``kvops::paged_cache_write`` (docs/semantics.md §3).
 
 Vectorized: one ``index_copy_`` per cache on a ``[P * block_size, H_kv, D]`` *view* of the cache when the block and
 row dims can be merged without a copy (contiguous caches, K/V views of a ``[P, block_size, 2, H_kv, D]`` allocation);
@@ -25,7 +25,8 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, h0: int, dtype: torch.dty
 def _flat_rows(cache: torch.Tensor) -> torch.Tensor | None:
     """``cache [P, block_size, H, D]`` viewed as ``[P * block_size, H, D]`` without a copy, or None if impossible."""
     p, block_size = cache.shape[0], cache.shape[1]
-    if p > 1 and block_size > 1 and cache.stride(0) != block_size * cache.stride(1):
+    stride = cache.stride()
+    if p > 1 and block_size > 1 and stride[0] != block_size * stride[1]:
         return None  # block and row dims cannot be merged for these strides (e.g. kv[:, 0] of [P, 2, bs, H, D])
     return cache.view(-1, *cache.shape[2:])
 
@@ -65,8 +66,10 @@ def paged_cache_write(
     if n == 0:
         return
     slots = slot_mapping.to(torch.int64)
-    key, value = key[:n], value[:n]
-    low, top = (int(x) for x in torch.aminmax(slots))  # the CPU kernel may read the slots: one pass for both checks
+    if key.shape[0] != n:
+        key, value = key[:n], value[:n]
+    low, top = torch.aminmax(slots)  # the CPU kernel may read the slots: one pass for both checks
+    low, top = int(low), int(top)
     if low < 0:  # padding: keep the non-negative slots
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]

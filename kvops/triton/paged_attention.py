@@ -1,4 +1,5 @@
-"""Triton kernels for ``kvops::paged_attention`` (semantics.md §4): split-KV decode + merge, and (chunked) prefill.
+"""Triton kernels for ``kvops::paged_attention`` (docs/semantics.md §4): split-KV decode + merge, and (chunked)
+prefill.
 
 * ``_decode_split_kernel`` (batches with ``max_seqlen_q == 1``): one program per (sequence, KV head, KV split). The
   ``G = H_q // H_kv`` query heads that share a KV head are packed into the rows of one program, so each K/V tile is
@@ -69,7 +70,7 @@ def _load_kv(cache_ptr, bt_row_ptr, kpos, in_seq, block_size, s_p, s_b, s_h, s_d
 @triton.jit
 def _scores(q, k, kpos, pos, kv_len, window_left, softcap,
             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PREC: tl.constexpr):
-    """``softcap(q @ k^T)`` with invisible keys at ``-inf`` (softcap first, then masking, as semantics.md §4)."""
+    """``softcap(q @ k^T)`` with invisible keys at ``-inf`` (softcap first, then masking, as docs/semantics.md §4)."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
@@ -280,16 +281,17 @@ def paged_attention(
     ``max_seqlen_q == 1`` use split-KV decode + merge (``num_splits`` defaults to a heuristic filling about
     ``_TARGET_PROGRAMS`` programs); others, or ``force_prefill=True``, use the prefill kernel. ``block_n`` is the KV
     tile (tokens; default 64, 32 for head dims > 128), ``block_m`` the prefill program's rows (query tokens x padded
-    group heads). Rows of ``out`` that belong to no sequence (only possible when ``cu_seqlens_q`` violates its
-    contract) are left uninitialized.
+    group heads). Rows of ``out`` that belong to no sequence (``cu_seqlens_q[-1] < T_q``, e.g. a padded CUDA-graph
+    batch) are 0 with LSE ``-inf``.
     """
     num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
     # sizes that define the kernels specialize under tracing (constexpr tile sizes derive from them)
     num_heads, d = int(q.shape[1]), int(q.shape[2])
     block_size, num_kv_heads, d_v = int(v_cache.shape[1]), int(v_cache.shape[2]), int(v_cache.shape[3])
     group = num_heads // num_kv_heads
-    out = torch.empty((num_tokens, num_heads, d_v), dtype=q.dtype, device=q.device)
-    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
+    # rows past cu_seqlens_q[-1] belong to no sequence and are never stored by the kernels: 0 and LSE -inf
+    out = torch.zeros((num_tokens, num_heads, d_v), dtype=q.dtype, device=q.device)
+    lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or batch == 0:
         return out, lse
     capacity = max_blocks * block_size

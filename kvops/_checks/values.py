@@ -1,0 +1,262 @@
+"""Value contracts: checks of tensor *contents* (slots, block ids, sequence lengths), docs/semantics.md §7.
+
+The validators next to this module check metadata only, at trace time. What they cannot see (a slot past the cache,
+a block id past ``P``, a ``seq_len`` past the block table) is checked here, in one of three modes:
+
+* ``"eager"`` (default): eager calls read the index tensors (one host sync per call, as FlashAttention's
+  ``TORCH_CHECK``\\ s do) and raise ``RuntimeError`` *before* anything is written. Nothing is emitted while tracing
+  (``torch.compile``, ``torch.export``, fake-tensor tracing) or capturing a CUDA graph: that code runs unchecked.
+* ``"async"``: the checks become graph ops with no host sync (``torch._assert_async``), in eager code and in compiled
+  or exported graphs alike. A write additionally routes every slot of a failing batch to ``-1`` ("skip"), so nothing
+  is written even if the assert runs after the write (e.g. CUDA's asynchronous device assert).
+* ``"off"``: no checks; a violated contract is undefined behaviour of the kernel (docs/semantics.md §7).
+
+The mode is process-global (as ``torch.set_default_dtype``); Dynamo guards on it, so changing it recompiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("eager", "async", "off")
+_mode = "eager"
+
+
+def get_value_checks() -> str:
+    """The current value-check mode: ``"eager"`` (default), ``"async"`` or ``"off"``."""
+    return _mode
+
+
+def set_value_checks(mode: str) -> None:
+    """Set the value-check mode for the process (docs/semantics.md §7). Raises ``ValueError`` for an unknown mode."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"kvops.set_value_checks: mode must be one of {MODES}, got {mode!r}.")
+    _mode = mode
+
+
+class value_checks:
+    """Context manager: ``with kvops.value_checks("async"): ...`` runs the block in ``mode`` and restores the mode.
+
+    Modes: ``"eager"`` (default; host-sync checks in eager code, none while tracing), ``"async"`` (graph asserts,
+    no host sync, also inside compiled/exported graphs), ``"off"``. Enter it *outside* a compiled function: the mode
+    is read when the function is traced (and guarded on), not at every run.
+    """
+
+    def __init__(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"kvops.value_checks: mode must be one of {MODES}, got {mode!r}.")
+        self.mode = mode
+        self._prev: list[str] = []
+
+    def __enter__(self) -> "value_checks":
+        self._prev.append(_mode)
+        set_value_checks(self.mode)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        set_value_checks(self._prev.pop())
+
+
+def _active(*tensors: torch.Tensor) -> str | None:
+    """The mode to apply to this call: ``"eager"`` only on real tensors outside tracing, ``"async"``, or None."""
+    if _mode == "off":
+        return None
+    if _mode == "async":
+        return "async"
+    if torch.compiler.is_compiling() or any(type(t) not in _REAL or t.is_meta for t in tensors):  # tracing
+        return None
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():  # CUDA-graph capture: no sync
+        return None
+    return "eager"
+
+
+_REAL = (torch.Tensor, torch.nn.Parameter)
+_INDEX = (torch.int32, torch.int64)
+
+
+def cache_geometry(k_cache: torch.Tensor, kv_layout: str = "NHD") -> tuple[int, int] | None:
+    """``(P, block_size)`` of a paged cache (``[P, block_size, H_kv, D]`` NHD or ``[P, H_kv, block_size, D]`` HND),
+    or None when it is not 4-D (the op's validator then raises its metadata error)."""
+    if k_cache.dim() != 4:
+        return None
+    return k_cache.shape[0], k_cache.shape[2 if kv_layout == "HND" else 1]
+
+
+def _index(t, ndim: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == ndim and t.dtype in _INDEX
+
+
+def _known(x) -> str:
+    """A bound for an assert message: its value when it is a plain int, else a placeholder (never guards a SymInt)."""
+    return str(x) if type(x) is int else "?"
+
+
+def _assert(ok: torch.Tensor, msg: str) -> None:
+    torch._assert_async(ok, msg)
+
+
+# --- paged_cache_write ----------------------------------------------------------------------------------------
+def raise_bad_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, op: str) -> None:
+    """Eager: ``RuntimeError`` naming the first slot ``>= num_blocks * block_size`` (one host sync if all are valid)."""
+    capacity = num_blocks * block_size
+    bad = slot_mapping >= capacity
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0, 0])
+    raise RuntimeError(
+        f"{op}: slot_mapping[{i}] = {int(slot_mapping[i])} is outside the cache: valid slots are [0, {capacity}) "
+        f"({num_blocks} blocks x block_size {block_size}), or negative to skip a padding token. Nothing was written. "
+        f"Pass block * block_size + row for a block of the cache (or -1 for padding)."
+    )
+
+
+def check_paged_write(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_layout: str = "NHD",
+                      op: str = "kvops.paged_cache_write") -> torch.Tensor:
+    """Apply the slot contract (``slot < P * block_size``) in the current mode; returns the slots to write.
+
+    eager: raises before writing; async: asserts and returns the slots with every slot ``-1`` when any is bad (the
+    whole batch is skipped); off/tracing in eager mode: ``slot_mapping`` unchanged.
+    """
+    geometry = cache_geometry(k_cache, kv_layout)
+    mode = _active(slot_mapping)
+    if mode is None or geometry is None or not _index(slot_mapping, 1) or slot_mapping.device != k_cache.device:
+        return slot_mapping  # checks off, or a metadata error that the op's validator reports
+    num_blocks, block_size = geometry
+    if mode == "eager":
+        raise_bad_slots(slot_mapping, num_blocks, block_size, op)
+    else:
+        ok = (slot_mapping < num_blocks * block_size).all()
+        _assert(ok, f"{op}: slot_mapping holds a slot >= num_blocks * block_size = {_known(num_blocks * block_size)} "
+                    f"(outside the cache); nothing was written. Run with kvops.value_checks('eager') to see the slot.")
+        slot_mapping = torch.where(ok, slot_mapping, -1)
+    return slot_mapping
+
+
+# --- paged_attention ------------------------------------------------------------------------------------------
+def _bad_blocks(block_table, lens, block_size, num_blocks):
+    """``[B, W]``: True where a used entry (the first ``ceil(lens[b] / block_size)`` of row ``b``) is outside
+    ``[0, num_blocks)``; entries past a sequence's blocks are never read and may hold any value."""
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    used = cols < ((lens + block_size - 1) // block_size)[:, None]
+    return used & ((block_table < 0) | (block_table >= num_blocks))
+
+
+def _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q):
+    """Boolean tensors (each ``[B]`` or ``[B, W]`` or scalar) that are True where a contract is violated."""
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    lens = seq_lens.long()
+    capacity = block_table.shape[1] * block_size
+    return {
+        "cu_start": cu[0] != 0,
+        "cu_order": q_lens < 0,
+        "cu_end": cu[-1] > q.shape[0],
+        "q_len": q_lens > max_seqlen_q,
+        "seq_len": (lens < 0) | (lens > capacity),
+        "block": _bad_blocks(block_table, lens, block_size, num_blocks),
+    }
+
+
+def _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, op):
+    """Eager error path: the first violated contract, with its index, value, bound and fix."""
+    cu, lens, table = cu_seqlens_q.tolist(), seq_lens.tolist(), block_table
+    capacity = block_table.shape[1] * block_size
+    if bool(v["cu_start"]) or bool(v["cu_order"].any()) or bool(v["cu_end"]):
+        raise RuntimeError(
+            f"{op}: cu_seqlens_q = {cu} must be non-decreasing from 0 to at most q's {q.shape[0]} rows (T_q); "
+            f"sequence b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]). Pass the cumulative query lengths."
+        )
+    if bool(v["q_len"].any()):
+        b = int(v["q_len"].nonzero()[0, 0])
+        longest = max(cu[i + 1] - cu[i] for i in range(len(lens)))
+        raise RuntimeError(
+            f"{op}: sequence {b} has q_len {cu[b + 1] - cu[b]} (cu_seqlens_q[{b + 1}] - cu_seqlens_q[{b}]) but "
+            f"max_seqlen_q={max_seqlen_q}; pass max_seqlen_q >= {longest}, the longest query length in the batch."
+        )
+    if bool(v["seq_len"].any()):
+        b = int(v["seq_len"].nonzero()[0, 0])
+        raise RuntimeError(
+            f"{op}: seq_lens[{b}] = {lens[b]} is outside [0, {capacity}], the capacity of block_table: "
+            f"{block_table.shape[1]} blocks per sequence x block_size {block_size}. Give block_table more columns "
+            f"(max_blocks >= ceil(seq_len / block_size)) or pass the sequence's real KV length."
+        )
+    b, j = (int(x) for x in v["block"].nonzero()[0])
+    raise RuntimeError(
+        f"{op}: block_table[{b}, {j}] = {int(table[b, j])} is not a block of the cache: block ids must be in "
+        f"[0, {num_blocks}) (P = {num_blocks} blocks). Sequence {b} (seq_len {lens[b]}) uses its first "
+        f"{-(-lens[b] // block_size)} entries; entries past those are never read and may hold any value (e.g. -1)."
+    )
+
+
+def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout: str = "NHD",
+                          op: str = "kvops.paged_attention") -> None:
+    """Apply the value contracts of ``paged_attention`` in the current mode (docs/semantics.md §7).
+
+    eager: one host sync; ``RuntimeError`` naming the argument, index, value, bound and fix. async: one
+    ``torch._assert_async`` per contract. ``cu_seqlens_q[-1] < T_q`` is allowed (rows owned by no sequence are 0).
+    """
+    geometry = cache_geometry(k_cache, kv_layout)
+    mode = _active(q, cu_seqlens_q, seq_lens, block_table)
+    if (mode is None or geometry is None or q.dim() != 3 or not _index(cu_seqlens_q, 1) or not _index(seq_lens, 1)
+            or not _index(block_table, 2) or not block_table.shape[0] == seq_lens.shape[0] == cu_seqlens_q.shape[0] - 1
+            or any(t.device != q.device for t in (k_cache, cu_seqlens_q, seq_lens, block_table))
+            or (max_seqlen_q < 1 and q.shape[0] > 0)):
+        return  # checks off, or a metadata error that the op's validator reports
+    num_blocks, block_size = geometry
+    v = _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q)
+    if mode == "eager":
+        if bool(torch.stack([t.any() for t in v.values()]).any()):
+            _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, op)
+        return
+    cap = _known(block_table.shape[1] * block_size)
+    hint = "Run with kvops.value_checks('eager') to see the index and value."
+    _assert(~(v["cu_start"] | v["cu_order"].any() | v["cu_end"]),
+            f"{op}: cu_seqlens_q must be non-decreasing from 0 to at most T_q = {_known(q.shape[0])}. {hint}")
+    _assert(~v["q_len"].any(), f"{op}: a sequence's q_len exceeds max_seqlen_q = {_known(max_seqlen_q)}. {hint}")
+    _assert(~v["seq_len"].any(), f"{op}: seq_lens outside [0, {cap}], the capacity of block_table. {hint}")
+    _assert(~v["block"].any(),
+            f"{op}: block_table holds a block id outside [0, P = {_known(num_blocks)}) in a used entry. {hint}")
+
+
+# --- flash_attn_with_kvcache ----------------------------------------------------------------------------------
+def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, k_cache: torch.Tensor,
+                  num_new_tokens: int, op: str = "flash_attn_with_kvcache", mode: str | None = None
+                  ) -> torch.Tensor | None:
+    """``0 <= cache_seqlens[b]``, ``cache_seqlens[b] + num_new_tokens <= max_blocks * block_size`` and the block ids
+    of the positions in use in ``[0, P)``, in the current mode. Returns the async ``ok`` flag (None otherwise), so the
+    caller can skip the whole write when it is False. ``mode="eager"`` forces the eager check
+    (``check_kvcache_capacity``)."""
+    if mode is None:
+        mode = _active(cache_seqlens) if block_table is None else _active(cache_seqlens, block_table)
+    if mode is None or (block_table is not None and block_table.device != cache_seqlens.device):
+        return None
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]  # FlashAttention's caches are NHD
+    width = 1 if block_table is None else block_table.shape[1]
+    capacity = width * block_size
+    lens = cache_seqlens.long()
+    bad_len = (lens < 0) | (lens + num_new_tokens > capacity)
+    bad_block = None
+    if block_table is not None:
+        bad_block = _bad_blocks(block_table, lens + num_new_tokens, block_size, num_blocks)
+    if mode == "async":
+        ok = ~bad_len.any() if bad_block is None else ~(bad_len.any() | bad_block.any())
+        _assert(ok, f"{op}: cache_seqlens + {_known(num_new_tokens)} new tokens exceed the capacity addressable by "
+                    f"block_table ({_known(capacity)} tokens), or block_table holds a block id outside [0, "
+                    f"{_known(num_blocks)}); nothing was written. Run with kvops.value_checks('eager') for details.")
+        return ok
+    if bool(bad_len.any()):
+        b = int(bad_len.nonzero()[0, 0])
+        n = int(lens[b])
+        raise RuntimeError(
+            f"{op}: sequence {b} has cache_seqlens={n}; with {num_new_tokens} new tokens it needs positions "
+            f"[0, {n + num_new_tokens}) but block_table addresses only {capacity} tokens ({width} blocks x block_size "
+            f"{block_size}) and cache_seqlens must be >= 0. Give block_table more blocks or write fewer tokens."
+        )
+    if bad_block is not None and bool(bad_block.any()):
+        b, j = (int(x) for x in bad_block.nonzero()[0])
+        raise RuntimeError(
+            f"{op}: block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the cache: block ids must be "
+            f"in [0, {num_blocks}) (P = {num_blocks} blocks) for the blocks sequence {b} uses."
+        )
+    return None

@@ -1,0 +1,178 @@
+"""Layouts of the packed K/V formats and the one validator per op (shared by the kernels and the fake rules).
+
+A packed tensor stands for dense K or V ``[B, T, H, D]`` (tokens-major, as the caches). Every format stores
+``codes`` and ``scales``; some add ``zeros``, ``centroids`` and ``cluster_ids`` (see :func:`packed_layout`). The
+validators read metadata only (shapes, dtypes, devices), so the same errors fire in eager mode, under
+``torch.compile(fullgraph=True)`` and under ``torch.export``, at trace time.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+FORMATS = ("int8", "fp8", "int4", "int2")
+GROUP_SIZES = (32, 64, 128)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_DTYPE = torch.float16  # int8 / int4 / int2 scales and zero points (fp8: one fp32 scale per (batch, head))
+_FIELDS = ("codes", "scales", "zeros", "centroids", "cluster_ids")
+
+
+class Spec(NamedTuple):
+    """Expected ``shape`` and ``dtype`` of one stored tensor."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
+def packed_layout(
+    quant: str,
+    batch: int,
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    *,
+    group_size: int = 64,
+    stages: int = 1,
+    num_clusters: int = 16,
+) -> dict[str, Spec | None]:
+    """The tensors a ``quant``-packed ``[B, T, H, D]`` K or V consists of (``None``: not stored by this format).
+
+    - ``"int8"``: symmetric per (token, head). ``codes [B, T, H, D]`` int8 in ``[-127, 127]``, ``scales [B, T, H]``
+      fp16 (``amax / 127``); ``x ≈ codes · scale``.
+    - ``"fp8"``: e4m3 with per-head scales. ``codes [B, T, H, D]`` float8_e4m3fn, ``scales [B, H]`` fp32 (``amax``
+      over the call's tokens and ``D`` divided by 448); ``x ≈ codes · scale``.
+    - ``"int4"``: asymmetric, groups of ``group_size`` along ``D``. ``codes [B, T, H, D/2]`` uint8 (element ``2j`` in
+      the low nibble, ``2j+1`` in the high one), ``scales``/``zeros [B, T, H, D/group_size]`` fp16;
+      ``x ≈ code · scale + zero``.
+    - ``"int2"``: Quant VideoGen's progressive residual quantization. Per (batch, head) a k-means over the tokens
+      gives ``centroids [B, H, C, D]`` fp16 and ``cluster_ids [B, T, H]`` uint8; the residual ``x - centroid`` is
+      quantized in ``stages`` 2-bit asymmetric stages, each of the previous stage's residual, with groups of
+      ``group_size`` along ``D``: ``codes [B, T, H, stages, D/4]`` uint8 (element ``4j+i`` in bits ``2i..2i+1``),
+      ``scales``/``zeros [B, T, H, stages, D/group_size]`` fp16; ``x ≈ centroid + Σ_s (code_s · scale_s + zero_s)``.
+    """
+    b, t, h, d, g = batch, tokens, heads, head_dim, group_size
+    out: dict[str, Spec | None] = dict.fromkeys(_FIELDS)
+    if quant == "int8":
+        out.update(codes=Spec((b, t, h, d), torch.int8), scales=Spec((b, t, h), SCALE_DTYPE))
+    elif quant == "fp8":
+        out.update(codes=Spec((b, t, h, d), torch.float8_e4m3fn), scales=Spec((b, h), torch.float32))
+    elif quant == "int4":
+        grouped = Spec((b, t, h, d // g), SCALE_DTYPE)
+        out.update(codes=Spec((b, t, h, d // 2), torch.uint8), scales=grouped, zeros=grouped)
+    elif quant == "int2":
+        grouped = Spec((b, t, h, stages, d // g), SCALE_DTYPE)
+        out.update(
+            codes=Spec((b, t, h, stages, d // 4), torch.uint8), scales=grouped, zeros=grouped,
+            centroids=Spec((b, h, num_clusters, d), SCALE_DTYPE), cluster_ids=Spec((b, t, h), torch.uint8),
+        )
+    else:
+        raise ValueError(f"quant must be one of {FORMATS}, got {quant!r}.")
+    return out
+
+
+def check_format(op: str, quant: str, head_dim: int, group_size: int, stages: int = 1, num_clusters: int = 16) -> None:
+    """Format parameters: ``quant`` known, ``group_size`` in (32, 64, 128) or ``head_dim`` and dividing it, ..."""
+    if quant not in FORMATS:
+        raise ValueError(f"{op}: quant must be one of {FORMATS}, got {quant!r}.")
+    if quant in ("int4", "int2"):
+        per_byte = 2 if quant == "int4" else 4
+        if head_dim % per_byte != 0:
+            raise ValueError(
+                f"{op}: quant={quant!r} packs {per_byte} values per byte, so head_dim must be a multiple of "
+                f"{per_byte}; got head_dim {head_dim}."
+            )
+        if not (group_size in GROUP_SIZES or group_size == head_dim) or head_dim % group_size != 0:
+            raise ValueError(
+                f"{op}: group_size must be one of {GROUP_SIZES} (or head_dim) and divide head_dim {head_dim}; got "
+                f"group_size {group_size}. Use group_size={head_dim} for one group per head."
+            )
+    if quant == "int2":
+        if stages < 1:
+            raise ValueError(f"{op}: stages must be >= 1 for quant='int2', got {stages}.")
+        if not 1 <= num_clusters <= 256:
+            raise ValueError(f"{op}: num_clusters must be in [1, 256] (cluster ids are uint8), got {num_clusters}.")
+
+
+def _check_tensors(op: str, quant: str, tensors: dict, layout: dict, device, context: str) -> None:
+    for name in _FIELDS:
+        t, spec = tensors[name], layout[name]
+        if spec is None:
+            if t is not None:
+                raise ValueError(f"{op}: quant={quant!r} stores no {name}; pass {name}=None.")
+            continue
+        if t is None:
+            raise ValueError(f"{op}: quant={quant!r} needs {name} ({spec.dtype}, shape {spec.shape}); got None.")
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise ValueError(
+                f"{op}: {name} must be {spec.dtype} of shape {spec.shape} for quant={quant!r} ({context}); got "
+                f"{t.dtype} of shape {tuple(t.shape)}. Allocate it from kvops.packed.packed_layout(...)."
+            )
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but the data is on {device}. Move both to one device.")
+
+
+def _grouping(op: str, quant: str, head_dim: int, scales: torch.Tensor | None) -> tuple[int, int]:
+    """(group_size, stages) read from the scales' shape for int4/int2 (defaults otherwise)."""
+    if quant not in ("int4", "int2") or scales is None:
+        return 64, 1
+    want = 4 if quant == "int4" else 5
+    if scales.dim() != want:
+        raise ValueError(
+            f"{op}: scales must be {want}-D for quant={quant!r} (see kvops.packed.packed_layout); got shape "
+            f"{tuple(scales.shape)}."
+        )
+    groups = scales.shape[-1]
+    if groups < 1 or head_dim % groups != 0:
+        raise ValueError(
+            f"{op}: scales' last dim ({groups} groups) must divide head_dim {head_dim} for quant={quant!r}."
+        )
+    return head_dim // groups, scales.shape[3] if quant == "int2" else 1
+
+
+def check_quantize_kv(x, codes, scales, zeros, centroids, cluster_ids, quant: str, kmeans_iters: int) -> None:
+    """Contract of ``kvops::quantize_kv``: ``x [B, T, H, D]`` float; the outputs match :func:`packed_layout`."""
+    op = "kvops.quantize_kv"
+    if quant not in FORMATS:
+        raise ValueError(f"{op}: quant must be one of {FORMATS}, got {quant!r}.")
+    if x.dim() != 4:
+        raise ValueError(f"{op}: x must be 4-D [B, T, H, D] (NHD tokens), got shape {tuple(x.shape)}.")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: x must be one of {FLOAT_DTYPES}, got {x.dtype}.")
+    if kmeans_iters < 0:
+        raise ValueError(f"{op}: kmeans_iters must be >= 0, got {kmeans_iters}.")
+    b, t, h, d = x.shape
+    group, stages = _grouping(op, quant, d, scales)
+    clusters = centroids.shape[2] if quant == "int2" and centroids is not None and centroids.dim() == 4 else 16
+    check_format(op, quant, d, group, stages, clusters)
+    layout = packed_layout(quant, b, t, h, d, group_size=group, stages=stages, num_clusters=clusters)
+    tensors = dict(codes=codes, scales=scales, zeros=zeros, centroids=centroids, cluster_ids=cluster_ids)
+    _check_tensors(op, quant, tensors, layout, x.device, f"x of shape {tuple(x.shape)}, group_size {group}")
+    for name, out in tensors.items():
+        if out is not None and any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+            raise ValueError(f"{op}: {name} has a stride-0 dim (an expanded view) and cannot be written in place.")
+
+
+def check_dequantize_kv(codes, scales, zeros, centroids, cluster_ids, quant: str, dtype: torch.dtype):
+    """Contract of ``kvops::dequantize_kv``; returns ``(B, T, H, D)`` of the dense output."""
+    op = "kvops.dequantize_kv"
+    if quant not in FORMATS:
+        raise ValueError(f"{op}: quant must be one of {FORMATS}, got {quant!r}.")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: dtype must be one of {FLOAT_DTYPES}, got {dtype}.")
+    want = 5 if quant == "int2" else 4
+    if codes.dim() != want:
+        raise ValueError(
+            f"{op}: codes must be {want}-D for quant={quant!r} (see kvops.packed.packed_layout); got shape "
+            f"{tuple(codes.shape)}."
+        )
+    b, t, h = codes.shape[:3]
+    d = codes.shape[-1] * {"int8": 1, "fp8": 1, "int4": 2, "int2": 4}[quant]
+    group, stages = _grouping(op, quant, d, scales)
+    clusters = centroids.shape[2] if quant == "int2" and centroids is not None and centroids.dim() == 4 else 16
+    check_format(op, quant, d, group, stages, clusters)
+    layout = packed_layout(quant, b, t, h, d, group_size=group, stages=stages, num_clusters=clusters)
+    tensors = dict(codes=codes, scales=scales, zeros=zeros, centroids=centroids, cluster_ids=cluster_ids)
+    _check_tensors(op, quant, tensors, layout, codes.device, f"codes of shape {tuple(codes.shape)}, group_size {group}")
+    return b, t, h, d

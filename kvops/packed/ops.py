@@ -1,0 +1,173 @@
+"""``kvops::quantize_kv`` / ``kvops::dequantize_kv``: pack dense K or V ``[B, T, H, D]`` into a quantized format.
+
+Schema: ``kvops/_library.py``. Validators and layouts: ``kvops/packed/_checks.py``. CPU kernels:
+``kvops/packed/reference.py``. CUDA: Triton kernels (``kvops/packed/triton_quant.py``) for int8/fp8/int4 and the
+int2 dequantize; the int2 k-means runs as torch ops on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import _library  # noqa: F401  (defines the schemas)
+from ..triton import HAS_TRITON
+from . import reference
+from ._checks import check_dequantize_kv, check_format, check_quantize_kv, packed_layout
+
+
+class PackedKV(NamedTuple):
+    """One packed K or V: the stored tensors of format ``quant`` (``None`` where the format stores nothing).
+
+    Token-indexed tensors (``codes``, ``scales`` except fp8's, ``zeros``, ``cluster_ids``) have the tokens in dim 1 and
+    the heads in dim 2; fp8 ``scales [B, H]`` and int2 ``centroids [B, H, C, D]`` are per (batch, head).
+    """
+
+    quant: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    centroids: torch.Tensor | None = None
+    cluster_ids: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in self[1:] if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored tensor (codes, scales, zero points, centroids, cluster ids)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def rows(self, start: int, end: int) -> PackedKV:
+        """Tokens ``[start, end)`` (views; per-(batch, head) tensors are shared)."""
+        per_head = self.quant == "fp8"
+        return PackedKV(
+            self.quant,
+            self.codes[:, start:end],
+            self.scales if per_head else self.scales[:, start:end],
+            None if self.zeros is None else self.zeros[:, start:end],
+            self.centroids,
+            None if self.cluster_ids is None else self.cluster_ids[:, start:end],
+        )
+
+    def heads(self, h0: int, h1: int) -> PackedKV:
+        """Heads ``[h0, h1)`` (views)."""
+        per_head = self.quant == "fp8"
+        return PackedKV(
+            self.quant,
+            self.codes[:, :, h0:h1],
+            self.scales[:, h0:h1] if per_head else self.scales[:, :, h0:h1],
+            None if self.zeros is None else self.zeros[:, :, h0:h1],
+            None if self.centroids is None else self.centroids[:, h0:h1],
+            None if self.cluster_ids is None else self.cluster_ids[:, :, h0:h1],
+        )
+
+
+def default_group_size(head_dim: int) -> int:
+    """64 when it divides ``head_dim``, else 32, else ``head_dim`` (one group per head, e.g. head_dim 80)."""
+    return next((g for g in (64, 32) if head_dim % g == 0), head_dim)
+
+
+def empty_packed(
+    quant: str, batch: int, tokens: int, heads: int, head_dim: int, *, group_size: int | None = None, stages: int = 1,
+    num_clusters: int = 16, device=None, leading: tuple[int, ...] = (),
+) -> PackedKV:
+    """Uninitialized storage for a packed ``[B, T, H, D]`` (with extra ``leading`` dims, e.g. a pool's slots)."""
+    group_size = default_group_size(head_dim) if group_size is None else group_size
+    check_format("kvops.packed", quant, head_dim, group_size, stages, num_clusters)
+    layout = packed_layout(
+        quant, batch, tokens, heads, head_dim, group_size=group_size, stages=stages, num_clusters=num_clusters
+    )
+    alloc = {
+        k: None if spec is None else torch.empty(leading + spec.shape, dtype=spec.dtype, device=device)
+        for k, spec in layout.items()
+    }
+    return PackedKV(quant, **alloc)
+
+
+def quantize_kv(
+    x: torch.Tensor,
+    quant: str,
+    *,
+    group_size: int | None = None,
+    stages: int = 1,
+    num_clusters: int = 16,
+    kmeans_iters: int = 4,
+    out: PackedKV | None = None,
+) -> PackedKV:
+    """Quantize dense K or V ``x [B, T, H, D]`` (fp32/bf16/fp16) into ``quant`` (layouts: :func:`packed_layout`).
+
+    Args:
+        x: the tokens to pack (any strides).
+        quant: ``"int8"`` (symmetric per (token, head)), ``"fp8"`` (e4m3, per-head scales over the call's tokens),
+            ``"int4"`` (asymmetric groups of ``group_size`` along ``D``, two codes per byte) or ``"int2"`` (Quant
+            VideoGen's PRQ: per-head k-means with ``num_clusters`` centroids and ``kmeans_iters`` Lloyd steps from a
+            deterministic init, then ``stages`` progressive 2-bit residual stages with groups of ``group_size``).
+        group_size: 32, 64 or 128 (or ``D``); must divide ``D`` (int4, int2 only). Default: 64 if it divides
+            ``D``, else 32, else ``D``.
+        out: write into this storage (e.g. a slot of a cache's pool) instead of allocating.
+
+    Returns:
+        :class:`PackedKV` (``out`` when given).
+
+    Raises:
+        ValueError: unknown ``quant``, ``x`` not 4-D float, a group size not dividing ``D``, ``out`` tensors with
+            the wrong shape/dtype/device (messages name the expected layout). Raised at trace time too.
+
+    Semantics: KIVI-style group quantization for int4; Quant VideoGen (arXiv 2602.02958) for int2. Rounding is
+    round-half-to-even; scales and zero points are stored in fp16 (clamped to its normal range), codes are computed
+    with the stored values so that ``dequantize_kv`` reproduces exactly what was rounded.
+    """
+    if out is None:
+        b, t, h, d = x.shape if x.dim() == 4 else (0, 0, 0, 0)
+        if x.dim() != 4:
+            raise ValueError(f"kvops.quantize_kv: x must be 4-D [B, T, H, D] (NHD tokens), got shape {tuple(x.shape)}.")
+        out = empty_packed(
+            quant, b, t, h, d, group_size=group_size, stages=stages, num_clusters=num_clusters, device=x.device
+        )
+    torch.ops.kvops.quantize_kv(x, *out[1:], quant, kmeans_iters)
+    return out
+
+
+def dequantize_kv(packed: PackedKV, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dense ``[B, T, H, D]`` in ``dtype`` from a :class:`PackedKV` (a new tensor; the packed data is not changed).
+
+    Raises:
+        ValueError: inconsistent shapes/dtypes of the stored tensors, an unknown format, a non-float ``dtype``.
+    """
+    return torch.ops.kvops.dequantize_kv(*packed[1:], packed.quant, dtype)
+
+
+# --- fake rules: the contract at trace time ---------------------------------------------------------------------
+@torch.library.register_fake("kvops::quantize_kv")
+def _quantize_fake(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters=4):
+    check_quantize_kv(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters)
+
+
+@torch.library.register_fake("kvops::dequantize_kv")
+def _dequantize_fake(codes, scales, zeros, centroids, cluster_ids, quant, dtype):
+    b, t, h, d = check_dequantize_kv(codes, scales, zeros, centroids, cluster_ids, quant, dtype)
+    return codes.new_empty((b, t, h, d), dtype=dtype)
+
+
+# --- kernels ----------------------------------------------------------------------------------------------------
+def _register(device: str, quantize, dequantize) -> None:
+    @torch.library.impl("kvops::quantize_kv", device)
+    def _quantize(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters=4):
+        check_quantize_kv(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters)
+        quantize(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters)
+
+    @torch.library.impl("kvops::dequantize_kv", device)
+    def _dequantize(codes, scales, zeros, centroids, cluster_ids, quant, dtype):
+        check_dequantize_kv(codes, scales, zeros, centroids, cluster_ids, quant, dtype)
+        return dequantize(codes, scales, zeros, centroids, cluster_ids, quant, dtype)
+
+
+_register("CPU", reference.quantize, reference.dequantize)
+if HAS_TRITON:
+    from . import triton_quant as _triton
+
+    _register("CUDA", _triton.quantize, _triton.dequantize)
+else:  # pragma: no cover - CUDA builds without triton
+    _register("CUDA", reference.quantize, reference.dequantize)

@@ -1,0 +1,130 @@
+"""Kernels of ``kvops::quantize_kv`` / ``kvops::dequantize_kv`` in plain torch (fp32 math).
+
+Registered for CPU, and for CUDA where a Triton kernel does not cover the format (the int2 k-means). Layouts:
+:func:`kvops.packed.packed_layout`. Outputs of ``quantize`` are written in place into the given tensors (views of a
+cache's packed pools), never reallocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+SCALE_MIN = 2.0**-14  # smallest normal fp16: scales are stored in fp16 and must not flush to zero
+SCALE_MAX = 65504.0
+
+
+def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A scale rounded to its stored fp16 value (and back to fp32), clamped to fp16's normal range."""
+    return scale.clamp(SCALE_MIN, SCALE_MAX).to(torch.float16).float()
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., D]`` integer codes in ``[0, 2**bits)`` -> ``[..., D * bits / 8]`` uint8, element ``i`` of each byte's
+    group in bits ``[i * bits, (i + 1) * bits)``."""
+    per = 8 // bits
+    c = codes.to(torch.int32).unflatten(-1, (-1, per))
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.flatten(-2)
+
+
+def _affine(x: torch.Tensor, group: int, levels: int):
+    """Asymmetric min/max quantization of ``x [..., D]`` in groups of ``group`` along D: (codes, scale, zero), with
+    scale and zero rounded to fp16 (the stored values), codes in ``[0, levels]``."""
+    g = x.unflatten(-1, (-1, group))
+    lo, hi = g.amin(-1), g.amax(-1)
+    zero = lo.to(torch.float16).float()
+    scale = _fp16_scale((hi - zero) / levels)
+    q = torch.round((g - zero[..., None]) / scale[..., None]).clamp(0, levels)
+    return q.flatten(-2), scale, zero
+
+
+def _ungroup(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    g = q.float().unflatten(-1, (scale.shape[-1], -1))
+    return (g * scale[..., None] + zero[..., None]).flatten(-2)
+
+
+def kmeans(x: torch.Tensor, num_clusters: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's k-means per row of ``x [N, T, D]`` (fp32): ``(centroids [N, C, D], ids [N, T])``.
+
+    Deterministic: centroid ``i`` starts at token ``i * T // C``; ties go to the lowest cluster; an empty cluster
+    keeps its centroid. ``iters`` update steps, then the ids of the final centroids.
+    """
+    n, t, d = x.shape
+    init = (torch.arange(num_clusters, device=x.device) * t) // max(num_clusters, 1)
+    cent = x[:, init.clamp(max=max(t - 1, 0))] if t > 0 else x.new_zeros(n, num_clusters, d)
+
+    def assign(c):
+        dist = (c * c).sum(-1)[:, None, :] - 2 * torch.bmm(x, c.transpose(1, 2))  # ||x||^2 is common to a row
+        return dist.argmin(-1)
+
+    for _ in range(iters):
+        ids = assign(cent)
+        sums = x.new_zeros(n, num_clusters, d).scatter_add_(1, ids[..., None].expand(n, t, d), x)
+        counts = x.new_zeros(n, num_clusters).scatter_add_(1, ids, x.new_ones(n, t))
+        cent = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], cent)
+    return cent, assign(cent)
+
+
+def quantize(x, codes, scales, zeros, centroids, cluster_ids, quant: str, kmeans_iters: int) -> None:
+    """Quantize ``x [B, T, H, D]`` into the given output tensors (layouts: ``packed_layout``)."""
+    xf = x.float()
+    if quant == "int8":
+        scale = _fp16_scale(xf.abs().amax(-1) / 127.0)
+        codes.copy_(torch.round(xf / scale[..., None]).clamp(-127, 127).to(torch.int8))
+        scales.copy_(scale)
+    elif quant == "fp8":
+        scale = (xf.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [B, H]
+        codes.copy_((xf / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+        scales.copy_(scale)
+    elif quant == "int4":
+        q, scale, zero = _affine(xf, xf.shape[-1] // scales.shape[-1], 15)
+        codes.copy_(_pack(q, 4))
+        scales.copy_(scale)
+        zeros.copy_(zero)
+    else:  # int2: k-means per (batch, head), then progressive 2-bit residual stages
+        b, t, h, d = xf.shape
+        rows = xf.permute(0, 2, 1, 3).reshape(b * h, t, d)
+        cent, ids = kmeans(rows, centroids.shape[2], kmeans_iters)
+        cent = cent.to(torch.float16)
+        centroids.copy_(cent.view(b, h, -1, d))
+        cluster_ids.copy_(ids.view(b, h, t).transpose(1, 2))
+        residual = xf - _gather_centroids(cent.view(b, h, -1, d).float(), ids.view(b, h, t).transpose(1, 2))
+        group = d // scales.shape[-1]
+        for s in range(codes.shape[3]):
+            q, scale, zero = _affine(residual, group, 3)
+            codes[:, :, :, s].copy_(_pack(q, 2))
+            scales[:, :, :, s].copy_(scale)
+            zeros[:, :, :, s].copy_(zero)
+            residual = residual - _ungroup(q, scale, zero)
+
+
+def _gather_centroids(cent: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``cent [B, H, C, D]``, ``ids [B, T, H]`` -> ``[B, T, H, D]``: each token's centroid."""
+    b, h, c, d = cent.shape
+    flat = cent.reshape(b * h, c, d)
+    idx = ids.transpose(1, 2).reshape(b * h, -1).long()
+    out = torch.gather(flat, 1, idx[..., None].expand(-1, -1, d))
+    return out.view(b, h, -1, d).transpose(1, 2)
+
+
+def dequantize(codes, scales, zeros, centroids, cluster_ids, quant: str, dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[B, T, H, D]`` in ``dtype`` from a packed tensor (math in fp32)."""
+    if quant == "int8":
+        x = codes.float() * scales.float()[..., None]
+    elif quant == "fp8":
+        x = codes.float() * scales[:, None, :, None]
+    elif quant == "int4":
+        x = _ungroup(_unpack(codes, 4), scales.float(), zeros.float())
+    else:
+        x = _gather_centroids(centroids.float(), cluster_ids)
+        for s in range(codes.shape[3]):
+            x = x + _ungroup(_unpack(codes[:, :, :, s], 2), scales[:, :, :, s].float(), zeros[:, :, :, s].float())
+    return x.to(dtype).contiguous()  # the fake rule promises a contiguous output

@@ -1,0 +1,41 @@
+"""Prefill→decode KV transfer between different TP sizes (semantics.md §6).
+
+- :mod:`kvops.transfer.plan`: the planner (pure Python): head placement, writers per decode rank
+  (:func:`compute_head_slice_params`), bytes per writer, staging grid, metadata checks.
+- :mod:`kvops.transfer.transport`: the transfer over ``torch.distributed`` (gloo on CPU, NCCL on GPU) with the
+  staging ops ``kvops.paged_kv_gather`` / ``kvops.paged_kv_scatter``.
+"""
+
+from .plan import (
+    HeadSlice,
+    KVArgs,
+    check_transfer_metadata,
+    compute_grid_segments,
+    compute_head_slice_params,
+    heads_per_rank,
+    plan_for_writer,
+    rank_head_range,
+    resolve_total_kv_heads,
+    staging_grid_tokens,
+    writer_bytes,
+)
+from .transport import KVReceiver, KVSender, KVTransferError, TransferGroups, TransferStats
+
+__all__ = [
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "TransferGroups",
+    "TransferStats",
+    "HeadSlice",
+    "KVArgs",
+    "check_transfer_metadata",
+    "compute_grid_segments",
+    "compute_head_slice_params",
+    "heads_per_rank",
+    "plan_for_writer",
+    "rank_head_range",
+    "resolve_total_kv_heads",
+    "staging_grid_tokens",
+    "writer_bytes",
+]

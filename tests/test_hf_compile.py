@@ -1,0 +1,131 @@
+"""transformers integration under ``torch.compile(fullgraph=True)`` and ``torch.export`` (tiny random models of
+``test_hf_integration``): a compiled 20-step greedy decode loop compiles at most 2 graphs and yields the eager
+tokens; a decode step exports and its exported program reproduces the eager logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install kvops[transformers])")
+
+from tests.inductor_utils import code_facts  # noqa: E402
+from tests.test_hf_integration import (  # noqa: E402
+    FAMILIES,
+    NEW_TOKENS,
+    make_cache,
+    model_for,
+    one_thread,  # noqa: F401  (autouse fixture)
+    prompts,
+    reference,
+)
+
+
+def decode(model, input_ids, attention_mask, position_ids, cache):
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 past_key_values=cache, use_cache=True).logits[:, -1]
+
+
+def greedy(model, cache, step):
+    """Eager prefill, then ``NEW_TOKENS - 1`` decode steps through ``step``; returns the generated tokens."""
+    ids, mask = prompts()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    model.set_attn_implementation("kvops")
+    with torch.no_grad():
+        logits = decode(model, ids, mask, pos, cache)
+        out = [logits.argmax(-1)]
+        for _ in range(NEW_TOKENS - 1):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            pos = pos[:, -1:] + 1
+            logits = step(model, out[-1][:, None], mask, pos, cache)
+            out.append(logits.argmax(-1))
+    return torch.stack(out, 1)
+
+
+CASES = [(family, "static") for family in FAMILIES] + [("gemma2", "paged")]
+
+
+@pytest.mark.parametrize("family,cache", CASES)
+def test_compiled_decode_two_graphs(family, cache):
+    """fullgraph Dynamo capture of the decode step (fake rules of every kvops op included): <= 2 graphs over 19
+    decode steps, tokens identical to stock attention."""
+    model = model_for(family)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    tokens = greedy(model, make_cache(cache, model.config), torch.compile(decode, fullgraph=True, backend=counter))
+    ref_tokens, _ = reference(family)
+    assert torch.equal(tokens, ref_tokens[:, -NEW_TOKENS:])
+    assert counter.frame_count <= 2, counter.frame_count
+
+
+def test_inductor_fuses_rope_into_cache_write():
+    """Inductor, Llama layer 0 with KvopsStaticCache: k_proj -> RoPE -> ``cache.update`` (``kvops.cache_write``) and
+    v_proj -> write are lowered into generated kernels, no extern ``kvops.cache_write`` call; the caches equal eager's
+    bit for bit."""
+    from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = model_for("llama")
+    attn, rotary = model.model.layers[0].self_attn, model.model.rotary_emb
+    kv_eager, kv_compiled = make_cache("static", model.config), make_cache("static", model.config)
+    x = torch.randn(2, 1, model.config.hidden_size)
+
+    def step(x, cos, sin, cache):
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys, _ = cache.update(k, attn.v_proj(x).view(shape).transpose(1, 2), 0)
+        return q, keys.sum()
+
+    with torch.no_grad():
+        cos, sin = rotary(x, torch.full((2, 1), 4))
+        for kv in (kv_eager, kv_compiled):
+            kv.layers[0].seen = 4
+        expected = step(x, cos, sin, kv_eager)
+        torch._dynamo.reset()
+        with fresh_inductor_cache():
+            got, codes = run_and_get_code(torch.compile(step, fullgraph=True), x, cos, sin, kv_compiled)
+    code = "\n".join(codes)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(kv_compiled.layers[0].k, kv_eager.layers[0].k)
+    assert torch.equal(kv_compiled.layers[0].v, kv_eager.layers[0].v)
+    assert "torch.ops.kvops.cache_write" not in code and "cpp_pybinding" in code, code_facts(code)
+
+
+class DecodeStep(torch.nn.Module):
+    """A decode step with the cache's tensors registered as buffers (as transformers' own export recipe does)."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.cache = model, cache
+        for i, layer in enumerate(cache.layers):
+            for name in ("k", "v", "block_table"):
+                if hasattr(layer, name) and not (name == "block_table" and i > 0):
+                    self.register_buffer(f"{name}{i}", getattr(layer, name), persistent=False)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        return decode(self.model, input_ids, attention_mask, position_ids, self.cache)
+
+
+@pytest.mark.parametrize("family,cache", CASES)
+def test_export_decode_step(family, cache):
+    """``torch.export`` of one decode step after an eager prefill; the exported program's logits equal eager's."""
+    model = model_for(family)
+    model.set_attn_implementation("kvops")
+    kv = make_cache(cache, model.config)
+    ids, mask = prompts()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        nxt = decode(model, ids, mask, pos, kv).argmax(-1)[:, None]
+        args = (nxt, torch.cat([mask, mask.new_ones(2, 1)], 1), pos[:, -1:] + 1)
+        eager_kv = copy.deepcopy(kv)
+        expected = decode(model, *args, eager_kv)
+        ep = torch.export.export(DecodeStep(model, kv), args, strict=True)
+        got = ep.module()(*args)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("kvops.paged_attention" in o for o in ops)
+    assert any("kvops.cache_write" in o or "kvops.paged_cache_write" in o for o in ops), ops

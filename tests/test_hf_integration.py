@@ -1,0 +1,175 @@
+"""transformers integration: ``attn_implementation="kvops"`` with transformers' and kvops' caches on tiny random models.
+
+Models are built from configs with random weights (no downloads), 2 layers, hidden 64-128, keeping each family's
+attention features: Llama (GQA 2:1), Qwen2 (GQA 7:1, 14 query / 2 KV heads), Mistral (sliding window 6), Gemma-2
+(softcap 50, alternating sliding window 6 / global), gpt-oss (attention sinks, alternating sliding window 6). The
+reference is the stock ``sdpa`` implementation where the family supports it, else ``eager`` (transformers disables
+sdpa for Gemma-2's softcap and gpt-oss's sinks). Prompts of different lengths are left-padded in one batch, 20 new
+tokens are generated greedily; windows of 6 are crossed by the 9-token prompt and by decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install kvops[transformers])")
+
+import kvops.integrations.transformers as kvops_hf  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+NEW_TOKENS = 20
+PROMPT = 9
+COMMON = dict(vocab_size=96, num_hidden_layers=2, max_position_embeddings=128, intermediate_size=128)
+
+
+def _configs():
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    out = {
+        "llama": (LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **COMMON), "sdpa"),
+        "qwen2": (Qwen2Config(hidden_size=112, num_attention_heads=14, num_key_value_heads=2, **COMMON), "sdpa"),
+        "mistral": (MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                                  **COMMON), "sdpa"),
+        "gemma2": (Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                sliding_window=6, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
+                                **COMMON), "eager"),
+    }
+    try:
+        from transformers import GptOssConfig
+    except ImportError:  # older transformers without gpt-oss
+        return out
+    out["gpt_oss"] = (GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   sliding_window=6, num_local_experts=2, num_experts_per_tok=1,
+                                   layer_types=["sliding_attention", "full_attention"], **COMMON), "eager")
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread (on a shared 2-core machine, thread oversubscription makes every 64x64 GEMM
+    cost milliseconds); restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+CONFIGS = _configs()
+FAMILIES = list(CONFIGS)
+_models: dict = {}
+
+
+def model_for(family: str, dtype=torch.float32):
+    if (family, dtype) not in _models:
+        from transformers import AutoModelForCausalLM
+
+        config, _ = CONFIGS[family]
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+        model.generation_config.eos_token_id = None  # always NEW_TOKENS tokens, no EOS suppression or stopping
+        if family == "gpt_oss":  # random sinks large enough to matter
+            for layer in model.model.layers:
+                torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+        _models[family, dtype] = model
+    return _models[family, dtype]
+
+
+def prompts(batch: int = 2):
+    """Prompts of lengths 9 and 6, left-padded to 9 (as ``generate()`` expects)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, COMMON["vocab_size"], (batch, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1:, : PROMPT - 6] = 0
+    return ids, mask
+
+
+def make_cache(kind: str, config):
+    if kind == "dynamic":
+        return DynamicCache(config=config)
+    if kind == "static":
+        return kvops_hf.KvopsStaticCache(config, max_cache_len=PROMPT + NEW_TOKENS)
+    return kvops_hf.KvopsPagedCache(config, max_cache_len=PROMPT + NEW_TOKENS, block_size=4)
+
+
+def generate(model, impl: str, cache=None):
+    ids, mask = prompts()
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                             do_sample=False, past_key_values=cache, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+    return out.sequences, torch.stack(out.logits)
+
+
+_refs: dict = {}
+
+
+def reference(family: str):
+    if family not in _refs:
+        _refs[family] = generate(model_for(family), CONFIGS[family][1])
+    return _refs[family]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "paged"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_matches_stock(family, cache):
+    """Greedy tokens identical to stock attention over 20 new tokens; logits within fp32 tolerance."""
+    model = model_for(family)
+    ref_tokens, ref_logits = reference(family)
+    tokens, logits = generate(model, "kvops", make_cache(cache, model.config))
+    assert torch.equal(tokens, ref_tokens)
+    assert tokens.shape[1] == PROMPT + NEW_TOKENS
+    torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-5)
+
+
+def test_bf16_logits_within_tolerance():
+    """bf16 (Llama, kvops static cache vs stock sdpa): prefill and decode logits within bf16 tolerance."""
+    model = model_for("llama", torch.bfloat16)
+    ids, mask = prompts()
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation("kvops")
+        out = model(input_ids=ids, attention_mask=mask,
+                    past_key_values=make_cache("static", model.config)).logits
+    real = mask.bool()  # padded query rows are garbage in every implementation
+    torch.testing.assert_close(out[real].float(), ref[real].float(), atol=3e-2, rtol=3e-2)
+
+
+def test_set_attn_implementation_and_from_config():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"][0], attn_implementation="kvops")
+    assert model.config._attn_implementation == "kvops"
+    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("kvops")
+    assert model.config._attn_implementation == "kvops"
+
+
+def test_custom_4d_mask_is_rejected():
+    model = model_for("llama")
+    model.set_attn_implementation("kvops")
+    ids, _ = prompts()
+    mask4d = torch.ones(2, 1, PROMPT, PROMPT, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match=r"kvops attention: got an attention mask of shape \(2, 1, 9, 9\) and dtype "
+                                         r"torch.bool; it needs the \[2, batch, 1, 1\] int32 metadata"):
+        model(input_ids=ids, attention_mask=mask4d)
+
+
+def test_paged_cache_overflow_is_an_error():
+    model = model_for("llama")
+    model.set_attn_implementation("kvops")
+    ids, mask = prompts()
+    cache = kvops_hf.KvopsPagedCache(model.config, max_cache_len=PROMPT - 1, block_size=4)
+    with pytest.raises(ValueError, match="KvopsPagedCache: writing 9 tokens after 0 exceeds max_cache_len=8"):
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+
+
+def test_import_kvops_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, kvops; assert 'transformers' not in sys.modules and 'kvops.integrations' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,200 @@
+"""kvops.quantize_kv / kvops.dequantize_kv: every format against a plain fp32 reference, error bounds, exact round
+trips of the codes, contracts in every mode, opcheck."""
+
+from __future__ import annotations
+
+import itertools
+import unittest
+
+import expecttest
+import torch
+
+from kvops.packed import FORMATS, dequantize_kv, empty_packed, packed_layout, quantize_kv
+from kvops.packed import reference as kernels
+from tests.contract import raises_everywhere
+
+
+def kv_like(b, t, h, d, seed=0, dtype=torch.float32):
+    """Synthetic K: Gaussian tokens, a few outlier channels (x20, as KIVI/QVG observe in K), clustered tokens."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(b, 4, h, d, generator=g) * 2
+    ids = torch.randint(0, 4, (t,), generator=g)
+    x = centers[:, ids] + 0.5 * torch.randn(b, t, h, d, generator=g)
+    x[..., : max(1, d // 16)] *= 20
+    return x.to(dtype)
+
+
+def ref_int8(x):
+    """Loop reference: per (b, t, h) scale fp16(max|x| / 127), codes round-half-even(x / scale)."""
+    b, t, h, _ = x.shape
+    codes, scales = torch.empty(x.shape, dtype=torch.int8), torch.empty(b, t, h, dtype=torch.float16)
+    for i, j, k in itertools.product(range(b), range(t), range(h)):
+        row = x[i, j, k].float()
+        s = torch.tensor(max(row.abs().max().item() / 127.0, 2.0**-14), dtype=torch.float32).half().float()
+        codes[i, j, k] = torch.round(row / s).clamp(-127, 127).to(torch.int8)
+        scales[i, j, k] = s
+    return codes, scales
+
+
+def ref_int4(x, group):
+    """Loop reference: per (b, t, h, group) zero = fp16(min), scale = fp16((max - zero) / 15), codes in [0, 15]."""
+    b, t, h, d = x.shape
+    codes = torch.empty(b, t, h, d, dtype=torch.uint8)
+    scales = torch.empty(b, t, h, d // group, dtype=torch.float16)
+    zeros = torch.empty_like(scales)
+    for i, j, k, gi in itertools.product(range(b), range(t), range(h), range(d // group)):
+        seg = x[i, j, k, gi * group : (gi + 1) * group].float()
+        z = seg.min().half().float()
+        s = ((seg.max() - z) / 15).clamp(2.0**-14, 65504).half().float()
+        codes[i, j, k, gi * group : (gi + 1) * group] = torch.round((seg - z) / s).clamp(0, 15).to(torch.uint8)
+        scales[i, j, k, gi], zeros[i, j, k, gi] = s, z
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, scales, zeros
+
+
+class TestQuantizeReference(unittest.TestCase):
+    def test_int8_matches_loop_reference(self):
+        for dtype, d in itertools.product((torch.float32, torch.bfloat16, torch.float16), (64, 80)):
+            x = kv_like(2, 5, 3, d, dtype=dtype)
+            p = quantize_kv(x, "int8")
+            codes, scales = ref_int8(x)
+            self.assertTrue(torch.equal(p.codes, codes))
+            self.assertTrue(torch.equal(p.scales, scales))
+            y = dequantize_kv(p, torch.float32)
+            bound = scales.float()[..., None] / 2 * (1 + 1e-6)
+            self.assertTrue(bool(((y - x.float()).abs() <= bound).all()))
+
+    def test_int4_matches_loop_reference(self):
+        for group, d in ((32, 64), (64, 128), (128, 128), (80, 80)):
+            x = kv_like(1, 4, 2, d, seed=group)
+            p = quantize_kv(x, "int4", group_size=group)
+            codes, scales, zeros = ref_int4(x, group)
+            self.assertTrue(torch.equal(p.codes, codes))
+            self.assertTrue(torch.equal(p.scales, scales) and torch.equal(p.zeros, zeros))
+            y = dequantize_kv(p, torch.float32)
+            # half a step, plus the fp16 rounding of the zero (min side) and of the scale (15 steps, max side)
+            per_group = scales.float() * (0.5 + 15 * 2.0**-11) + zeros.float().abs() * 2.0**-11
+            bound = per_group.repeat_interleave(group, -1) + 1e-6
+            self.assertTrue(bool(((y - x).abs() <= bound).all()))
+
+    def test_fp8_per_head_scale(self):
+        x = kv_like(2, 7, 3, 64)
+        p = quantize_kv(x, "fp8")
+        scale = x.abs().amax(dim=(1, 3)) / 448  # [B, H]
+        self.assertTrue(torch.equal(p.scales, scale))
+        expect = (x / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        self.assertTrue(torch.equal(p.codes.view(torch.uint8), expect.view(torch.uint8)))
+        y = dequantize_kv(p, torch.float32)
+        # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormals below 2^-6 (absolute step 2^-9 · scale)
+        bound = x.abs() * 2.0**-4 + scale[:, None, :, None] * 2.0**-10
+        self.assertTrue(bool(((y - x).abs() <= bound * (1 + 1e-6)).all()))
+
+    def test_round_trip_of_codes_is_exact(self):
+        x = kv_like(2, 6, 3, 128, seed=3)
+        for quant in ("int8", "fp8", "int4"):
+            p = quantize_kv(x, quant)
+            again = quantize_kv(dequantize_kv(p, torch.float32), quant)
+            for a, b in zip(p.tensors(), again.tensors()):
+                self.assertTrue(torch.equal(a.view(torch.uint8), b.view(torch.uint8)), quant)
+        for bits in (2, 4):
+            c = torch.randint(0, 2**bits, (3, 5, 64), dtype=torch.uint8)
+            self.assertTrue(torch.equal(kernels._unpack(kernels._pack(c, bits), bits).to(torch.uint8), c))
+
+
+class TestInt2PRQ(unittest.TestCase):
+    def test_kmeans_assigns_nearest_and_is_deterministic(self):
+        x = kv_like(1, 96, 2, 64, seed=5)
+        p = quantize_kv(x, "int2", num_clusters=8, kmeans_iters=5)
+        q = quantize_kv(x, "int2", num_clusters=8, kmeans_iters=5)
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(p.tensors(), q.tensors())))
+        cent = p.centroids.float()  # [B, H, C, D]
+        for h in range(2):
+            dist = torch.cdist(x[0, :, h].double(), cent[0, h].double())  # [T, C]
+            chosen = dist.gather(1, p.cluster_ids[0, :, h].long()[:, None])[:, 0]
+            # the stored centroids are fp16-rounded after assignment: allow that rounding's effect on distances
+            self.assertTrue(bool((chosen <= dist.min(1).values * (1 + 1e-3) + 1e-2).all()))
+        init = kernels.kmeans(x[0].permute(1, 0, 2).float(), 8, 0)[0]
+        self.assertTrue(torch.equal(init, x[0].permute(1, 0, 2)[:, torch.arange(8) * 96 // 8]))
+
+    def test_progressive_stages_shrink_the_error(self):
+        x = kv_like(1, 64, 2, 128, seed=6)
+        errors = []
+        for stages in (1, 2, 3):
+            p = quantize_kv(x, "int2", stages=stages, group_size=32)
+            y = dequantize_kv(p, torch.float32)
+            # the last stage's rounding bounds the error: half its step per group (+ fp16 rounding of the zero)
+            last = p.scales[:, :, :, -1].float().repeat_interleave(32, -1)
+            self.assertTrue(bool(((y - x).abs() <= last / 2 + 1e-2).all()))
+            errors.append(((y - x) ** 2).mean().item())
+        self.assertLess(errors[1], errors[0] / 4)
+        self.assertLess(errors[2], errors[1] / 4)
+
+    def test_dequantize_is_centroid_plus_stages(self):
+        x = kv_like(2, 20, 3, 64, seed=7)
+        p = quantize_kv(x, "int2", stages=2, num_clusters=4)
+        expect = torch.empty_like(x)
+        for b, t, h in itertools.product(range(2), range(20), range(3)):
+            row = p.centroids[b, h, p.cluster_ids[b, t, h].long()].float()
+            for s in range(2):
+                byte = p.codes[b, t, h, s].long()
+                codes = torch.stack([(byte >> (2 * i)) & 3 for i in range(4)], -1).flatten()
+                row = row + codes * p.scales[b, t, h, s].float().repeat_interleave(64) + p.zeros[b, t, h, s].float()
+            expect[b, t, h] = row
+        torch.testing.assert_close(dequantize_kv(p, torch.float32), expect, rtol=1e-6, atol=1e-6)
+
+
+class TestContracts(expecttest.TestCase):
+    def test_quantize_errors(self):
+        x = torch.randn(1, 4, 2, 64)
+        p = empty_packed("int4", 1, 4, 2, 64)
+        msg = raises_everywhere(
+            self, ValueError, lambda x, c, s, z: torch.ops.kvops.quantize_kv(x, c, s, z, None, None, "int3"),
+            (x, p.codes, p.scales, p.zeros),
+        )
+        self.assertExpectedInline(msg, """kvops.quantize_kv: quant must be one of ('int8', 'fp8', 'int4', 'int2'), got 'int3'.""")
+        bad = torch.empty(1, 4, 2, 32, dtype=torch.int8)
+        msg = raises_everywhere(
+            self, ValueError, lambda x, c, s, z: torch.ops.kvops.quantize_kv(x, c, s, z, None, None, "int4"),
+            (x, bad, p.scales, p.zeros),
+        )
+        self.assertExpectedInline(msg, """kvops.quantize_kv: codes must be torch.uint8 of shape (1, 4, 2, 32) for quant='int4' (x of shape (1, 4, 2, 64), group_size 64); got torch.int8 of shape (1, 4, 2, 32). Allocate it from kvops.packed.packed_layout(...).""")
+        s3 = torch.empty(1, 4, 2, 3, dtype=torch.float16)
+        msg = raises_everywhere(
+            self, ValueError, lambda x, c, s: torch.ops.kvops.quantize_kv(x, c, s, s, None, None, "int4"),
+            (x, p.codes, s3),
+        )
+        self.assertExpectedInline(msg, """kvops.quantize_kv: scales' last dim (3 groups) must divide head_dim 64 for quant='int4'.""")
+
+    def test_dequantize_errors(self):
+        p = empty_packed("int2", 1, 4, 2, 64, stages=2)
+        msg = raises_everywhere(
+            self, ValueError, lambda c, s, z, m: torch.ops.kvops.dequantize_kv(c, s, z, m, None, "int2", torch.float32),
+            (p.codes, p.scales, p.zeros, p.centroids),
+        )
+        self.assertExpectedInline(msg, """kvops.dequantize_kv: quant='int2' needs cluster_ids (torch.uint8, shape (1, 4, 2)); got None.""")
+        msg = raises_everywhere(
+            self, ValueError, lambda c, s: torch.ops.kvops.dequantize_kv(c, s, None, None, None, "int8", torch.int32),
+            (p.codes[:, :, :, 0], p.scales[:, :, :, 0, 0]),
+        )
+        self.assertExpectedInline(msg, """kvops.dequantize_kv: dtype must be one of (torch.float32, torch.bfloat16, torch.float16), got torch.int32.""")
+
+    def test_layout_bytes(self):
+        specs = packed_layout("int2", 1, 4680, 1, 128, stages=1, num_clusters=16)
+        nbytes = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in specs.values() if s is not None)
+        self.assertLessEqual(nbytes / (4680 * 128 * 2), 0.18)
+
+    def test_opcheck(self):
+        x = kv_like(2, 6, 3, 64, dtype=torch.bfloat16)
+        for quant in FORMATS:
+            p = empty_packed(quant, 2, 6, 3, 64, group_size=32, stages=2, num_clusters=4)
+            # opcheck's schema test compares fp8 tensors with a mul that torch has no CPU kernel for on
+            # float8_e4m3fn, so the fp8 outputs run the other checks only
+            utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+            kw = {"test_utils": utils} if quant == "fp8" else {}
+            torch.library.opcheck(torch.ops.kvops.quantize_kv.default, (x, *p[1:], quant, 2), **kw)
+            quantize_kv(x, quant, out=p)
+            torch.library.opcheck(torch.ops.kvops.dequantize_kv.default, (*p[1:], quant, torch.bfloat16), **kw)
+
+
+if __name__ == "__main__":
+    unittest.main()
