@@ -165,6 +165,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per configuration")
     parser.add_argument("--quick", action="store_true", help="B in {1, 8} x context in {256, 1024}, 5 rounds")
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--value-checks", default="off", choices=("eager", "async", "off"),
+                        help="kvops.set_value_checks mode while timing (default off: the kernels; eager adds one host "
+                             "sync and ~50 us per call at B = 1)")
     parser.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                         help="auto: thread CPU time at 1 thread, wall time otherwise")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"),
@@ -179,9 +182,10 @@ def main() -> None:
         print(s, flush=True)
         lines.append(s)
 
+    kvops.set_value_checks(args.value_checks)
     native = kvops.native.available()
     emit(f"torch {torch.__version__}; CPU kernel: {'native C++' if native else 'composite torch (no native build)'}; "
-         f"block_size {BLOCK_SIZE}; ratios = kvops / ideal per interleaved round: median [25th-75th pct] of "
+         f"block_size {BLOCK_SIZE}; value checks {args.value_checks}; ratios = kvops / ideal per interleaved round: median [25th-75th pct] of "
          f"{args.rounds} rounds")
     panels = {}
     global clock
