@@ -89,7 +89,8 @@ def main():
                       "KvopsPagedCache": kvops_hf.KvopsPagedCache(model.config, max_cache_len=29, block_size=4)}
             for name, cache in caches.items():
                 tokens, logits = generate(model, "kvops", ids, mask, cache)
-                print(f"{family:8s} kvops + {name:17s} vs {stock:5s}: tokens identical {torch.equal(tokens, ref_tokens)}"
+                same = torch.equal(tokens, ref_tokens)
+                print(f"{family:8s} kvops + {name:17s} vs {stock:5s}: tokens identical {same}"
                       f", max |logit diff| {(logits - ref_logits).abs().max().item():.2e}")
             if args.compile:
                 cache = kvops_hf.KvopsStaticCache(model.config, max_cache_len=29)

@@ -19,8 +19,9 @@ iteration of a ``Scatter`` stores. So a skipped token is routed to an equivalent
 **Vectorized over the head dim.** The choice between the two is one select per element, done in the compute dtype
 (fp32 for fp8 caches, which have no select) so that Inductor's C++ backend vectorizes the store loop over
 ``H_in * D`` (it vectorizes no 16-bit integer type, so a select on bf16/fp16 bit patterns would make the whole kernel
-scalar). The routing (``slot``, first slotted token, selects, bounds check) depends on the token only, so it is
-computed once per vector of the store loop, next to Inductor's own ``index_put_`` per-vector slot load and check.
+scalar). The routing (``slot``, first slotted token, selects) depends on the token only: it is computed once per token into a
+small ``[N, 2]`` route table (``RouteTable``, a loop of its own in the same kernel), so the store loop loads two
+integers and bounds-checks the slot per vector, as Inductor's own ``index_put_`` loads and checks its slot.
 Stored bits equal eager's for float32 and fp8 caches; for bf16/fp16 the fp32 round trip is exact for every value
 except NaN, which is stored as the canonical NaN (a bf16/fp16 NaN payload in a key without a producer, or in row
 (block 0, row 0) of an all-padding batch, comes back as a NaN with another payload).
@@ -87,6 +88,28 @@ class Router:
         return any_slot, src, dst
 
 
+class RouteTable:
+    """The routing of every token computed once, in a realized ``[N, 2]`` int64 buffer ``(src, dst)``: the store loop
+    then loads two integers per token (as Inductor's ``index_put_`` loads one slot), not the whole routing chain."""
+
+    def __init__(self, router, slot_mapping):
+        self.load_first, self.n = router.load_first, router.n
+
+        def inner_fn(idx):
+            i, k = idx
+            _, src, dst = router.route(i)
+            return ops.where(ops.eq(ops.index_expr(k, torch.int64), ops.constant(0, torch.int64)), src, dst)
+
+        table = ir.Pointwise.create(device=slot_mapping.get_device(), dtype=torch.int64, inner_fn=inner_fn,
+                                    ranges=[router.n, 2])
+        table.realize()
+        self.load = table.make_loader()
+
+    def route(self, i):
+        any_slot = ops.lt(self.load_first([]), ops.index_expr(self.n, torch.int64))
+        return any_slot, self.load([i, 0]), self.load([i, 1])
+
+
 def paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout) -> None:
     """``cache[dst // block_size, dst % block_size, h0 + h, d] = q(src[src_token, h, d])`` for every token (NHD
     indices; an HND cache ``[P, H_kv, block_size, D]`` is indexed with heads and rows swapped)."""
@@ -144,7 +167,7 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
     written = buffer_names(k_cache, v_cache)
     # values computed from the caches themselves are copied out before either cache is written
     sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
-    router = Router(slot_mapping, first_slotted_token(slot_mapping, n), n)
+    router = RouteTable(Router(slot_mapping, first_slotted_token(slot_mapping, n), n), slot_mapping)
     for src, cache, scale in zip(sources, (k_cache, v_cache), (k_scale, v_scale)):
         paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout)
 

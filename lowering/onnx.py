@@ -29,7 +29,8 @@ Mapping (values are ONNX graphs; nothing here runs at import of kvops):
   dequantized with their scales. Returns ``(out, lse)`` as the op. Memory is ``T_q x max_blocks x block_size x H_kv
   x D`` (every query gathers its sequence's table): an export/verification path, not a fast kernel.
 
-Not exported: ``kv_layout="HND"`` caches (``ValueError``), symbolic ``window_left``/``softcap``/``scale`` (they must
+``kv_layout="HND"`` caches ``[P, H_kv, block_size, D]`` are transposed to NHD inside the graph (a copy per call in
+the ONNX program; the written cache is transposed back). Not exported: symbolic ``window_left``/``softcap``/``scale`` (they must
 be Python numbers when the program is exported). Slot values ``>= P * block_size`` and block ids outside ``[0, P)``
 are value contracts (ONNX runtimes may raise or read garbage), as in the ops.
 """
@@ -74,12 +75,17 @@ def _static(x, i: int, what: str) -> int:
     return size
 
 
-def _check_layout(name: str, kv_layout) -> None:
-    if kv_layout not in (None, "NHD"):
-        raise ValueError(
-            f"kvops ONNX export: {name} with kv_layout={kv_layout!r} is not supported (only NHD caches "
-            f"[num_blocks, block_size, num_kv_heads, head_dim] translate to ONNX). Export with kv_layout='NHD'."
-        )
+def _nhd(name: str, cache, kv_layout):
+    """``(cache as NHD [P, block_size, H_kv, D], (block_size, H_kv, D))``; an HND cache ``[P, H_kv, block_size, D]``
+    is transposed (the ONNX graph computes on a transposed copy and transposes the written cache back)."""
+    if kv_layout not in (None, "NHD", "HND"):
+        raise ValueError(f"kvops ONNX export: {name} got kv_layout={kv_layout!r}; expected 'NHD' or 'HND'.")
+    hnd = kv_layout == "HND"
+    dims = tuple(_static(cache, i, what) for i, what in ((1, "dim 1 of the cache"), (2, "dim 2 of the cache"),
+                                                         (3, "head_dim")))
+    if not hnd:
+        return cache, dims
+    return op.Transpose(cache, perm=[0, 2, 1, 3]), (dims[1], dims[0], dims[2])
 
 
 def _range(start, count):
@@ -128,10 +134,9 @@ def _quantize_fp8(x, scale, h0: int, h_in: int):
     return op.Cast(op.Clip(q, low, high), to=FP8)  # Cast saturates and rounds to nearest even
 
 
-def _scatter_slots(x, cache, slots, h0: int, h_in: int):
-    """``cache[slot // bs, slot % bs, h0:h0+H_in] = x[i]`` for the slots ``>= 0``; ``slots`` int64 ``[N]``."""
-    h, d = _static(cache, 2, "num_kv_heads"), _static(cache, 3, "head_dim")
-    fp8 = cache.dtype == FP8
+def _scatter_slots(x, cache, slots, h0: int, h_in: int, h: int, d: int, fp8: bool):
+    """``cache[slot // bs, slot % bs, h0:h0+H_in] = x[i]`` (NHD ``cache``) for the slots ``>= 0``; ``slots`` int64
+    ``[N]``."""
     if fp8:  # onnxruntime's CPU Reshape/ScatterND have no fp8 kernels: scatter on an exact fp32 copy
         cache, x = op.Cast(cache, to=FLOAT), op.Cast(x, to=FLOAT)
     flat = op.Reshape(cache, op.Constant(value_ints=[-1, h, d]))
@@ -149,8 +154,9 @@ def _scatter_slots(x, cache, slots, h0: int, h_in: int):
 
 def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start=None, k_scale=None, v_scale=None,
                       kv_layout=None, **_):
-    """ONNX of ``kvops::paged_cache_write_functional`` (NHD caches; negative slots skipped explicitly)."""
-    _check_layout("paged_cache_write", kv_layout)
+    """ONNX of ``kvops::paged_cache_write_functional`` (NHD or HND caches; negative slots skipped explicitly)."""
+    if kv_layout not in (None, "NHD", "HND"):
+        raise ValueError(f"kvops ONNX export: paged_cache_write got kv_layout={kv_layout!r}; expected 'NHD' or 'HND'.")
     h0 = cache_head_start or 0
     n = op.Shape(slot_mapping)
     slots = op.Cast(slot_mapping, to=INT64)
@@ -158,15 +164,17 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
     h_in = _static(key, 1, "the number of heads written")
     for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         x = op.Slice(x, op.Constant(value_ints=[0]), n)  # rows >= N of key/value are never read
-        if cache.dtype == FP8:
+        fp8 = cache.dtype == FP8
+        if fp8:
             x = _quantize_fp8(x, scale, h0, h_in)
-        out.append(_scatter_slots(x, cache, slots, h0, h_in))
+        nhd, (_, h, d) = _nhd("paged_cache_write", cache, kv_layout)
+        written = _scatter_slots(x, nhd, slots, h0, h_in, h, d, fp8)
+        out.append(op.Transpose(written, perm=[0, 2, 1, 3]) if kv_layout == "HND" else written)
     return tuple(out)
 
 
-def _gather_kv(cache, slots, scale):
-    """fp32 ``[T, N, H_kv, D]`` of flat slots ``[T, N]``, dequantized for fp8 caches."""
-    h, d = _static(cache, 2, "num_kv_heads"), _static(cache, 3, "head_dim")
+def _gather_kv(cache, slots, scale, h: int, d: int):
+    """fp32 ``[T, N, H_kv, D]`` of flat slots ``[T, N]`` of an NHD ``cache``, dequantized for fp8 caches."""
     # fp32 first: onnxruntime's CPU Reshape/Gather have no fp8 kernels (a copy of the cache; exact)
     x = op.Gather(op.Reshape(op.Cast(cache, to=FLOAT), op.Constant(value_ints=[-1, h, d])), slots, axis=0)
     if scale is not None:
@@ -177,13 +185,13 @@ def _gather_kv(cache, slots, scale):
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale=None, causal=True,
                     window_left=-1, softcap=0.0, sinks=None, k_scale=None, v_scale=None, kv_layout=None, **_):
     """ONNX of ``kvops::paged_attention``: returns ``(out [T_q, H_q, D_v], lse [H_q, T_q])`` as the op does."""
-    _check_layout("paged_attention", kv_layout)
+    k_cache, (_, _, d_k) = _nhd("paged_attention", k_cache, kv_layout)
+    v_cache, (block_size, num_kv_heads, d_v) = _nhd("paged_attention", v_cache, kv_layout)
     for name, x in (("window_left", window_left), ("softcap", softcap), ("scale", scale)):
         if x is not None and not isinstance(x, (int, float)):
             raise ValueError(f"kvops ONNX export: paged_attention's {name} must be a Python number, got {x!r}.")
     num_heads, d = _static(q, 1, "num_heads"), _static(q, 2, "head_dim")
-    block_size, num_kv_heads = _static(v_cache, 1, "block_size"), _static(v_cache, 2, "num_kv_heads")
-    d_v, group = _static(v_cache, 3, "head_dim of v_cache"), num_heads // num_kv_heads
+    group = num_heads // num_kv_heads
     sm_scale = d ** -0.5 if scale is None else float(scale)
     i64 = lambda v: op.Constant(value=ir.tensor(v, dtype=INT64))  # noqa: E731
     f32 = lambda v: op.Constant(value=ir.tensor(v, dtype=FLOAT))  # noqa: E731
@@ -211,8 +219,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, ma
     blocks = op.Where(in_seq, op.Gather(table, op.Div(kpos, i64(block_size)), axis=1), op.Unsqueeze(first, i64([1])))
     rows = op.Where(in_seq, op.Mod(kpos, i64(block_size)), i64(0))
     slots = op.Add(op.Mul(blocks, i64(block_size)), rows)  # [T, N]
-    k = op.Transpose(_gather_kv(k_cache, slots, k_scale), perm=[0, 2, 3, 1])  # [T, H_kv, D, N]
-    v = op.Transpose(_gather_kv(v_cache, slots, v_scale), perm=[0, 2, 1, 3])  # [T, H_kv, N, D_v]
+    k = op.Transpose(_gather_kv(k_cache, slots, k_scale, num_kv_heads, d_k), perm=[0, 2, 3, 1])  # [T, H_kv, D, N]
+    v = op.Transpose(_gather_kv(v_cache, slots, v_scale, num_kv_heads, d_v), perm=[0, 2, 1, 3])  # [T, H_kv, N, D_v]
 
     qg = op.Reshape(op.Mul(op.Cast(q, to=FLOAT), f32(sm_scale)), op.Constant(value_ints=[0, num_kv_heads, group, d]))
     s = op.MatMul(qg, k)  # [T, H_kv, G, N]

@@ -122,7 +122,7 @@ class Oracle:
         return ls, ls + n, new_l, new_g, visible, contiguous
 
     def visible(self, sl, ls, new_l, recent):
-        """Visible rows after an update (semantics.md §1.6), as a sorted list of row indices."""
+        """Visible rows after an update (docs/semantics.md §1.6), as a sorted list of row indices."""
         sink = self.sink(sl)
         loose_pin = []  # a pinned chunk not yet next to the global sink, clipped to the rows in use
         if sl.pin is not None and sl.pin[0] != self.gs:
@@ -371,7 +371,7 @@ class TestWorkedExamples(unittest.TestCase):
         self.assertEqual((c.global_end, c.local_end), (12, 6))
 
     def test_window_is_the_whole_budget(self):
-        """Issue 11 / semantics.md §1.6: S=6, sink 2, W=3, chunks of 3 (ids 1,1,1 then 2,2,2): after the second chunk
+        """Issue 11 / docs/semantics.md §1.6: S=6, sink 2, W=3, chunks of 3 (ids 1,1,1 then 2,2,2): after the second chunk
         the view is the 2 sink rows and the newest row (3 rows, as sglang), not the sink plus 3 window rows."""
         c = CausalKVCache(torch.zeros(1, 6, 1, 1), torch.zeros(1, 6, 1, 1), sink_tokens=2, attention_window_size=3)
         views = []
@@ -468,6 +468,29 @@ class TestWorkedExamples(unittest.TestCase):
         self.assertEqual(ids(r.k), [0, 1, 2, 10, 11, 12, 20, 21, 22])
         self.assertEqual(ids(r.v), [-x for x in ids(r.k)])
         self.assertEqual(c.attention_window_size, c.cache_size)
+
+
+class TestVisibleRows(unittest.TestCase):
+    """The pure row-range function shared by the §1 caches (kvops/cache/_window.py), docs/semantics.md §1.6."""
+
+    def test_cases(self):
+        from kvops.cache._window import visible_rows
+
+        cases = [  # (L', W, E, pinned_start, pinned_len, ls, r) -> ranges
+            ((6, 3, 2, -1, 0, 3, None), [(0, 2), (5, 6)]),  # issue 11's example: sink + newest W - E rows
+            ((3, 3, 2, -1, 0, 0, None), [(0, 3)]),  # L' <= W: every row, one range
+            ((8, 3, 0, -1, 0, 6, None), [(5, 8)]),  # no sink: [L' - W, L')
+            ((10, 5, 1, 2, 2, 8, None), [(0, 1), (2, 4), (8, 10)]),  # pin before a: sink, pin, W - E - p newest
+            ((10, 5, 1, 6, 2, 8, None), [(0, 1), (6, 10)]),  # pin at/after a: only as part of the newest rows
+            ((10, 5, 0, 2, 2, 8, None), [(2, 4), (7, 10)]),  # no sink, pin before a: pin, W - p newest
+            ((6, 2, 3, -1, 0, 3, None), [(0, 3)]),  # W <= E: the sink alone
+            ((8, 3, 2, -1, 0, 6, 0), [(0, 2), (6, 8)]),  # recent_window_tokens=0: sink + chunk
+            ((8, 3, 2, -1, 0, 6, 9), [(0, 8)]),  # sink and recent rows meet: one range
+            ((0, 3, 2, -1, 0, 0, None), [(0, 0)]),  # nothing visible
+        ]
+        for args, want in cases:
+            with self.subTest(args=args):
+                self.assertEqual(visible_rows(*args), want)
 
 
 class TestFocused(unittest.TestCase):

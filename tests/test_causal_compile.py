@@ -128,7 +128,7 @@ class TestGraphCount(CompileCase):
 
     def test_sink_window_smaller_than_cache(self):
         # +1 graph when the window first starts past the sink (the view becomes a cat of the sink and the newest
-        # W - sink rows, semantics.md §1.6).
+        # W - sink rows, docs/semantics.md §1.6).
         self.run_counted(max_graphs=4, warmup_chunks=4, layers=1, sink_tokens=1, attention_window_size=3, chunks=6)
 
     def test_sink_recent_window(self):
@@ -140,7 +140,7 @@ class TestGraphCount(CompileCase):
                          global_sink_tokens=2, attention_window_size=6, pin_after=(2,))
 
     def test_windowed_pinned_sink(self):
-        # Issue 11, W < S with a pin that falls behind the window (semantics.md §1.6: sink + pin + newest rows, a
+        # Issue 11, W < S with a pin that falls behind the window (docs/semantics.md §1.6: sink + pin + newest rows, a
         # 3-range cat), then the eviction that settles the pin (sink + newest). 7 graphs: the first call, the first
         # rewrite, the pin appearing, the window starting past the pin, the settling eviction (2); none afterwards.
         self.run_counted(max_graphs=7, warmup_chunks=8, chunks=10, layers=1, size=12, sink_tokens=2,

@@ -128,7 +128,7 @@ class StreamStep(torch.nn.Module):
 
 
 class StreamSession:
-    """A scaled-down stream: 2 layers, 4 tokens/frame, chunk 1 frame, sink 1 frame, cache 4 frames (so chunks 4, 5, …
+    """A scaled-down stream: 2 layers, 4 tokens/frame, chunk 1 frame, sink 1 frame, cache 4 frames (so chunks 4 and 5
     evict), 2 denoising steps (append, rewrite) + a context pass per chunk. The eager reference is the example's
     ``StreamingModel`` on ``CausalKVCache`` (window = cache size, as in the example)."""
 
@@ -139,7 +139,7 @@ class StreamSession:
         self.model = video.StreamingModel(self.LAYERS, self.FFN).eval()
         self.step = StreamStep(self.model, self.SINK)
         dim = video.HEADS * video.HEAD_DIM
-        self.latents = torch.randn(1, 7 * self.TOKENS, dim, generator=torch.Generator().manual_seed(seed + 1))
+        self.latents = torch.randn(1, 6 * self.TOKENS, dim, generator=torch.Generator().manual_seed(seed + 1))
 
     def zero_caches(self):
         shape = (1, self.CACHE, video.HEADS, video.HEAD_DIM)
@@ -186,6 +186,7 @@ class StreamSession:
                 if i < 2:
                     x = x - 0.25 * y
         if reference:
+            assert caches[0].global_end > self.CACHE, "the stream must evict"
             return outs, [c.k for c in caches], [c.v for c in caches]
         return outs, k_caches, v_caches
 

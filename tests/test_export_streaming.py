@@ -119,7 +119,7 @@ class TestExportedStream(unittest.TestCase):
 
     def check_program(self, ep):
         outs, k, v = self.session.run(ep.module(), replay=True)
-        self.assertEqual(len(outs), 21)
+        self.assertEqual(len(outs), 18)
         for got, expected in zip(outs, self.eager_outs):
             self.assertTrue(torch.equal(got, expected))
         for got, expected in zip(k + v, self.eager_k + self.eager_v):

@@ -194,7 +194,7 @@ class TestFuzzContiguous(FuzzCase):
 
 # --- paged_cache_write -------------------------------------------------------------------------------------------
 PAGED_WRITE_BAD = ["slot_dtype", "slot_rank", "short_key", "head_dim", "dtype", "no_head_start", "head_slice",
-                   "fp8_no_scale", "scale_not_fp8", "scale_shape", "v_none", "value_none"]
+                   "fp8_no_scale", "scale_not_fp8", "scale_shape", "v_none", "value_none", "layout"]
 
 
 @st.composite
@@ -219,9 +219,16 @@ class TestFuzzPagedWrite(FuzzCase):
         gen = torch.Generator().manual_seed(c["seed"])
         fp8, src_dtype = c["dtype"] == FP8, torch.float32 if c["dtype"] == FP8 else c["dtype"]
         shape = (c["p"] + 2, c["bs"], c["h"] + 2, c["d"])  # guard blocks 0 and P+1, guard heads 0 and H+1
-        layout = c["seed"] % 3  # 0: separate K/V, 1: [P, bs, 2, H, D] joint, 2: [P, 2, bs, H, D] joint
-        if layout == 0:
+        # 0: separate K/V, 1: [P, bs, 2, H, D] joint, 2: [P, 2, bs, H, D] joint (all NHD); 3: HND buffers
+        # [P, H, bs, D] and 4: HND views of NHD buffers, both passed with kv_layout="HND". kb/vb are NHD views.
+        layout = c["seed"] % 5
+        kv_layout = "HND" if layout >= 3 else "NHD"
+        if layout == 0 or layout == 4:
             kb, vb = rand(shape, src_dtype, gen).to(c["dtype"]), rand(shape, src_dtype, gen).to(c["dtype"])
+        elif layout == 3:
+            hnd = (shape[0], shape[2], shape[1], shape[3])
+            kb = rand(hnd, src_dtype, gen).to(c["dtype"]).transpose(1, 2)
+            vb = rand(hnd, src_dtype, gen).to(c["dtype"]).transpose(1, 2)
         else:
             kv = rand((shape[0], shape[1], 2, *shape[2:]) if layout == 1 else (shape[0], 2, *shape[1:]), src_dtype,
                       gen).to(c["dtype"])
@@ -278,6 +285,8 @@ class TestFuzzPagedWrite(FuzzCase):
             v_cache, error = None, (ValueError, "v_cache must be provided")
         elif kind == "value_none":
             value, error = None, (ValueError, "value must be provided")
+        elif kind == "layout":
+            kv_layout, error = "HDN", (ValueError, "kv_layout must be \"NHD\"")
         expected = None
         if kind is None:
             expected = [kb.clone(), vb.clone()]
@@ -290,17 +299,20 @@ class TestFuzzPagedWrite(FuzzCase):
                     if slot >= 0:
                         blk, row = slot // c["bs"], slot % c["bs"]
                         bits(e)[1 + blk, row, 1 + first : 1 + first + c["h_in"]] = bits(x[i])
+        if kv_layout == "HND":
+            k_cache = k_cache.transpose(1, 2)
+            v_cache = v_cache.transpose(1, 2) if v_cache is not None else None
         tensors = (key, value, k_cache, v_cache, slots, k_scale, v_scale)
 
         def fn(key, value, k_cache, v_cache, slots, k_scale, v_scale):
-            kvops.paged_cache_write(key, value, k_cache, v_cache, slots, h0, k_scale, v_scale)
+            kvops.paged_cache_write(key, value, k_cache, v_cache, slots, h0, k_scale, v_scale, kv_layout=kv_layout)
 
         self.run_call("paged_cache_write", kind, fn, tensors, [kb, vb], expected, error)
 
 
 # --- paged_attention ---------------------------------------------------------------------------------------------
 ATTN_BAD = ["v_none", "q_dtype", "cache_dtype", "gqa", "head_dim", "table_dtype", "seq_lens_len", "cu_len",
-            "max_seqlen_q", "window", "softcap", "sinks", "fp8_no_scale", "scale_not_fp8"]
+            "max_seqlen_q", "window", "softcap", "sinks", "fp8_no_scale", "scale_not_fp8", "layout"]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
@@ -427,11 +439,17 @@ class TestFuzzPagedAttention(FuzzCase):
             if fp8:
                 k_cache, v_cache, q = k_cache.float(), v_cache.float(), q.float()
             ks, vs, error = torch.ones(1), torch.ones(1), (ValueError, "scales apply only to")
-        tensors = (q, k_cache, v_cache, cu, seq_lens, table, sinks, ks, vs)
+        kv_layout = "HND" if c["seed"] % 2 and kind != "layout" else "NHD"  # HND: the NHD caches' transposed views
+        if kind == "layout":  # (NHD-shaped caches: the wrapper's eager value checks read the geometry first)
+            error = (ValueError, "kv_layout must be \"NHD\"")
+        to_layout = (lambda t: t.transpose(1, 2) if t is not None else None) if kv_layout == "HND" else (lambda t: t)
+        tensors = (q, to_layout(k_cache), to_layout(v_cache), cu, seq_lens, table, sinks, ks, vs)
+        layout_arg = "nhd" if kind == "layout" else kv_layout
 
         def fn(q, k_cache, v_cache, cu, seq_lens, table, sinks, ks, vs):
             return kvops.paged_attention(q, k_cache, v_cache, cu, seq_lens, table, max_q, causal=c["causal"],
-                                         window_left=window, softcap=softcap, sinks=sinks, k_scale=ks, v_scale=vs)
+                                         window_left=window, softcap=softcap, sinks=sinks, k_scale=ks, v_scale=vs,
+                                         kv_layout=layout_arg)
 
         def check(out):
             want = attention_reference(q, k_cache, v_cache, cu, seq_lens, table, d**-0.5, c["causal"], window,

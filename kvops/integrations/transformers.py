@@ -3,10 +3,10 @@
 Usage (the three lines)::
 
     import kvops.integrations.transformers as kvops_hf              # registers "kvops" with transformers
-    model.set_attn_implementation("kvops")                           # or from_pretrained(..., attn_implementation="kvops")
+    model.set_attn_implementation("kvops")                           # or attn_implementation="kvops" at load
     out = model.generate(**inputs, past_key_values=kvops_hf.KvopsStaticCache(model.config, max_cache_len=256))
 
-How it plugs in (transformers' own interfaces, no monkey-patching, no module-level state):
+How it plugs in (docs/semantics.md §10; transformers' own interfaces, no monkey-patching, no module-level state):
 
 - :func:`kvops_attention_forward` is registered in ``AttentionInterface`` under ``"kvops"``; every attention call is
   one ``kvops.paged_attention`` (GQA without repeating K/V, causal, sliding window, softcap, attention sinks).
@@ -60,7 +60,8 @@ __all__ = [
 
 
 def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
-               attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu", **kwargs) -> torch.Tensor:
+               attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu",
+               **kwargs) -> torch.Tensor:
     """Mask function registered as ``"kvops"``: per-sequence visible key range (``start``, ``length``).
 
     Args (as transformers passes them to every mask function, ``masking_utils.create_causal_mask``):
@@ -70,7 +71,8 @@ def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         attention_mask: optional 2-D padding mask ``[B, >= kv_offset + kv_length]`` (bool/int, 1 = real token);
             padding must be *leading* (left padding, as ``generate()`` uses) or trailing; holes are not supported.
 
-    Returns ``[2, B, 1, 1]`` int32 (4-D so transformers passes it through as a prepared mask): row 0 ``start = max(0, pad_b - kv_offset)`` (first visible returned row), row 1
+    Returns ``[2, B, 1, 1]`` int32 (4-D so transformers passes it through as a prepared mask): row 0
+    ``start = max(0, pad_b - kv_offset)`` (first visible returned row), row 1
     ``length = max(0, q_offset + T - kv_offset - start)`` (rows from ``start`` through the last query). Causality,
     sliding windows, softcap and sinks are applied by the attention function from the module's own arguments.
     """
@@ -84,16 +86,25 @@ def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     return torch.stack([start, length]).to(torch.int32).view(2, batch_size, 1, 1)
 
 
-def _token_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``x [B, S, H, D]`` as ``[P, 1, H, D]`` token blocks with token ``(b, s)`` at block ``b * r + s``; returns
-    ``(view, r)``. A view (``as_strided``, no copy) when the batch stride is a multiple of the row stride (contiguous
-    HND or NHD storage), else a reshaped copy (``r = S``)."""
-    b, s, h, d = x.shape
-    sb, ss, sh, sd = x.stride()
-    if b == 1 or (ss > 0 and sb % ss == 0):
-        r = s if b == 1 else sb // ss
-        return x.as_strided(((b - 1) * r + s, 1, h, d), (ss, ss, sh, sd)), r
-    return x.reshape(b * s, 1, h, d), s
+def _block_stride(x: torch.Tensor) -> int | None:
+    """``r`` such that token ``(b, s)`` of ``x [B, S, H, D]`` sits ``b * r + s`` row strides from the start, or None."""
+    b, s = x.shape[:2]
+    sb, ss = x.stride()[:2]
+    if b == 1:
+        return s
+    return sb // ss if ss > 0 and sb % ss == 0 else None
+
+
+def _token_views(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``k``, ``v [B, S, H, D]`` as ``[P, 1, H, D]`` token blocks, token ``(b, s)`` at block ``b * r + s``; returns
+    ``(k_tok, v_tok, r)``. Views (``as_strided``, no copy) when K and V share one ``r`` (contiguous HND or NHD storage,
+    as every cache returns); otherwise reshaped copies (``r = S``)."""
+    r = _block_stride(k)
+    if r is None or r != _block_stride(v):
+        return k.reshape(-1, 1, *k.shape[2:]), v.reshape(-1, 1, *v.shape[2:]), k.shape[1]
+    views = [x.as_strided(((x.shape[0] - 1) * r + x.shape[1], 1, *x.shape[2:]), (x.stride(1), *x.stride()[1:]))
+             for x in (k, v)]
+    return views[0], views[1], r
 
 
 def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -137,7 +148,7 @@ def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         k_tok, v_tok = tokens[:, :, 0], tokens[:, :, 1]
         capacity = block_table.shape[1] * block_size
     else:
-        (k_tok, r), (v_tok, _) = _token_view(key.transpose(1, 2)), _token_view(value.transpose(1, 2))
+        k_tok, v_tok, r = _token_views(key.transpose(1, 2), value.transpose(1, 2))
         capacity = key.shape[2]
     if attention_mask is None:
         start = torch.zeros(batch, dtype=torch.int64, device=device)

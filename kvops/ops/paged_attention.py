@@ -154,7 +154,14 @@ def paged_attention(
     (memory bounded by the tile). CUDA:
     Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
     """
-    values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout)  # §7
+    try:  # value contracts, docs/semantics.md §7
+        values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout)
+    except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad values: it goes first
+        check_paged_attention(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
+            softcap, sinks, k_scale, v_scale, kv_layout,
+        )
+        raise
     out, lse = torch.ops.kvops.paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
         sinks, k_scale, v_scale, kv_layout,

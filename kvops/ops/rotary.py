@@ -1,7 +1,8 @@
 """Rotary embeddings where the cache is written: ``kvops::rotary_paged_cache_write`` and :func:`apply_rotary`.
 
-Semantics are FlashAttention's ``flash_attn_with_kvcache`` rotary arguments (``rotary_cos``, ``rotary_sin``,
-``rotary_interleaved``, ``rotary_dim = 2 * rotary_cos.shape[1] <= head_dim``): see ``kvops/reference/rotary.py``.
+Semantics (docs/semantics.md §8) are FlashAttention's ``flash_attn_with_kvcache`` rotary arguments (``rotary_cos``,
+``rotary_sin``, ``rotary_interleaved``, ``rotary_dim = 2 * rotary_cos.shape[1] <= head_dim``): see
+``kvops/reference/rotary.py``.
 
 Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/rotary.py``. CPU kernel: ``kvops/reference/rotary.py``.
 CUDA kernel: ``kvops/triton/rotary.py``. Inductor lowering: ``lowering/inductor_rotary.py`` (the rotation is computed

@@ -174,10 +174,10 @@ class PackedCausalKVCache:
         n = self.chunk_tokens
         if self._in_ring(c, cur):
             row = (c % self.ring_chunks) * n
-            return self.k_ring[:, row : row + n], self.v_ring[:, row : row + n]
+            return self.k_ring.narrow(1, row, n), self.v_ring.narrow(1, row, n)
         if c < self.sink_chunks:
             if not self.quantize_sink:
-                return self.k_sink[:, c * n : (c + 1) * n], self.v_sink[:, c * n : (c + 1) * n]
+                return self.k_sink.narrow(1, c * n, n), self.v_sink.narrow(1, c * n, n)
             return _slot(self.k_sink_pool, c), _slot(self.v_sink_pool, c)
         slot = c % self.pool_chunks
         return _slot(self.k_pool, slot), _slot(self.v_pool, slot)
@@ -232,11 +232,11 @@ class PackedCausalKVCache:
         for p0, p1 in _positions(rows, self.sink_tokens, g - local_end):
             for i in range((p1 - 1) // size - p0 // size + 1):
                 c = p0 // size + i
-                a = torch.sym_max(p0, c * size) - c * size
-                b = torch.sym_min(p1, (c + 1) * size) - c * size
+                a = _static(torch.sym_max(p0, c * size) - c * size, 0)
+                rows = _static(torch.sym_min(p1, (c + 1) * size) - c * size - a, size)
                 kc, vc = self._chunk(c, cur)
-                ks.append(_segment(kc, a, b, h0, h1))
-                vs.append(_segment(vc, a, b, h0, h1))
+                ks.append(_segment(kc, a, rows, h0, h1))
+                vs.append(_segment(vc, a, rows, h0, h1))
         return PackedKVView(ks, vs, ls, local_end, local_end, g)
 
     def _advance(self, new: int) -> None:
@@ -288,14 +288,21 @@ class PackedCausalKVCache:
         return CausalKVView(k, v, *view[2:])
 
 
+def _static(n: int, value: int) -> int:
+    """``value`` (a plain int) when ``n == value``, else ``n``. Under torch.compile this is one guard, stable once the
+    window is full, and makes whole-chunk segments static shapes instead of nested Min/Max size expressions of the
+    cursors (which Inductor then need not evaluate)."""
+    return value if n == value else n
+
+
 def _slot(pool: PackedKV, i: int) -> PackedKV:
     return PackedKV(pool.quant, *(None if t is None else t[i] for t in pool[1:]))
 
 
-def _segment(chunk, a: int, b: int, h0: int, h1: int) -> Segment:
+def _segment(chunk, start: int, rows: int, h0: int, h1: int) -> Segment:
     if isinstance(chunk, PackedKV):
-        return chunk.rows(a, b).heads(h0, h1)
-    return chunk[:, a:b, h0:h1]
+        return chunk.rows(start, rows).heads(h0, h1)
+    return chunk.narrow(1, start, rows)[:, :, h0:h1]
 
 
 def _positions(rows: list[tuple[int, int]], sink: int, shift: int) -> list[tuple[int, int]]:

@@ -39,16 +39,16 @@ class PackedKV(NamedTuple):
         """Bytes of every stored tensor (codes, scales, zero points, centroids, cluster ids)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def rows(self, start: int, end: int) -> PackedKV:
-        """Tokens ``[start, end)`` (views; per-(batch, head) tensors are shared)."""
+    def rows(self, start: int, length: int) -> PackedKV:
+        """Tokens ``[start, start + length)`` (views; per-(batch, head) tensors are shared)."""
         per_head = self.quant == "fp8"
         return PackedKV(
             self.quant,
-            self.codes[:, start:end],
-            self.scales if per_head else self.scales[:, start:end],
-            None if self.zeros is None else self.zeros[:, start:end],
+            self.codes.narrow(1, start, length),
+            self.scales if per_head else self.scales.narrow(1, start, length),
+            None if self.zeros is None else self.zeros.narrow(1, start, length),
             self.centroids,
-            None if self.cluster_ids is None else self.cluster_ids[:, start:end],
+            None if self.cluster_ids is None else self.cluster_ids.narrow(1, start, length),
         )
 
     def heads(self, h0: int, h1: int) -> PackedKV:

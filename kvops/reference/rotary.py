@@ -31,7 +31,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 def rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positions, cos, sin, interleaved: bool,
                              h0: int, k_scale, v_scale) -> None:
-    """Rotate ``key[:N]`` at ``positions[:N]``, then the paged write (``N = len(slot_mapping)``; arguments validated)."""
+    """Rotate ``key[:N]`` at ``positions[:N]``, then the paged write (``N = len(slot_mapping)``; validated args)."""
     n = slot_mapping.shape[0]
     rotated = apply_rotary(key[:n], cos, sin, positions[:n].to(torch.int64), interleaved)
     paged_write.paged_cache_write(rotated, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale)
