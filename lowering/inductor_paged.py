@@ -26,11 +26,12 @@ Stored bits equal eager's for float32 and fp8 caches; for bf16/fp16 the fp32 rou
 except NaN, which is stored as the canonical NaN (a bf16/fp16 NaN payload in a key without a producer, or in row
 (block 0, row 0) of an all-padding batch, comes back as a NaN with another payload).
 
-A slot ``>= P * block_size`` fails Inductor's indirect-index bounds check: on CPU a C++ exception thrown inside the
-kernel, which was seen to abort the process (``std::terminate``) rather than raise; compiled code gets a
-clean error and no write with ``kvops.value_checks("async")`` (docs/semantics.md §7), eager calls are checked by
-default. Nothing else is checked: the fake rule ran the op's validator at
-trace time.
+**A slot ``>= P * block_size`` skips the whole batch.** The reduction that finds the first slotted token also flags
+a slot past the cache; such a batch is routed as an all-padding one, so compiled code never writes part of a batch
+and never stores outside the cache (Inductor's indirect-index bounds check, which on CPU was seen to abort the process
+with ``std::terminate``, cannot fire). Compiled code gets a clean error as well with ``kvops.value_checks("async")``
+(docs/semantics.md §7); eager calls are checked by default. Nothing else is checked: the fake rule ran the op's
+validator at trace time.
 """
 
 from __future__ import annotations
@@ -46,14 +47,17 @@ from kvops._checks.common import FP8_MAX
 from .inductor_contiguous import bind_layout_symbols, buffer_names, scatter_into, unfused_copy
 
 
-def first_slotted_token(slot_mapping, n):
-    """0-d int64: the first ``i < n`` with ``slot_mapping[i] >= 0``, or ``n`` when there is none."""
+def first_slotted_token(slot_mapping, n, capacity):
+    """0-d int64: the first ``i < n`` with ``slot_mapping[i] >= 0``, ``n`` when there is none, and ``-1`` when some
+    slot is ``>= capacity`` (``P * block_size``): then the whole batch is skipped (see :class:`Router`)."""
     load = slot_mapping.make_loader()
 
     def inner_fn(_, ridx):
         i = ops.index_expr(ridx[0], torch.int64)
-        has_slot = ops.ge(ops.to_dtype(load(ridx), torch.int64), ops.constant(0, torch.int64))
-        return ops.where(has_slot, i, ops.index_expr(n, torch.int64))
+        slot = ops.to_dtype(load(ridx), torch.int64)
+        has_slot = ops.ge(slot, ops.constant(0, torch.int64))
+        outside = ops.ge(slot, ops.index_expr(capacity, torch.int64))
+        return ops.where(outside, ops.constant(-1, torch.int64), ops.where(has_slot, i, ops.index_expr(n, torch.int64)))
 
     first = ir.Reduction.create(
         device=slot_mapping.get_device(),
@@ -69,7 +73,10 @@ def first_slotted_token(slot_mapping, n):
 
 
 class Router:
-    """Per token ``i``: the token whose value is stored (``src``) and the slot it goes to (``dst``), as ops values."""
+    """Per token ``i``: the token whose value is stored (``src``) and the slot it goes to (``dst``), as ops values.
+
+    A batch with a slot ``>= P * block_size`` (``first == -1``) is routed as an all-padding batch: nothing is written,
+    never a partial batch and never a store outside the cache (the slot bounds check cannot fire)."""
 
     def __init__(self, slot_mapping, first, n):
         self.load_slot, self.load_first, self.n = slot_mapping.make_loader(), first.make_loader(), n
@@ -77,9 +84,10 @@ class Router:
     def route(self, i):
         zero = ops.constant(0, torch.int64)
         slot = ops.to_dtype(self.load_slot([i]), torch.int64)
-        has_slot = ops.ge(slot, zero)
         first = self.load_first([])
-        any_slot = ops.lt(first, ops.index_expr(self.n, torch.int64))
+        valid_batch = ops.ge(first, zero)  # no slot past the cache
+        has_slot = ops.logical_and(ops.ge(slot, zero), valid_batch)
+        any_slot = ops.logical_and(ops.lt(first, ops.index_expr(self.n, torch.int64)), valid_batch)
         first = ops.where(any_slot, first, zero)  # 0 when no token has a slot (then nothing below reads it)
         first_index = ops.indirect_indexing(first, self.n, check=False, wrap_neg=False)
         first_slot = ops.to_dtype(self.load_slot([first_index]), torch.int64)
@@ -106,7 +114,9 @@ class RouteTable:
         self.load = table.make_loader()
 
     def route(self, i):
-        any_slot = ops.lt(self.load_first([]), ops.index_expr(self.n, torch.int64))
+        first = self.load_first([])
+        any_slot = ops.logical_and(ops.lt(first, ops.index_expr(self.n, torch.int64)),
+                                   ops.ge(first, ops.constant(0, torch.int64)))
         return any_slot, self.load([i, 0]), self.load([i, 1])
 
 
@@ -167,7 +177,9 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
     written = buffer_names(k_cache, v_cache)
     # values computed from the caches themselves are copied out before either cache is written
     sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
-    router = RouteTable(Router(slot_mapping, first_slotted_token(slot_mapping, n), n), slot_mapping)
+    hnd = kv_layout == "HND"
+    capacity = k_cache.get_size()[0] * k_cache.get_size()[2 if hnd else 1]
+    router = RouteTable(Router(slot_mapping, first_slotted_token(slot_mapping, n, capacity), n), slot_mapping)
     for src, cache, scale in zip(sources, (k_cache, v_cache), (k_scale, v_scale)):
         paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout)
 

@@ -136,6 +136,24 @@ class TestPagedWrite(expecttest.TestCase):
         self.assertEqual(kept.tolist(), [3, 31, -1])
         self.assertEqual([bool(c.args[0]) for c in fake_assert.call_args_list], [False, True])
 
+    def test_compiled_unchecked_modes_skip_a_batch_with_a_slot_past_the_cache(self):
+        """Without the async check (modes "eager" — nothing emitted while tracing — and "off"), the Inductor lowering
+        still never writes part of a batch or outside the cache: a slot >= P * block_size skips the whole batch (it
+        used to write the earlier tokens, then fail the kernel's bounds check, which can abort the process)."""
+        for mode in ("eager", "off"):
+            k_cache, v_cache = paged_caches(joint=True)
+            key = torch.randn(3, 2, 16)
+            k_before, v_before = k_cache.clone(), v_cache.clone()
+            torch._dynamo.reset()
+            with kvops.value_checks(mode):
+                compiled = torch.compile(kvops.paged_cache_write, fullgraph=True)
+                compiled(key, key, k_cache, v_cache, torch.tensor([1, 2, 40]))
+                self.assertTrue(torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before), mode)
+                compiled(key, key, k_cache, v_cache, torch.tensor([1, 31, -1]))  # the same graph writes a valid batch
+            for cache, want in ((k_cache, k_before), (v_cache, v_before)):
+                want[0, 1], want[3, 7] = key[0], key[1]
+                self.assertTrue(torch.equal(cache, want), mode)
+
     def test_async_compiled_and_exported(self):
         k_cache, v_cache = paged_caches(joint=True)
         key = torch.randn(3, 2, 16)
