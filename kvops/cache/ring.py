@@ -59,7 +59,7 @@ class RingKVView(NamedTuple):
         for n, _ in self.segments:
             offsets.append(off)
             off += n
-        order = sorted(range(len(self.segments)), key=lambda i: self.segments[i][1])
+        order = _argsort([g for _, g in self.segments])
         if order == list(range(len(order))):
             return self.k, self.v
         pick = [(offsets[i], self.segments[i][0]) for i in order]
@@ -153,7 +153,7 @@ class RingCausalKVCache(CausalKVCache):
             for p, count in self._physical(c, sink, a, b):
                 pieces.append((p, count, (a if a < sink else first + a)))
                 a += count
-        pieces.sort()
+        pieces = [pieces[i] for i in _argsort([p for p, _, _ in pieces])]
         ranges = []  # merged physical ranges
         for p, count, _ in pieces:
             if ranges and ranges[-1][1] == p:
@@ -195,3 +195,15 @@ class RingCausalKVCache(CausalKVCache):
             if head < b - a:
                 out.append((sink, b - a - head))
         return out
+
+
+def _argsort(xs: list[int]) -> list[int]:
+    """Indices that sort ``xs`` (distinct ints; a handful of them). An insertion sort by comparisons, because Dynamo
+    cannot trace ``sorted`` over ``SymInt`` keys; each comparison is a guard under ``torch.compile``."""
+    order: list[int] = []
+    for i, x in enumerate(xs):
+        j = len(order)
+        while j > 0 and x < xs[order[j - 1]]:
+            j -= 1
+        order.insert(j, i)
+    return order
