@@ -218,9 +218,9 @@ class TestCompile(unittest.TestCase):
             torch.testing.assert_close(out, ref)  # unmasked attention: ring order gives the same output
             step([cache], key, value, n * i)  # rewrite
             counts.append(len(frames))
-        print("graphs per chunk", counts)
-        self.assertLessEqual(counts[-1], 12)
-        self.assertEqual(counts[-1], counts[len(counts) // 2], f"graphs per chunk: {counts}")
+        # measured on torch 2.13: [2, 3, 3, 5, 6, 6, ...]: 6 graphs, the last one at chunk 5
+        self.assertLessEqual(counts[-1], 8, f"graphs after each chunk: {counts}")
+        self.assertEqual(counts[-1], counts[8], f"graphs after each chunk: {counts}")
 
 
 if __name__ == "__main__":
