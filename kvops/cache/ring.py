@@ -24,7 +24,7 @@ __all__ = ["RingCausalKVCache", "RingKVView"]
 class RingKVView(NamedTuple):
     """What :meth:`RingCausalKVCache.update_and_get_attention_kv` returns.
 
-    ``k``/``v`` are the visible rows (the same set of tokens as :class:`~kvops.cache.causal.CausalKVView`'s, docs/semantics.md
+    ``k``/``v`` are the visible rows (the same tokens as :class:`~kvops.cache.causal.CausalKVView`'s, docs/semantics.md
     §1.6) ``[B, V, H_in, D]`` / ``[B, V, H_in, D_v]`` in **ring order** (increasing physical row): a view of the cache
     when the rows are one physical range (the steady state of a full cache with ``W = S``), else a ``torch.cat``.
     The four ints are the *logical* rows and positions of the roll layout, identical to ``CausalKVView``'s.
