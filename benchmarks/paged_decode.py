@@ -121,6 +121,8 @@ def run_kvops(c):
                                  c["block_table"], c["max_seqlen_q"])
 
 
+# one graph per (geometry, dtype, batch == 1) under dynamic shapes (sizes 0/1 specialize): above Dynamo's default 8
+torch._dynamo.config.recompile_limit = 64
 run_compiled = torch.compile(run_kvops, fullgraph=True, dynamic=True)
 
 
@@ -163,6 +165,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per configuration")
     parser.add_argument("--quick", action="store_true", help="B in {1, 8} x context in {256, 1024}, 5 rounds")
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--value-checks", default="off", choices=("eager", "async", "off"),
+                        help="kvops.set_value_checks mode while timing (default off: the kernels; eager adds one host "
+                             "sync and ~50 us per call at B = 1)")
     parser.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                         help="auto: thread CPU time at 1 thread, wall time otherwise")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"),
@@ -177,9 +182,10 @@ def main() -> None:
         print(s, flush=True)
         lines.append(s)
 
+    kvops.set_value_checks(args.value_checks)
     native = kvops.native.available()
     emit(f"torch {torch.__version__}; CPU kernel: {'native C++' if native else 'composite torch (no native build)'}; "
-         f"block_size {BLOCK_SIZE}; ratios = kvops / ideal per interleaved round: median [25th-75th pct] of "
+         f"block_size {BLOCK_SIZE}; value checks {args.value_checks}; ratios = kvops / ideal per interleaved round: median [25th-75th pct] of "
          f"{args.rounds} rounds")
     panels = {}
     global clock

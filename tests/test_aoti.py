@@ -5,6 +5,10 @@
 - the streaming chunk step (``examples/streaming_video.py``'s blocks on ``kvops.export.streaming_update``): one package
   runs the whole stream (appends, denoising rewrites, context passes, eviction after the sink) and matches eager;
 - both packages load and run in a fresh interpreter that never imports kvops (nothing must be imported first).
+
+The decode step is exported with kvops' composite CPU attention kernel (as ``KVOPS_NATIVE=0`` would select): a CPU
+program traced while the native kernel (``kvops/native``) is active calls ``kvops::_paged_attention_native``, and its
+package then needs ``import kvops`` (and the built native library) before ``aoti_load_package``.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ import tempfile
 import textwrap
 import unittest
 
+from unittest import mock
+
 import torch
 from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+import kvops.native
 
 from tests.test_export_models import DecodeStep, LLMSession, StreamSession
 
@@ -27,8 +35,9 @@ def setUpModule():
     global TMP, LLM_PACKAGE, STREAM_PACKAGE
     TMP = tempfile.TemporaryDirectory()
     session = LLMSession()
-    ep = torch.export.export(DecodeStep(session.model), session.decode_inputs())
-    LLM_PACKAGE = aoti_compile_and_package(ep, package_path=os.path.join(TMP.name, "decode.pt2"))
+    with mock.patch.object(kvops.native, "_state", False):  # the composite kernel: a self-contained package
+        ep = torch.export.export(DecodeStep(session.model), session.decode_inputs())
+        LLM_PACKAGE = aoti_compile_and_package(ep, package_path=os.path.join(TMP.name, "decode.pt2"))
     stream = StreamSession()
     ep = torch.export.export(stream.step, stream.example_inputs())
     STREAM_PACKAGE = aoti_compile_and_package(ep, package_path=os.path.join(TMP.name, "stream.pt2"))

@@ -164,6 +164,14 @@ class TestFallback(unittest.TestCase):
         ref_out, _ = reference(**ref_kwargs(inputs))
         torch.testing.assert_close(out.double(), ref_out, atol=1e-4, rtol=1e-4)
 
+    def test_aot_inductor_compilation_uses_the_composite(self):
+        # AOTInductor packages must load in processes without kvops: no native op in their graphs
+        from torch._inductor.virtualized import V
+
+        with V.set_aot_compilation(True):
+            self.assertFalse(native.use_native())
+        self.assertEqual(native.use_native(), native.available())
+
     def test_opt_out_environment_variable(self):
         with mock.patch.dict("os.environ", {"KVOPS_NATIVE": "0"}), warnings.catch_warnings():
             warnings.simplefilter("error")  # opting out does not warn

@@ -1,6 +1,7 @@
 """Packaging: ``lowering/`` installs as ``kvops.lowering`` (no top-level ``lowering``), every package is listed,
 ``import kvops`` works without triton, and the runtime dependencies stay minimal."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -13,7 +14,9 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def _run(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/")
+    # cwd "/" and no PYTHONPATH: the installed kvops, not a source folder on sys.path (whose lowering/ would import).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/", env=env)
 
 
 class TestPackaging(unittest.TestCase):

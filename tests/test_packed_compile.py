@@ -39,7 +39,7 @@ class TestCompileCount(unittest.TestCase):
         make = lambda: [  # noqa: E731
             PackedCausalKVCache.allocate(B, size, H, D, chunk_tokens=n, dtype=torch.float32, **kwargs) for _ in range(1)
         ]
-        counter = torch._dynamo.testing.CompileCounter()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")  # functionalized mutations too
         torch._dynamo.reset()
         compiled = torch.compile(forward, fullgraph=True, backend=counter)
         compiled.counter = counter

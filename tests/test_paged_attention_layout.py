@@ -56,8 +56,8 @@ class TestLayoutErrors(expecttest.TestCase):
         inputs = _base(k_cache=k.transpose(1, 2).contiguous(), v_cache=v.transpose(1, 2).contiguous(),
                        q=torch.randn(3, 6, 8))  # HND [6, 2, 4, 8] read as NHD: H_kv 4 does not divide 6 query heads
         fn, args = _call(inputs)
-        with kvops.value_checks("off"):  # read as NHD, block_size 2 makes the table too short: the eager value check
-            msg = raises_everywhere(self, ValueError, fn, args)  # (docs/semantics.md §7) would report that first
+        # Read as NHD, block_size 2 also makes the table too short; the metadata error goes first (default mode).
+        msg = raises_everywhere(self, ValueError, fn, args)
         self.assertExpectedInline(msg, """kvops.paged_attention: num_heads (6) must be a multiple of num_kv_heads (4) (GQA: query head h reads KV head h // (num_heads // num_kv_heads)). Pass q with a multiple of 4 heads. The cache of shape (6, 2, 4, 8) read as kv_layout="NHD" has 4 heads, but its dim of size 2 fits the 6 query heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, pass kv_layout="HND".""")
 
     def test_unknown_layout(self):

@@ -86,6 +86,16 @@ class TestLayoutErrors(expecttest.TestCase):
         msg = self.check(fn, key, k_cache, v_cache, slots)
         self.assertExpectedInline(msg, """kvops.paged_cache_write requires cache_head_start when cache heads (16) differ from input heads (4). The cache of shape (5, 16, 4, 8) read as kv_layout="HND" has 16 heads, but its dim of size 4 fits the 4 input heads: it may be an NHD cache [num_blocks, block_size, num_kv_heads, head_dim]; if so, pass kv_layout="NHD".""")
 
+    def test_layout_error_goes_before_the_slot_check(self):
+        """Read as HND, this NHD cache holds 5 * 4 = 20 slots, so slot 70 also fails the eager value check; the
+        layout error, which explains it, is the one raised (and nothing is written)."""
+        k_cache, v_cache = torch.zeros(5, 16, 4, 8), torch.zeros(5, 16, 4, 8)
+        key, slots = torch.randn(3, 4, 8), torch.tensor([0, 40, 70])
+        with self.assertRaises(ValueError) as cm:
+            kvops.paged_cache_write(key, key, k_cache, v_cache, slots, kv_layout="HND")
+        self.assertIn('it may be an NHD cache [num_blocks, block_size, num_kv_heads, head_dim]', str(cm.exception))
+        self.assertFalse(k_cache.any() or v_cache.any())
+
     def test_unknown_layout_and_hnd_rank(self):
         k_cache, v_cache = hnd_caches(5, 16, 4, 8)
         key, slots = torch.randn(3, 4, 8), torch.arange(3)

@@ -115,6 +115,17 @@ class TestPagedWrite(expecttest.TestCase):
             kvops.paged_cache_write(key, key, k_cache, v_cache, torch.tensor([0, 24]), kv_layout="HND")
         self.assertTrue(torch.equal(k_cache, before))
 
+    def test_metadata_errors_come_first(self):
+        """An HND cache passed as NHD misreads block_size (2 instead of 8): the layout error wins over the slot."""
+        k_cache = torch.zeros(3, 2, 8, 16)
+        key = torch.randn(2, 2, 16)
+        for mode in ("eager", "async"):
+            with kvops.value_checks(mode), self.assertRaisesRegex(ValueError, 'pass kv_layout="HND"'):
+                kvops.paged_cache_write(key, key, k_cache, k_cache.clone(), torch.tensor([0, 10]))
+        x = attn_inputs()
+        with self.assertRaisesRegex(ValueError, "max_seqlen_q must be >= 1"):  # not the q_len value error
+            attend(x, max_seqlen_q=0)
+
     def test_async_eager_masks_the_whole_batch(self):
         """The write never depends on the assert's ordering: a failing batch is routed to slot -1 (skip)."""
         k_cache, _ = paged_caches()

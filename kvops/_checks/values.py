@@ -116,7 +116,9 @@ def check_paged_write(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_layo
     """Apply the slot contract (``slot < P * block_size``) in the current mode; returns the slots to write.
 
     eager: raises before writing; async: asserts and returns the slots with every slot ``-1`` when any is bad (the
-    whole batch is skipped); off/tracing in eager mode: ``slot_mapping`` unchanged.
+    whole batch is skipped); off/tracing in eager mode: ``slot_mapping`` unchanged. The wrapper runs the op's
+    metadata validator before re-raising a value error, so a metadata error that explains it (e.g. a cache in the
+    other ``kv_layout``, which misreads ``block_size``) wins, as inside the op.
     """
     geometry = cache_geometry(k_cache, kv_layout)
     mode = _active(slot_mapping)

@@ -7,7 +7,9 @@ extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions`
 source, the flags and the CPU's instruction-set flags, so later processes load the cached build in well under a
 second, and differing sources or machines never share a binary.
 
-``available()`` says whether the kernel is usable. When the build fails (no compiler, missing headers) it returns
+``use_native()`` is what ``kvops.paged_attention`` asks: ``available()``, except under AOTInductor compilation, whose
+packages must load without kvops and so get the composite traced into aten ops. ``available()`` says whether the
+kernel is usable. When the build fails (no compiler, missing headers) it returns
 False after ONE ``RuntimeWarning`` per process, and ``kvops.paged_attention`` keeps using the composite torch kernel
 (``kvops/reference/paged_attention.py``), which gives the same results, only slower. Setting ``KVOPS_NATIVE=0``
 selects the composite without trying to build.
@@ -18,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import sys
 import warnings
 
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
 _state: bool | None = None  # None: not tried yet in this process
@@ -87,3 +90,13 @@ def available() -> bool:
     if _state is None:
         _state = _build()
     return _state
+
+
+def use_native() -> bool:
+    """Whether a CPU paged attention should call the native kernel now: when it is available, except while
+    AOTInductor compiles (its packages must run in processes that never import kvops, so they get the composite
+    traced into aten ops)."""
+    inductor_v = sys.modules.get("torch._inductor.virtualized")
+    if inductor_v is not None and inductor_v.V.aot_compilation:
+        return False
+    return available()

@@ -37,6 +37,7 @@
 #include <limits>
 #include <vector>
 
+
 namespace kvops_native {
 namespace {
 
@@ -162,6 +163,15 @@ inline void load_row(const T* src, int64_t st, int n, float* dst, int n_pad) {
   for (; i < n_pad; ++i) dst[i] = 0.f;
 }
 
+// (GCC 12 was seen to drop __builtin_prefetch in this file; the x86 instruction is emitted directly)
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 // --- the arguments of one call -----------------------------------------------------------------------------------
@@ -278,21 +288,15 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     transpose16(tile);
     for (int e = 0; e < L; ++e) storeu(kt + static_cast<size_t>(e0 + e) * L, tile[e]);
   }
-  // scores: S[r] = q_r . k_t for the 16 tokens, 4 rows at a time (each kt[e] load feeds 4 FMAs)
-  for (int r0 = 0; r0 < rows_pad; r0 += 4) {
+  // scores: S[r] = q_r . k_t for the 16 tokens, 8 rows at a time (each kt[e] load feeds 8 FMAs)
+  for (int r0 = 0; r0 < rows_pad; r0 += 8) {
     const float* q0 = qf + static_cast<size_t>(r0) * dp;
-    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    vf a[8] = {};
     for (int e = 0; e < dp; ++e) {
       const vf kv = loadu(kt + static_cast<size_t>(e) * L);
-      a0 += q0[e] * kv;
-      a1 += q0[dp + e] * kv;
-      a2 += q0[2 * dp + e] * kv;
-      a3 += q0[3 * dp + e] * kv;
+      for (int i = 0; i < 8; ++i) a[i] += q0[i * dp + e] * kv;
     }
-    storeu(S + (r0 + 0) * L, a0);
-    storeu(S + (r0 + 1) * L, a1);
-    storeu(S + (r0 + 2) * L, a2);
-    storeu(S + (r0 + 3) * L, a3);
+    for (int i = 0; i < 8; ++i) storeu(S + (r0 + i) * L, a[i]);
   }
   // online softmax per row (softcap before masking)
   vi lane;
@@ -356,34 +360,43 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
   const float* vps[L];
   const TK* zeros = reinterpret_cast<const TK*>(sc.zeros.data());
   const int k_bytes = d * static_cast<int>(sizeof(TK)), v_bytes = pb.d_v * static_cast<int>(sizeof(TK));
-  auto token_base = [&](int j, const TK*& k, const TK*& v) {  // head 0's rows of position j
-    const int64_t blk = table[j / pb.block_size], row = j % pb.block_size;
-    k = kc + blk * pb.sk[0] + row * pb.sk[1];
-    v = vc + blk * pb.sv[0] + row * pb.sv[1];
+  // head 0's rows of positions [j, j + n): one division per run of positions, then (block, row) steps
+  auto token_bases = [&](int j, int n, const TK** k, const TK** v) {
+    int64_t blk_i = j / pb.block_size, row = j % pb.block_size;
+    int64_t blk = table[blk_i];
+    for (int t = 0; t < n; ++t) {
+      k[t] = kc + blk * pb.sk[0] + row * pb.sk[1];
+      v[t] = vc + blk * pb.sv[0] + row * pb.sv[1];
+      if (++row == pb.block_size && t + 1 < n) {
+        row = 0;
+        blk = table[++blk_i];
+      }
+    }
   };
   // software prefetch of the rows PREFETCH chunks ahead: the blocks are scattered, so the hardware prefetcher alone
   // leaves chunks waiting on memory
   auto prefetch = [&](int j_begin, int j_end) {
-    for (int j = j_begin; j < j_end; ++j) {
-      const TK *k, *v;
-      token_base(j, k, v);
+    const TK* k[L];
+    const TK* v[L];
+    token_bases(j_begin, j_end - j_begin, k, v);
+    for (int t = 0; t < j_end - j_begin; ++t) {
       for (int h = 0; h < nh; ++h) {
-        const char* kh = reinterpret_cast<const char*>(k + h * pb.sk[2]);
-        const char* vh_ = reinterpret_cast<const char*>(v + h * pb.sv[2]);
+        const char* kh = reinterpret_cast<const char*>(k[t] + h * pb.sk[2]);
+        const char* vh_ = reinterpret_cast<const char*>(v[t] + h * pb.sv[2]);
         if (pb.sk[3] == 1)
-          for (int off = 0; off < k_bytes; off += 64) __builtin_prefetch(kh + off);
+          for (int off = 0; off < k_bytes; off += 64) prefetch_line(kh + off);
         if (pb.sv[3] == 1)
-          for (int off = 0; off < v_bytes; off += 64) __builtin_prefetch(vh_ + off);
+          for (int off = 0; off < v_bytes; off += 64) prefetch_line(vh_ + off);
       }
     }
   };
   constexpr int PREFETCH = 4;
-  prefetch(lo, std::min(hi, lo + PREFETCH * L));
+  for (int j = lo; j < std::min(hi, lo + PREFETCH * L); j += L) prefetch(j, std::min(hi, j + L));
   for (int j0 = lo; j0 < hi; j0 += L) {
     const int n = std::min(L, hi - j0);
     const int pf0 = j0 + PREFETCH * L;
     if (pf0 < hi) prefetch(pf0, std::min(hi, pf0 + L));
-    for (int t = 0; t < n; ++t) token_base(j0 + t, kb[t], vb[t]);
+    token_bases(j0, n, kb, vb);
     for (int h = 0; h < nh; ++h) {
       const float* qf = sc.qf.data() + static_cast<size_t>(h) * rows_pad * dp;
       float* m = state + h * head_size;

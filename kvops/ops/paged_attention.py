@@ -7,7 +7,9 @@ written out in ``kvops/_library.py``). One function serves every face of the op:
   registers the function itself as the fake kernel) and ``torch.export`` raise the same errors;
 * on CUDA tensors it launches the Triton kernels (``kvops/triton/paged_attention.py``) through
   ``torch.library.wrap_triton``, so ``torch.compile`` on CUDA sees the Triton kernels rather than an opaque call;
-* on other devices (CPU) it runs the vectorized torch kernel (``kvops/reference/paged_attention.py``), which has no
+* on CPU it calls the native C++ kernel ``kvops::_paged_attention_native`` (``kvops/native/``, built on first use; an
+  opaque op with a fake rule, so ``torch.compile`` graphs call it as an extern kernel), or, where it cannot be built
+  (no C++ compiler; one warning) and under AOTInductor (packages must run without kvops), the vectorized torch kernel (``kvops/reference/paged_attention.py``), which has no
   host syncs, so ``torch.compile`` on CPU traces it into the graph as ordinary torch ops.
 """
 
@@ -58,7 +60,7 @@ def _paged_attention_op(
             softcap, sinks, k_scale, v_scale,
         )
     # CPU: the native kernel (an opaque op with a fake rule, so compiled graphs call it too), else the composite
-    cpu_kernel = torch.ops.kvops._paged_attention_native if native.available() else _cpu_paged_attention
+    cpu_kernel = torch.ops.kvops._paged_attention_native if native.use_native() else _cpu_paged_attention
     return cpu_kernel(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
         softcap, sinks, k_scale, v_scale,
@@ -146,10 +148,20 @@ def paged_attention(
             allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
             rows of a CUDA-graph batch.
 
-    Kernels: CPU: vectorized torch with an online softmax over tiles of blocks (memory bounded by the tile). CUDA:
+    Kernels: CPU: native C++ (``kvops/native/paged_attention.cpp``: vectorized online softmax over 16-token chunks,
+    all GQA heads of a KV head at once, K/V read once in their stored dtype, ``at::parallel_for`` over (sequence,
+    query tile, KV split)); without a C++ compiler, vectorized torch with an online softmax over tiles of blocks
+    (memory bounded by the tile). CUDA:
     Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
     """
-    values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout)  # §7
+    try:  # value contracts, docs/semantics.md §7
+        values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout)
+    except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad values: it goes first
+        check_paged_attention(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
+            softcap, sinks, k_scale, v_scale, kv_layout,
+        )
+        raise
     out, lse = torch.ops.kvops.paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
         sinks, k_scale, v_scale, kv_layout,

@@ -65,7 +65,12 @@ def paged_cache_write(
 
     Duplicate non-negative slots within one call: which token lands is unspecified.
     """
-    slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)  # value contract, docs/semantics.md §7
+    try:  # value contract, docs/semantics.md §7
+        slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)
+    except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad slot: it goes first
+        check_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale,
+                                kv_layout)
+        raise
     torch.ops.kvops.paged_cache_write(
         key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout
     )

@@ -78,6 +78,12 @@ class PackedCausalKVCache:
     raise it in the generation loop's setup (kvops changes no config). Errors are raised at trace time (Dynamo
     reports them as ``torch._dynamo.exc.Unsupported`` carrying the original exception).
 
+    Known limitation (torch 2.13): with the Inductor backend, a compiled stream of updates writes a quantized chunk
+    into the wrong pool slot (observed: slot ``(c - 1) % P`` instead of ``c % P``, i.e. the slot index evaluated with
+    another cursor's value); Dynamo with the ``"eager"`` and ``"aot_eager"`` backends is exact (tests). Until that is
+    fixed, keep the cache update out of Inductor-compiled regions; ``packed_attention`` and ``dequantize_kv``
+    compile with Inductor (the dequantize fuses into its consumer).
+
     Raises:
         ValueError: ``S < K + N``, negative sizes, bad format parameters.
     """
@@ -204,21 +210,23 @@ class PackedCausalKVCache:
         )
         h1 = h0 + key.shape[2]
         n, s, g, cur_start, size = key.shape[1], current_chunk_start, self.global_end, self.current_start, self.chunk_tokens
-        if cur_start >= 0 and s == cur_start:
-            if s + n != g:
+        # Equalities are tested as ``max(a - b, b - a) > 0``: under torch.compile a guard ``Eq(a, b)`` would merge the
+        # two symbols, and Inductor (torch 2.13) then binds one of them but uses the other ("name 's72' is not
+        # defined"); a Max inequality guards the same fact without merging them.
+        if cur_start >= 0 and g - s > 0:  # s < G: the current chunk again (a denoising step, the context pass)
+            if torch.sym_max(s - cur_start, cur_start - s) > 0:
+                self._raise_non_sequential(s, g, cur_start)
+            if torch.sym_max(s + n - g, g - s - n) > 0:
                 raise NotImplementedError(f"{name}: current-chunk rewrite size changed")
-        elif s == g:
+        elif torch.sym_max(s - g, g - s) > 0:
+            self._raise_non_sequential(s, g, cur_start)
+        else:  # s == G: the next chunk
             if n != size:
                 raise ValueError(
                     f"{name}: an appended chunk must have chunk_tokens={size} tokens, got {n} (key shape "
                     f"{tuple(key.shape)}); the packed cache stores chunk-aligned segments."
                 )
             self._advance(s // size)
-        else:
-            raise NotImplementedError(
-                f"{name}: non-sequential write current_start={s} global_end={g} "
-                f"cur={None if cur_start < 0 else cur_start}"
-            )
         cur = s // size
         k_rows, v_rows = self._chunk(cur, cur)
         cache_write(key, value, k_rows, v_rows, 0, None if cache_head_start is None else h0)
@@ -238,6 +246,10 @@ class PackedCausalKVCache:
                 ks.append(_segment(kc, a, rows, h0, h1))
                 vs.append(_segment(vc, a, rows, h0, h1))
         return PackedKVView(ks, vs, ls, local_end, local_end, g)
+
+    def _raise_non_sequential(self, s: int, g: int, cur_start: int) -> None:
+        cur = None if cur_start < 0 else cur_start
+        raise NotImplementedError(f"{self.name}: non-sequential write current_start={s} global_end={g} cur={cur}")
 
     def _advance(self, new: int) -> None:
         """Chunk ``new`` becomes current: the chunk leaving the ring is quantized into its pool slot if it is still

@@ -1,0 +1,183 @@
+"""One-shot GPU check for kvops' Triton kernels (not used by CI; run by hand on a CUDA machine, < 10 minutes).
+
+Stages, each guarded (a failing stage is reported and the next one runs) and time-limited:
+
+1. every Triton test (``tests/test_*triton*.py``) on CUDA (the tests use CUDA tensors when CUDA is available);
+2. both examples with ``--device cuda`` (``examples/llm_serving.py``, ``examples/streaming_video.py``), bf16;
+3. timings with CUDA events (median of repeated launches after warm-up) of
+   * paged decode (B = 32 x context 4096, Qwen2.5-0.5B 14/2 x 64 and Llama-3.1-8B 32/8 x 128, bf16) and chunked
+     prefill (4 x (512 cached + 128 new)) through ``kvops.paged_attention``, vs SDPA over a contiguous cache with
+     query heads folded (the unpaged ideal),
+   * ``kvops.paged_cache_write`` (8192 tokens into a paged cache) and ``kvops.cache_write`` (contiguous cache),
+   against the device's measured copy bandwidth (``copy_`` of 1 GiB, read + write);
+4. one summary table: stage, status, seconds, and for kernels time, GB/s of the bytes they must move, and the
+   fraction of copy bandwidth (and the ratio to the ideal for attention).
+
+    python benchmarks/gpu_check.py [--skip-tests] [--skip-examples] [--budget-s 540]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+rows: list[tuple] = []  # (stage, status, seconds, detail)
+
+
+def stage(name: str, fn, *args):
+    t0 = time.perf_counter()
+    try:
+        detail = fn(*args)
+        status = "ok"
+    except Exception as e:  # report and continue with the next stage
+        detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        status = "FAIL"
+        traceback.print_exc()
+    rows.append((name, status, time.perf_counter() - t0, detail or ""))
+    print(f"[{status}] {name} ({rows[-1][2]:.1f} s) {detail or ''}", flush=True)
+
+
+def run_cmd(cmd: list[str], timeout_s: float) -> str:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("TRITON_INTERPRET", None)  # real GPU launches
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
+    if p.returncode != 0:
+        print(p.stdout[-4000:], p.stderr[-4000:], sep="\n")
+        raise RuntimeError(f"exit {p.returncode}: {tail[0]}")
+    return tail[0][:100]
+
+
+def cuda_time_ms(fn, reps: int = 20) -> float:
+    """Median milliseconds of ``fn()`` between CUDA events (after 3 warm-up calls)."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    import torch
+
+    src = torch.ones(1 << 28, device="cuda")  # 1 GiB fp32
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src))
+    bw = 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+    timings["copy_ 1 GiB"] = (ms, bw, None)
+    return f"{bw:.0f} GB/s (read + write)"
+
+
+timings: dict = {}  # name -> (ms, GB/s, ratio to ideal or None)
+
+
+def attention_timings():
+    import torch
+    import torch.nn.functional as F
+
+    import kvops
+
+    dev, dtype, bs = "cuda", torch.bfloat16, 16
+    for name, (h_q, h_kv, d) in {"qwen2.5-0.5b": (14, 2, 64), "llama-3.1-8b": (32, 8, 128)}.items():
+        for kind, batch, q_len, ctx in (("decode B=32 ctx=4096", 32, 1, 4096), ("prefill 4x(512+128)", 4, 128, 640)):
+            g = h_q // h_kv
+            nblk = batch * ctx // bs
+            k_cache = torch.randn(nblk + 8, bs, h_kv, d, device=dev, dtype=dtype)
+            v_cache = torch.randn_like(k_cache)
+            table = torch.randperm(nblk + 8, device=dev)[:nblk].view(batch, -1).int()
+            q = torch.randn(batch * q_len, h_q, d, device=dev, dtype=dtype)
+            seq_lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+            cu = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=torch.int32)
+            kd = k_cache[table.long()].flatten(1, 2).transpose(1, 2).contiguous()
+            vd = v_cache[table.long()].flatten(1, 2).transpose(1, 2).contiguous()
+            qf = q.view(batch, q_len, h_kv, g, d).permute(0, 2, 1, 3, 4).reshape(batch, h_kv, q_len * g, d)
+            mask = None
+            if q_len > 1:
+                pos = ctx - q_len + torch.arange(q_len, device=dev).repeat_interleave(g)
+                mask = torch.arange(ctx, device=dev)[None, :] <= pos[:, None]
+            ideal = cuda_time_ms(lambda: F.scaled_dot_product_attention(qf, kd, vd, attn_mask=mask))
+            ours = cuda_time_ms(lambda: kvops.paged_attention(q, k_cache, v_cache, cu, seq_lens, table, q_len))
+            kv_bytes = kd.numel() * 2 * kd.element_size()
+            timings[f"attn {name} {kind}"] = (ours, kv_bytes / (ours * 1e-3) / 1e9, ours / ideal)
+            del k_cache, v_cache, kd, vd
+    return f"{len(timings) - 1} kernels timed"
+
+
+def write_timings():
+    import torch
+
+    import kvops
+
+    dev, dtype = "cuda", torch.bfloat16
+    n, h_kv, d, bs = 8192, 8, 128, 16
+    k_cache = torch.zeros(n // bs + 8, bs, h_kv, d, device=dev, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(n, h_kv, d, device=dev, dtype=dtype), torch.randn(n, h_kv, d, device=dev, dtype=dtype)
+    slots = torch.randperm(k_cache.shape[0] * bs, device=dev)[:n]
+    ms = cuda_time_ms(lambda: kvops.paged_cache_write(key, value, k_cache, v_cache, slots))
+    moved = 2 * 2 * key.numel() * key.element_size()  # read K/V + write K/V
+    timings["paged_cache_write 8192 tok 8x128"] = (ms, moved / (ms * 1e-3) / 1e9, None)
+    kc = torch.zeros(4, 4096, h_kv, d, device=dev, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    k4, v4 = key.view(4, 2048, h_kv, d), value.view(4, 2048, h_kv, d)
+    ms = cuda_time_ms(lambda: kvops.cache_write(k4, v4, kc, vc, start=1024))
+    timings["cache_write 4x2048 tok 8x128"] = (ms, moved / (ms * 1e-3) / 1e9, None)
+    return "2 writes timed"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-examples", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=540, help="overall time budget for the test/example stages")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check: CUDA is not available on this machine (this script is for GPU machines)")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    t_start = time.perf_counter()
+    left = lambda: max(30.0, args.budget_s - (time.perf_counter() - t_start))  # noqa: E731
+    if not args.skip_tests:
+        tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*triton*.py"))
+        stage("triton tests on CUDA", run_cmd, [sys.executable, "-m", "pytest", "-q", "-x", *tests], 0.5 * left())
+    if not args.skip_examples:
+        stage("examples/llm_serving.py --device cuda", run_cmd,
+              [sys.executable, "examples/llm_serving.py", "--device", "cuda", "--dtype", "bfloat16"], 0.3 * left())
+        stage("examples/streaming_video.py --device cuda", run_cmd,
+              [sys.executable, "examples/streaming_video.py", "--device", "cuda", "--dtype", "bfloat16"], 0.5 * left())
+    stage("copy bandwidth", copy_bandwidth)
+    stage("attention kernels (Triton)", attention_timings)
+    stage("cache writes (Triton)", write_timings)
+
+    print("\n=== gpu_check summary ===")
+    print(f"{'stage':<44} {'status':<6} {'s':>7}  detail")
+    for name, status, secs, detail in rows:
+        print(f"{name:<44} {status:<6} {secs:>7.1f}  {detail}")
+    if timings:
+        copy_bw = timings.get("copy_ 1 GiB", (0, 0, None))[1]
+        print(f"\n{'kernel':<44} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'/ideal':>7}")
+        for name, (ms, bw, ratio) in timings.items():
+            frac = f"{bw / copy_bw:.0%}" if copy_bw else "-"
+            print(f"{name:<44} {ms:>8.3f} {bw:>8.0f} {frac:>8} {f'{ratio:.2f}' if ratio else '-':>7}")
+    sys.exit(1 if any(r[1] != "ok" for r in rows) else 0)
+
+
+if __name__ == "__main__":
+    main()
