@@ -15,6 +15,7 @@ warm-up), and the resident cache bytes.
 
     python examples/streaming_video.py                 # CPU, about a minute on 2 cores
     python examples/streaming_video.py --kv-cache-quant int8 fp8 int4 int2   # + packed (quantized) caches
+    python examples/streaming_video.py --layout ring   # RingCausalKVCache (issue 12 §3), compared with the roll layout
     python examples/streaming_video.py --device cuda --dtype bfloat16 --tokens-per-frame 1560 --layers 30 --ffn 8960
 """
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kvops
-from kvops.cache import CausalKVCache, PackedCausalKVCache
+from kvops.cache import CausalKVCache, PackedCausalKVCache, RingCausalKVCache
 from kvops.packed import packed_attention
 
 # Wan-2.1 1.3B (models.md): 12 heads x 128 = dim 1536, FFN 8960, 30 layers; chunk 3 frames, window 21 frames.
@@ -72,6 +73,8 @@ class Block(nn.Module):
             attn = packed_attention(q, view.k, view.v).transpose(1, 2)
         else:
             # The K/V write (append, rewrite or evict-and-append) happens here; the chunk sees the visible window.
+            # With --layout ring the view is in ring order: fine here, the attention is unmasked over the window and
+            # RoPE was applied before the write (RingKVView's docstring).
             view = cache.update_and_get_attention_kv(k, v, current_chunk_start=start)
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), view.k.transpose(1, 2), view.v.transpose(1, 2))
         x = x + self.out(attn.transpose(1, 2).reshape(b, n, -1))
@@ -121,6 +124,9 @@ def main() -> None:
     p.add_argument("--kv-cache-quant", default=["off"], nargs="+", choices=["off", "int8", "fp8", "int4", "int2"],
                    help="also stream (eager) on a PackedCausalKVCache in this format (or these formats) and compare "
                         "with the dense run")
+    p.add_argument("--layout", default="roll", choices=["roll", "ring"],
+                   help="cache layout: roll (CausalKVCache) or ring (RingCausalKVCache; its eager output is also "
+                        "compared with the roll layout's)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
@@ -149,9 +155,9 @@ def main() -> None:
         chunk_tokens = chunk_f * tpf
         latents = torch.randn(1, args.chunks * chunk_tokens, HEADS * HEAD_DIM, device=device, dtype=dtype)
 
-        def fresh_caches():
+        def fresh_caches(cls=RingCausalKVCache if args.layout == "ring" else CausalKVCache):
             return [
-                CausalKVCache.allocate(
+                cls.allocate(
                     1, window_f * tpf, HEADS, HEAD_DIM, dtype=dtype, device=device, fused_kv=True,
                     sink_tokens=sink_f * tpf,
                 )
@@ -174,6 +180,10 @@ def main() -> None:
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
         diff = (eager_out.float() - compiled_out.float()).abs().max().item()
+        if args.layout == "ring":  # the same stream on the roll layout (eager): ring order must not change the output
+            with torch.no_grad():
+                roll_out, _ = stream(model, fresh_caches(CausalKVCache), latents, chunk_tokens, args.steps, sync)
+            layout_diff = (eager_out.float() - roll_out.float()).abs().max().item()
         diff2 = (compiled_out.float() - compiled_out2.float()).abs().max().item()
         kv_diff = max(
             (e.k.float() - c.k.float()).abs().max().item() for e, c in zip(eager_caches, compiled_caches)
@@ -187,6 +197,10 @@ def main() -> None:
         ok &= within and graphs == graphs_first
         print(f"  max |eager - compiled| over all chunk outputs: {diff:.3e}, final caches' K: {kv_diff:.3e} "
               f"(tolerance {tol:g} for {dtype}: {'OK' if within else 'EXCEEDED'})")
+        if args.layout == "ring":
+            ok &= layout_diff <= tol
+            print(f"  layout ring vs roll (eager): max |ring - roll| over all chunk outputs: {layout_diff:.3e} "
+                  f"(tolerance {tol:g}: {'OK' if layout_diff <= tol else 'EXCEEDED'})")
         print(f"  compilations: {graphs_first} graphs in the first stream of {args.chunks} chunks x "
               f"{args.steps + 1} passes; {graphs} after a second stream on reset caches "
               f"(second stream equals the first: max diff {diff2:.1e})")
@@ -200,7 +214,8 @@ def main() -> None:
                 compare_packed(model, latents, args, quant, eager_out, eager_times, cache_bytes, sink_f * tpf,
                                chunk_tokens, window_f * tpf, dtype, device, sync)
     if not ok:
-        raise SystemExit("eager and compiled disagree beyond tolerance, or the second stream recompiled")
+        raise SystemExit("eager and compiled (or ring and roll) disagree beyond tolerance, or the second stream "
+                         "recompiled")
 
 
 # --- --kv-cache-quant: the same stream on kvops.packed.PackedCausalKVCache (eager), vs the dense eager run -------

@@ -65,3 +65,8 @@ def onnx_translation_table() -> dict:
 
 
 __all__.append("onnx_translation_table")
+
+# --- ring-layout streaming cache (kvops/cache/ring.py, issue 12 §3) -------------------------------------------------
+from .cache import RingCausalKVCache  # noqa: E402
+
+__all__ += ["RingCausalKVCache"]

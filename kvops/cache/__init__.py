@@ -20,3 +20,8 @@ __all__ += ["RollingKVCache"]
 from ..packed.cache import PackedCausalKVCache, PackedKVView  # noqa: E402
 
 __all__ += ["PackedCausalKVCache", "PackedKVView"]
+
+# --- ring-layout streaming cache (ring.py, issue 12 §3) ------------------------------------------------------------
+from .ring import RingCausalKVCache, RingKVView  # noqa: E402
+
+__all__ += ["RingCausalKVCache", "RingKVView"]

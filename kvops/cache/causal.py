@@ -35,15 +35,17 @@ class CausalKVView(NamedTuple):
 
 
 class _Cursors:
-    """Cursors of one head slice: ``global_end`` (G), ``local_end`` (L) and the pinned chunk (rows)."""
+    """Cursors of one head slice: ``global_end`` (G), ``local_end`` (L), the pinned chunk (rows) and the ring
+    offset (used by :class:`kvops.cache.ring.RingCausalKVCache` only; always 0 here)."""
 
-    __slots__ = ("global_end", "local_end", "pinned_start", "pinned_len")
+    __slots__ = ("global_end", "local_end", "pinned_start", "pinned_len", "ring_offset")
 
     def __init__(self) -> None:
         self.global_end = 0
         self.local_end = 0
         self.pinned_start = -1
         self.pinned_len = 0
+        self.ring_offset = 0
 
 
 class CausalKVCache:
@@ -244,7 +246,7 @@ class CausalKVCache:
         The cursor objects are zeroed in place, so a compiled stream loop reuses its graphs for the next stream.
         """
         for c in self._cursors.values():
-            c.global_end, c.local_end, c.pinned_start, c.pinned_len = 0, 0, -1, 0
+            c.global_end, c.local_end, c.pinned_start, c.pinned_len, c.ring_offset = 0, 0, -1, 0, 0
 
     def can_direct_current_attention(self, num_new_tokens: int) -> bool:
         """True when ``K == 0`` and ``S == W == num_new_tokens``: the chunk alone is the visible window, so the
@@ -360,6 +362,32 @@ class CausalKVCache:
                 would land on the sink rows (``sink + n > S``), or when ``s > G`` (an append that would leave
                 positions ``[G, s)`` unwritten).
         """
+        plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+        h0, h1, c, n, ls, le, added, evicted, capacity = plan
+        g, l = c.global_end, c.local_end
+        unsettled_pin = c.pinned_len > 0 and c.pinned_start != self.global_sink_tokens
+        sink = self._effective_sink(c)
+        if capacity != self.cache_size:
+            self._grow(capacity)
+        if unsettled_pin:
+            moves, pinned_start = _moves_with_pin(l, evicted, capacity, self.global_sink_tokens, c)
+        else:
+            moves, pinned_start = [_move(sink + evicted, sink, l - evicted - sink, evicted, capacity)], c.pinned_start
+        for src, dst, count in moves:
+            if torch.compiler.is_compiling() or count > 0:  # count is 0 unless rows are evicted
+                cache_roll(self.k, self.v, src, dst, count, h0, h1 - h0)
+        head_start = None if cache_head_start is None else h0
+        cache_write(key, value, self.k, self.v, ls, head_start)
+        c.global_end, c.local_end, c.pinned_start = g + added, l + added - evicted, pinned_start
+
+        k, v = self._visible(c, ls, c.local_end, recent_window_tokens, h0, h1, head_start is not None)
+        return CausalKVView(k, v, ls, le, c.local_end, c.global_end)
+
+    def _plan(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
+        """Validate one update (nothing is written) and return ``(h0, h1, cursors, n, ls, le, added, evicted,
+        capacity)``: the head slice, the chunk's rows ``[ls, le)`` after the update, the tokens appended and
+        evicted, and the capacity after a planned growth. Shared with :class:`kvops.cache.ring.RingCausalKVCache`.
+        """
         name = self.name
         if recent_window_tokens is not None and recent_window_tokens < 0:
             raise ValueError("recent_window_tokens must be non-negative or None")
@@ -385,7 +413,6 @@ class CausalKVCache:
         ls = l + s - g - evicted  # = s - (G - L) for a rewrite, L + a - n or S - n for an append
         le = ls + n
         pinned = c.pinned_len > 0
-        unsettled_pin = pinned and c.pinned_start != self.global_sink_tokens
         sink = self._effective_sink(c)
         protected = self.global_sink_tokens if pinned else sink  # rows that never follow position = G - L + row
         # Each check is one comparison of a min (a single guard under torch.compile; a compound SymBool trips
@@ -399,21 +426,7 @@ class CausalKVCache:
         ):
             self._raise_write_range(ls, le, g, l, capacity, n, s, e, protected)
 
-        if capacity != self.cache_size:
-            self._grow(capacity)
-        if unsettled_pin:
-            moves, pinned_start = _moves_with_pin(l, evicted, capacity, self.global_sink_tokens, c)
-        else:
-            moves, pinned_start = [_move(sink + evicted, sink, l - evicted - sink, evicted, capacity)], c.pinned_start
-        for src, dst, count in moves:
-            if torch.compiler.is_compiling() or count > 0:  # count is 0 unless rows are evicted
-                cache_roll(self.k, self.v, src, dst, count, h0, h1 - h0)
-        head_start = None if cache_head_start is None else h0
-        cache_write(key, value, self.k, self.v, ls, head_start)
-        c.global_end, c.local_end, c.pinned_start = g + added, l + added - evicted, pinned_start
-
-        k, v = self._visible(c, ls, c.local_end, recent_window_tokens, h0, h1, head_start is not None)
-        return CausalKVView(k, v, ls, le, c.local_end, c.global_end)
+        return h0, h1, c, n, ls, le, added, evicted, capacity
 
     def _raise_write_range(self, ls, le, g, l, capacity, n, s, e, protected) -> None:
         ls, le, g, l, capacity, s, e = (int(x) for x in (ls, le, g, l, capacity, s, e))  # concrete values
