@@ -1,4 +1,4 @@
-"""``kvops.export.streaming_update``: the streaming cache step as a pure function of tensors (semantics.md §1).
+"""``kvops.export.streaming_update``: the streaming cache step as a pure function of tensors (docs/semantics.md §1).
 
 Checked: bit-exact equality with ``CausalKVCache`` (caches, cursors, visible rows) over appends, rewrites and evicting
 appends; the windowed view of §1.6; one ``torch.export`` program (strict and non-strict, saved and loaded) serving a

@@ -102,7 +102,7 @@ class TestDifferential(unittest.TestCase):
         self.assertTrue(all(e > 0 for e in worst.values()), worst)
 
     def test_attention_window_smaller_than_the_cache(self):
-        """W is the whole visible budget (sink + newest rows), as CausalKVCache (semantics.md §1.6)."""
+        """W is the whole visible budget (sink + newest rows), as CausalKVCache (docs/semantics.md §1.6)."""
         for quant, window, sink in ((None, 7, 2), ("int8", 7, 2), ("int4", 5, 0), ("fp8", 4, 3)):
             p = Pair(self, size=15, chunk=3, quant=quant, keep=1, sink=sink, window=window)
             for c in range(9):

@@ -1,4 +1,4 @@
-"""The transfer planner (kvops.transfer.plan): worked cases of semantics.md §6, exhaustively checked invariants."""
+"""The transfer planner (kvops.transfer.plan): worked cases of docs/semantics.md §6, exhaustively checked invariants."""
 
 import itertools
 import unittest

@@ -1,4 +1,4 @@
-"""Validator shared by ``kvops::paged_kv_gather`` and ``kvops::paged_kv_scatter`` (semantics.md §6, the ops' side).
+"""Validator shared by ``kvops::paged_kv_gather`` and ``kvops::paged_kv_scatter`` (docs/semantics.md §6, the ops' side).
 
 Both ops move the head slice ``[h0, h0 + h)`` of tokens ``[start, start + n)`` of one request between its pages (its
 ``block_table`` row) in ``2 * L`` paged caches ``[P, block_size, H_kv, D]`` (K layers then V layers) and one

@@ -16,7 +16,7 @@ from .rolling import RollingKVCache  # noqa: E402
 
 __all__ += ["RollingKVCache"]
 
-# --- packed (quantized) streaming cache (kvops/packed/cache.py, semantics.md §2) ---------------------------------
+# --- packed (quantized) streaming cache (kvops/packed/cache.py, docs/semantics.md §2) ---------------------------------
 from ..packed.cache import PackedCausalKVCache, PackedKVView  # noqa: E402
 
 __all__ += ["PackedCausalKVCache", "PackedKVView"]

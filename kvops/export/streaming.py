@@ -1,4 +1,4 @@
-"""An exportable streaming-cache step: the update of semantics.md §1 as a pure function of tensors.
+"""An exportable streaming-cache step: the update of docs/semantics.md §1 as a pure function of tensors.
 
 ``CausalKVCache`` keeps its cursors in Python ints, which is the fast path under ``torch.compile`` (Dynamo turns the
 ints into SymInts and the bookkeeping costs nothing at run time) but cannot be exported as *one reusable program*:
@@ -77,7 +77,7 @@ def streaming_update(
         attention_window_size: ``W`` visible rows (default ``S``; Python int).
 
     Returns:
-        ``(mask, new_cursors)``: bool ``[S]``, True for the rows the chunk attends to (semantics.md §1.6), and int64
+        ``(mask, new_cursors)``: bool ``[S]``, True for the rows the chunk attends to (docs/semantics.md §1.6), and int64
         ``[2]``. With ``e = s + n``: a rewrite (``e <= G``) writes rows ``[s - (G - L), ... + n)`` and keeps the
         cursors; an append (``a = e - G > 0``) evicts ``ev = max(0, L + a - S)`` rows after the sink (rows
         ``[K + ev, L)`` move down to ``K``) and writes rows ``[L + a - ev - n, L + a - ev)``; then ``G = e``,

@@ -35,7 +35,7 @@ def rotary_paged_cache_write(
 ) -> None:
     """Rotate ``key`` at ``positions`` and write key/value into a paged cache at ``slot_mapping``, in place.
 
-    ``kvops.paged_cache_write`` (semantics.md §3: negative slot = skip, head slices, fp8 caches with scales) whose key
+    ``kvops.paged_cache_write`` (docs/semantics.md §3: negative slot = skip, head slices, fp8 caches with scales) whose key
     is first rotated as FlashAttention's ``flash_attn_with_kvcache`` rotates the appended ``k``: token ``i``'s first
     ``rotary_dim`` dims at position ``positions[i]``; GPT-NeoX pairs ``(j, j + rotary_dim / 2)`` or, with
     ``rotary_interleaved=True``, GPT-J pairs ``(2j, 2j + 1)``; fp32 math, rounded once to the key's dtype (before

@@ -1,4 +1,4 @@
-"""Packed (quantized) K/V: the quantize/dequantize ops and the packed streaming cache (semantics.md §2)."""
+"""Packed (quantized) K/V: the quantize/dequantize ops and the packed streaming cache (docs/semantics.md §2)."""
 
 from ._checks import FORMATS, packed_layout
 from .ops import PackedKV, default_group_size, dequantize_kv, empty_packed, quantize_kv

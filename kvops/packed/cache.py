@@ -1,4 +1,4 @@
-"""``PackedCausalKVCache``: the streaming cache of semantics.md §1 with quantized cold segments (§2).
+"""``PackedCausalKVCache``: the streaming cache of docs/semantics.md §1 with quantized cold segments (§2).
 
 Storage is chunk-aligned: chunk ``c`` holds global positions ``[c·N, (c+1)·N)`` (``N = chunk_tokens``). The current
 chunk and the newest ``keep_recent_chunks`` completed chunks live in a dense ring (``R`` slots, chunk ``c`` in slot
@@ -48,7 +48,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class PackedCausalKVCache:
-    """Streaming K/V cache of one attention layer whose cold chunks are stored quantized (semantics.md §2).
+    """Streaming K/V cache of one attention layer whose cold chunks are stored quantized (docs/semantics.md §2).
 
     Same ``update_and_get_attention_kv`` contract, returned view and indices as :class:`kvops.CausalKVCache` for
     chunk-sequential streams (sinks, eviction, rewrites of the current chunk for denoising steps and the context
@@ -271,7 +271,7 @@ class PackedCausalKVCache:
         self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int, cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
     ) -> CausalKVView:
-        """Write a chunk of K/V at its global position and return the rows it attends to (semantics.md §1-2).
+        """Write a chunk of K/V at its global position and return the rows it attends to (docs/semantics.md §1-2).
 
         Args:
             key: ``[B, n, H_in, D]``, value: ``[B, n, H_in, D]`` (cache dtype/device/B/D).

@@ -1,4 +1,4 @@
-"""Prefill→decode KV transfer between different TP sizes (semantics.md §6).
+"""Prefill→decode KV transfer between different TP sizes (docs/semantics.md §6).
 
 - :mod:`kvops.transfer.plan`: the planner (pure Python): head placement, writers per decode rank
   (:func:`compute_head_slice_params`), bytes per writer, staging grid, metadata checks.
