@@ -120,6 +120,14 @@ class RouteTable:
         return any_slot, self.load([i, 0]), self.load([i, 1])
 
 
+def route_table(slot_mapping, k_cache, kv_layout="NHD") -> RouteTable:
+    """The routing of a paged write's tokens (:class:`Router`, realized as a :class:`RouteTable`); a batch with a slot
+    ``>= P * block_size`` is skipped whole. Shared by every paged-write lowering."""
+    n = slot_mapping.get_size()[0]
+    capacity = k_cache.get_size()[0] * k_cache.get_size()[2 if kv_layout == "HND" else 1]
+    return RouteTable(Router(slot_mapping, first_slotted_token(slot_mapping, n, capacity), n), slot_mapping)
+
+
 def paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout) -> None:
     """``cache[dst // block_size, dst % block_size, h0 + h, d] = q(src[src_token, h, d])`` for every token (NHD
     indices; an HND cache ``[P, H_kv, block_size, D]`` is indexed with heads and rows swapped)."""
@@ -177,9 +185,7 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
     written = buffer_names(k_cache, v_cache)
     # values computed from the caches themselves are copied out before either cache is written
     sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
-    hnd = kv_layout == "HND"
-    capacity = k_cache.get_size()[0] * k_cache.get_size()[2 if hnd else 1]
-    router = RouteTable(Router(slot_mapping, first_slotted_token(slot_mapping, n, capacity), n), slot_mapping)
+    router = route_table(slot_mapping, k_cache, kv_layout)
     for src, cache, scale in zip(sources, (k_cache, v_cache), (k_scale, v_scale)):
         paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout)
 

@@ -18,8 +18,8 @@ from torch._inductor import ir
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from .inductor_contiguous import buffer_names, unfused_copy
-from .inductor_paged import Router, first_slotted_token, paged_scatter
+from .inductor_contiguous import bind_layout_symbols, buffer_names, unfused_copy
+from .inductor_paged import paged_scatter, route_table
 
 
 def rotated(key, positions, cos, sin, interleaved: bool, n):
@@ -61,9 +61,10 @@ def rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positio
         return
     k_cache.realize()
     v_cache.realize()
+    bind_layout_symbols(k_cache, v_cache)
     written = buffer_names(k_cache, v_cache)
     key, value = (unfused_copy(x) if x.get_read_names() & written else x for x in (key, value))
-    router = Router(slot_mapping, first_slotted_token(slot_mapping, n), n)
+    router = route_table(slot_mapping, k_cache)
     paged_scatter(rotated(key, positions, rotary_cos, rotary_sin, rotary_interleaved, n), k_cache, k_scale,
                   slot_mapping, router, h0, "NHD")
     paged_scatter(value, v_cache, v_scale, slot_mapping, router, h0, "NHD")
