@@ -45,6 +45,15 @@ class TestPackaging(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertEqual(out.stdout.split(), ["False", "True", "kvops.lowering", "True"])
 
+    def test_subpackages_are_attributes_and_optional_integrations_stay_out(self):
+        out = _run(
+            "import sys, kvops\n"
+            "print(callable(kvops.export.functionalize), callable(kvops.transfer.compute_head_slice_params),"
+            " kvops.packed.PackedCausalKVCache.__name__, 'transformers' in sys.modules, 'onnxscript' in sys.modules)"
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.split(), ["True", "True", "PackedCausalKVCache", "False", "False"])
+
     def test_import_without_triton(self):
         out = _run(
             "import sys\n"

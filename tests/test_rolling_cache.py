@@ -103,3 +103,14 @@ def test_bad_caches():
         RollingKVCache(torch.zeros(2, W, H, D), torch.zeros(2, W + 1, H, D))
     with pytest.raises(ValueError, match="window_size must be positive, got 0"):
         RollingKVCache.allocate(1, 0, H, D)
+
+
+def test_allocate_follows_torch_defaults():
+    """One rule for every kvops cache: ``dtype``/``device`` default to torch's defaults, as torch factories."""
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert RollingKVCache.allocate(1, 4, 1, 2).k_cache.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+    assert RollingKVCache.allocate(1, 4, 1, 2, dtype=torch.bfloat16).v_cache.dtype == torch.bfloat16

@@ -48,9 +48,10 @@ class RollingKVCache:
 
     @classmethod
     def allocate(cls, batch: int, window_size: int, num_kv_heads: int, head_dim: int, *,
-                 head_dim_v: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> "RollingKVCache":
-        """Zero-initialized caches ``[batch, window_size, num_kv_heads, head_dim]``."""
+                 head_dim_v: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> "RollingKVCache":
+        """Zero-initialized caches ``[batch, window_size, num_kv_heads, head_dim]``; ``dtype``/``device`` default to
+        torch's defaults, as for torch factories (the rule of every kvops cache, docs/semantics.md)."""
         if window_size <= 0:
             raise ValueError(f"RollingKVCache: window_size must be positive, got {window_size}.")
         shape = (batch, window_size, num_kv_heads)

@@ -13,7 +13,7 @@ live cache's cursors while tracing, and its visible window has a data-dependent 
   unbacked SymInts (``.item()``) bounded with ``torch._check``, so one exported program serves appends, rewrites and
   evicting appends;
 - the visible window is a boolean row mask ``[S]`` over the whole cache instead of a variable-length view, so every
-  shape is static: attend with ``scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)``. The keys are the
+  shape is static: attend with ``scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask[None, :])`` (the row mask broadcast over queries). The keys are the
   same rows as ``CausalKVCache``'s view (in cache-row order, which attention does not depend on).
 
 Covered: sink tokens ``K`` (never evicted), ``attention_window_size`` ``W`` (sglang's windowed view, semantics.md
