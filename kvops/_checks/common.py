@@ -73,9 +73,15 @@ def check_head_slice(op: str, cache_heads: int, in_heads: int, cache_head_start:
     """
     if cache_head_start is None:
         if in_heads != cache_heads:
+            more = (
+                f" The input carries more heads than the cache holds, so no head slice fits: allocate the cache with "
+                f"{in_heads} KV heads, or pass the key/value of this writer's {cache_heads} heads."
+                if not isinstance(in_heads, torch.SymInt) and not isinstance(cache_heads, torch.SymInt)
+                and in_heads > cache_heads else ""
+            )
             raise ValueError(
                 f"{op} requires cache_head_start when cache heads ({cache_heads}) differ from input heads "
-                f"({in_heads})."
+                f"({in_heads}).{more}"
             )
         return 0
     if cache_head_start < 0 or cache_head_start + in_heads > cache_heads:
