@@ -321,5 +321,16 @@ class TestSDPALayoutError(expecttest.TestCase):
         self.assertTrue(torch.equal(k_cache[:, :, :3], key.transpose(1, 2)))
 
 
+class TestMoreHeadsThanTheCache(expecttest.TestCase):
+    def test_says_no_head_slice_fits(self):
+        """3 input heads into a 2-head cache: "requires cache_head_start" alone cannot help, so the message says why."""
+        key = torch.randn(1, 2, 3, 8)
+        k_cache, v_cache = torch.zeros(1, 16, 2, 8), torch.zeros(1, 16, 2, 8)
+        msg = raises_everywhere(self, ValueError, lambda k, kc, vc: kvops.cache_write(k, k, kc, vc, 0),
+                                (key, k_cache, v_cache))
+        self.assertExpectedInline(msg, """kvops.cache_write requires cache_head_start when cache heads (2) differ from input heads (3). The input carries more heads than the cache holds, so no head slice fits: allocate the cache with 3 KV heads, or pass the key/value of this writer's 2 heads.""")
+        self.assertFalse(k_cache.any() or v_cache.any())
+
+
 if __name__ == "__main__":
     unittest.main()
