@@ -51,27 +51,30 @@ def gather_rows(cache: torch.Tensor, slots: torch.Tensor, h0: int, out: torch.Te
         out.copy_(heads[slots // block_size, slots % block_size])
 
 
-def paged_kv_gather(caches, block_table, start: int, head_start: int, staging: torch.Tensor) -> None:
-    """Fill ``staging [2, L, n, h, D]`` with heads ``[head_start, head_start + h)`` of tokens ``[start, start + n)``."""
+def _request_rows(op: str, caches, block_table, start: int, staging: torch.Tensor):
+    """``(slots, rows)`` of one request: its tokens' slots (block ids checked) and ``staging`` as ``[2L, n, h, D]``
+    rows per cache; None when it has no tokens."""
     num_tokens = staging.shape[2]
     if num_tokens == 0:
-        return
+        return None
     block_size = caches[0].shape[1]
-    check_block_ids("kvops.paged_kv_gather", block_table, block_size, start, num_tokens, caches[0].shape[0])
-    slots = request_slots(block_table, block_size, start, num_tokens)
-    rows = staging.view(len(caches), *staging.shape[2:])
-    for i, cache in enumerate(caches):
-        gather_rows(cache, slots, head_start, rows[i])
+    check_block_ids(op, block_table, block_size, start, num_tokens, caches[0].shape[0])
+    return request_slots(block_table, block_size, start, num_tokens), staging.view(len(caches), *staging.shape[2:])
+
+
+def paged_kv_gather(caches, block_table, start: int, head_start: int, staging: torch.Tensor) -> None:
+    """Fill ``staging [2, L, n, h, D]`` with heads ``[head_start, head_start + h)`` of tokens ``[start, start + n)``."""
+    request = _request_rows("kvops.paged_kv_gather", caches, block_table, start, staging)
+    if request is not None:
+        slots, rows = request
+        for i, cache in enumerate(caches):
+            gather_rows(cache, slots, head_start, rows[i])
 
 
 def paged_kv_scatter(staging: torch.Tensor, caches, block_table, start: int, cache_head_start: int) -> None:
     """Write ``staging [2, L, n, h, D]`` into heads ``[cache_head_start, + h)`` of tokens ``[start, start + n)``."""
-    num_tokens = staging.shape[2]
-    if num_tokens == 0:
-        return
-    block_size = caches[0].shape[1]
-    check_block_ids("kvops.paged_kv_scatter", block_table, block_size, start, num_tokens, caches[0].shape[0])
-    slots = request_slots(block_table, block_size, start, num_tokens)
-    rows = staging.view(len(caches), *staging.shape[2:])
-    for i, cache in enumerate(caches):
-        scatter_rows(rows[i], cache, slots, cache_head_start)
+    request = _request_rows("kvops.paged_kv_scatter", caches, block_table, start, staging)
+    if request is not None:
+        slots, rows = request
+        for i, cache in enumerate(caches):
+            scatter_rows(rows[i], cache, slots, cache_head_start)
