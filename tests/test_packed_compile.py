@@ -23,20 +23,24 @@ def forward(x, caches, s, recent=None):
     return x
 
 
-def stream(fn, caches, chunks, n, steps=2, recent=None):
+def stream(fn, caches, chunks, n, steps=2, recent=None, pin_at=None):
     g = torch.Generator().manual_seed(0)
     outs, frames = [], []
     for chunk in range(chunks):
         for _ in range(1 + steps):  # append, then rewrites
             outs.append(fn(torch.randn(B, n, H, D, generator=g), caches, chunk * n, recent))
+        for cache in caches if chunk == pin_at else ():  # pinned between compiled calls, as LongLive's shot sink
+            if cache.pinnable:
+                cache.pin_current_chunk(n)
         frames.append(getattr(fn, "counter", None) and fn.counter.frame_count)
     return outs, frames
 
 
 class TestCompileCount(unittest.TestCase):
-    def run_stream(self, chunks_in_window, n=2, sink=0, recent=None, backend="aot_eager", **kwargs):
-        """A stream of ``chunks_in_window + 3`` chunks (append + 2 rewrites each, so the pool wraps around) under
-        Dynamo's default recompile limit; returns the graph count after each chunk."""
+    def run_stream(self, chunks_in_window, n=2, sink=0, recent=None, backend="aot_eager", pin_at=None, extra=2,
+                   **kwargs):
+        """A stream of ``chunks_in_window + extra`` chunks (an append and a rewrite each; the pool wraps around)
+        under Dynamo's default recompile limit; returns the graph count after each chunk."""
         size = sink + chunks_in_window * n
         make = lambda: [PackedCausalKVCache.allocate(B, size, H, D, chunk_tokens=n, sink_tokens=sink,  # noqa: E731
                                                      dtype=torch.float32, **kwargs)]
@@ -44,8 +48,8 @@ class TestCompileCount(unittest.TestCase):
         torch._dynamo.reset()
         compiled = torch.compile(forward, fullgraph=True, backend=counter)
         compiled.counter = counter
-        got, frames = stream(compiled, make(), chunks_in_window + 3, n, recent=recent)
-        want, _ = stream(forward, make(), chunks_in_window + 3, n, recent=recent)
+        got, frames = stream(compiled, make(), chunks_in_window + extra, n, steps=1, recent=recent, pin_at=pin_at)
+        want, _ = stream(forward, make(), chunks_in_window + extra, n, steps=1, recent=recent, pin_at=pin_at)
         for a, b in zip(got, want):
             self.assertTrue(torch.equal(a, b))
         return frames
@@ -67,6 +71,13 @@ class TestCompileCount(unittest.TestCase):
                                  quantize_sink=True)
         self.assertLessEqual(frames[-1], 6, frames)
         self.assertEqual(len(set(frames[3:])), 1, frames)
+
+    def test_pinned_chunk(self):
+        """A pin adds the graphs of its own events (pinned, the next chunk, the pin settled next to the global
+        sink): 6 in all (measured), then none per chunk; compiled == eager through eviction past the pin."""
+        frames = self.run_stream(3, sink=2, pin_at=2, quant="int8", keep_recent_chunks=0, pinnable=True, extra=6)
+        self.assertLessEqual(frames[-1], 6, frames)
+        self.assertEqual(len(set(frames[-3:])), 1, frames)
 
 
 def packed_state(cache):

@@ -89,3 +89,56 @@ def gather_window(cache, ranges, positions_of, cur: int, h0: int, h1: int, slice
         sink_i = base["sink"] + pos
         idx = torch.where(c < sc, torch.where(in_ring, ring_i, sink_i) if cache.quantize_sink else sink_i, idx)
     return out[0].index_select(1, idx), out[1].index_select(1, idx)
+
+
+def window_segments(cache, rows, sink: int, shift: int, pin, cur: int, h0: int, h1: int) -> tuple[list, list]:
+    """The visible rows as segments in token order (``PackedCausalKVCache.update``): per visible chunk a dense view
+    or a :class:`PackedKV` of its rows, from ``cache._chunk``."""
+    size = cache.chunk_tokens
+    ks, vs = [], []
+    for p0, p1 in _position_ranges(rows, sink, shift, pin):
+        for i in range((p1 - 1) // size - p0 // size + 1):
+            c = p0 // size + i
+            a = _static(torch.sym_max(p0, c * size) - c * size, 0)
+            length = _static(torch.sym_min(p1, (c + 1) * size) - c * size - a, size)
+            kc, vc = cache._chunk(c, cur)
+            ks.append(_segment(kc, a, length, h0, h1))
+            vs.append(_segment(vc, a, length, h0, h1))
+    return ks, vs
+
+
+def dist(a: int, b: int) -> int:
+    """``|a - b|`` as a max (one guard-free SymInt under torch.compile)."""
+    return torch.sym_max(a - b, b - a)
+
+
+def _static(n: int, value: int) -> int:
+    """``value`` (a plain int) when ``n == value``, else ``n``. Under torch.compile this is one guard, stable once the
+    window is full, and makes whole-chunk segments static shapes instead of nested Min/Max size expressions of the
+    cursors (which Inductor then need not evaluate)."""
+    return value if n == value else n
+
+
+def _segment(chunk, start: int, rows: int, h0: int, h1: int):
+    if isinstance(chunk, PackedKV):
+        return chunk.rows(start, rows).heads(h0, h1)
+    return chunk.narrow(1, start, rows)[:, :, h0:h1]
+
+
+def _position_ranges(rows: list, sink: int, shift: int, pin: tuple | None) -> list[tuple[int, int]]:
+    """Dense-cache row ranges -> global position ranges, the map of :func:`row_positions`."""
+    pieces = [(0, sink, 0)]  # (first row, end row, position - row)
+    if pin is None and shift == 0:  # nothing evicted: rows are positions
+        pieces = [(0, None, 0)]
+    elif pin is not None:
+        row, position, length = pin
+        pieces.append((row, row + length, position - row))
+    if pieces[-1][1] is not None:
+        pieces.append((pieces[-1][1], None, shift))
+    out = []
+    for a, b in rows:
+        for lo, hi, add in pieces:
+            x0, x1 = torch.sym_max(a, lo), b if hi is None else torch.sym_min(b, hi)
+            if x1 > x0:
+                out.append((x0 + add, x1 + add))
+    return out

@@ -3,13 +3,16 @@
 Storage is chunk-aligned: chunk ``c`` holds global positions ``[c·N, (c+1)·N)`` (``N = chunk_tokens``). The current
 chunk and the newest ``keep_recent_chunks`` completed chunks live in a dense ring (``R`` slots, chunk ``c`` in slot
 ``c % R``); when a chunk leaves the ring it is quantized once into a preallocated packed pool (``P`` slots, chunk
-``c`` in slot ``c % P``) and its dense slot is reused by the next chunk. Sink chunks (those holding positions
-``< sink_tokens``) live in their own dense buffer (or, with ``quantize_sink=True``, go through the ring and a packed
-sink pool). Nothing is allocated after construction: ``nbytes`` is what a stream holds, all of it.
+``c`` in slot ``c % P``; K, V, packed sink chunks, a packed pinned chunk and one scratch slot share one allocation,
+slots being slices of it: kvops/packed/_plan.py) and its dense slot is reused by the next chunk. Sink chunks (those
+holding positions ``< max(sink_tokens, global_sink_tokens)``) live in their own dense buffer (or, with
+``quantize_sink=True``, go through the ring and packed sink slots). A pinned chunk is copied aside (dense, or packed
+with ``quantize_sink``). Nothing is allocated after construction: ``nbytes`` is what a stream holds, all of it.
 
-Bookkeeping is Python ints (``global_end`` and the current chunk's start); every tensor write goes through
-``kvops.cache_write`` / ``kvops.quantize_kv``. The rows reported and shown are exactly those of a dense
-``CausalKVCache`` of the same geometry (its window function, :func:`visible_rows`).
+Bookkeeping is Python ints (``global_end``, the current chunk's start, the pinned chunk's position); every tensor
+write goes through ``kvops.cache_write`` / ``kvops.quantize_kv``. The rows reported and shown are exactly those of a
+dense ``CausalKVCache`` of the same geometry (its window function, :func:`visible_rows`), mapped to positions and
+then to storage rows.
 """
 
 from __future__ import annotations
@@ -23,10 +26,9 @@ from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write
 from ..cache.causal import CausalKVView
 from ..ops.contiguous import cache_write
 from ..cache._window import visible_rows
-from ._plan import alloc_pool, gather_window, pool_slot, row_positions
+from ._plan import alloc_pool, dist as _dist, gather_window, pool_slot, row_positions, window_segments
 from .ops import PackedKV, dequantize_kv, quantize_kv
 
-Segment = torch.Tensor | PackedKV  # dense rows [B, n, H_in, D], or packed rows of one chunk
 
 
 class PackedKVView(NamedTuple):
@@ -65,25 +67,33 @@ class PackedCausalKVCache:
         keep_recent_chunks: completed chunks kept dense besides the current one.
         sink_tokens: ``K``, positions never evicted (attention sinks); ``K + N <= S``.
         attention_window_size: ``W``, the whole visible budget in rows (default ``S``), as the dense cache.
-        quantize_sink: store completed sink chunks packed too (default: dense).
+        quantize_sink: store completed sink chunks (and a pinned chunk's copy) packed too (default: dense).
+        global_sink_tokens: rows kept in front of a pinned chunk (``CausalKVCache``'s; the sink without a pin is
+            ``max(sink_tokens, global_sink_tokens)``).
+        pinnable: allocate the pinned chunk's copy (one chunk) so that :meth:`pin_current_chunk` can be used.
         group_size, stages, num_clusters, kmeans_iters: format parameters (int4/int2; see ``quantize_kv``).
         dtype, device: of the dense rows and of the returned K/V.
         name: used in error messages (default ``"PackedCausalKVCache"``).
 
     Under ``torch.compile(fullgraph=True)`` use it as ``CausalKVCache`` (caches passed as an argument of the
     compiled function, built outside it): the cursors become dynamic ``SymInt``s and nothing reads a tensor to decide
-    where to write. The window's segment structure (how many chunks are visible, which are packed) is Python
-    control flow, so each chunk adds an append graph and a rewrite graph until the window is full; then the
-    structure repeats and no graph is added. Bound (tests/test_packed_compile.py): ``2 * (ceil(S / N) + 1)``
-    graphs per stream, more than Dynamo's default ``recompile_limit`` (8) for windows of more than 3 chunks --
-    raise it in the generation loop's setup (kvops changes no config). Errors are raised at trace time (Dynamo
-    reports them as ``torch._dynamo.exc.Unsupported`` carrying the original exception).
+    where to write. :meth:`update_and_get_attention_kv` gathers the visible rows by tensor arithmetic on the cursors
+    (:func:`kvops.packed._plan.gather_window`) and an append and a rewrite run the same graph (a rewrite quantizes
+    into a scratch slot), so a stream compiles a few graphs whatever the window's length (measured on torch 2.13,
+    tests/test_packed_compile.py, windows of 3, 6 and 10 chunks): 3 without a sink, 5 with one, 6 with a packed
+    sink and a recent window, +3 with a pinned chunk; none per chunk after the first 4 chunks. All within Dynamo's
+    default ``recompile_limit`` (8). With Inductor's on-disk caches (FX graph, AOTAutograd) torch 2.13 may add
+    graphs (see ``CausalKVCache``). :meth:`update` (segments) follows the window's chunk structure and adds graphs
+    until the window is full. Errors are raised at trace time (Dynamo reports them as
+    ``torch._dynamo.exc.Unsupported`` carrying the original exception).
 
-    Known limitation (torch 2.13): with the Inductor backend, a compiled stream of updates writes a quantized chunk
-    into the wrong pool slot (observed: slot ``(c - 1) % P`` instead of ``c % P``, i.e. the slot index evaluated with
-    another cursor's value); Dynamo with the ``"eager"`` and ``"aot_eager"`` backends is exact (tests). Until that is
-    fixed, keep the cache update out of Inductor-compiled regions; ``packed_attention`` and ``dequantize_kv``
-    compile with Inductor (the dequantize fuses into its consumer).
+    Pool slots are slices of one allocation (``narrow`` of dim 1), never ``pool[i]``: Inductor (torch 2.13)
+    regenerates a mutated ``select`` view as ``as_strided(pool, ..., sym_storage_offset(view))`` without a lowering
+    for ``aten.sym_storage_offset`` and wrote every quantized chunk to slot 0 (pytorch/pytorch#198068).
+
+    Pinned chunks (``pinnable=True``; :meth:`pin_current_chunk`, as ``CausalKVCache`` with ``sink_tokens`` the pin's
+    maximum length and ``global_sink_tokens`` the rows kept in front of it): the pinned chunk is copied once more
+    (packed with ``quantize_sink``, else dense) and never evicted.
 
     Raises:
         ValueError: ``S < K + N``, negative sizes, bad format parameters.
@@ -357,16 +367,7 @@ class PackedCausalKVCache:
         h0, h1, cur, g, local_end, ls = self._write(key, value, current_chunk_start, cache_head_start,
                                                    recent_window_tokens)
         rows, sink, shift, pin = self._window(local_end, ls, g, recent_window_tokens)
-        size = self.chunk_tokens
-        ks, vs = [], []
-        for p0, p1 in _position_ranges(rows, sink, shift, pin):
-            for i in range((p1 - 1) // size - p0 // size + 1):
-                c = p0 // size + i
-                a = _static(torch.sym_max(p0, c * size) - c * size, 0)
-                length = _static(torch.sym_min(p1, (c + 1) * size) - c * size - a, size)
-                kc, vc = self._chunk(c, cur)
-                ks.append(_segment(kc, a, length, h0, h1))
-                vs.append(_segment(vc, a, length, h0, h1))
+        ks, vs = window_segments(self, rows, sink, shift, pin, cur, h0, h1)
         return PackedKVView(ks, vs, ls, local_end, local_end, g)
 
     def _raise_non_sequential(self, s: int, g: int, cur_start: int) -> None:
@@ -438,43 +439,6 @@ class PackedCausalKVCache:
         k, v = gather_window(self, rows, lambda r: row_positions(r, sink, shift, pin), cur, h0, h1,
                              h1 - h0 != self.num_kv_heads)
         return CausalKVView(k, v, ls, local_end, local_end, g)
-
-
-def _dist(a: int, b: int) -> int:
-    """``|a - b|`` as a max (one guard-free SymInt under torch.compile)."""
-    return torch.sym_max(a - b, b - a)
-
-
-def _static(n: int, value: int) -> int:
-    """``value`` (a plain int) when ``n == value``, else ``n``. Under torch.compile this is one guard, stable once the
-    window is full, and makes whole-chunk segments static shapes instead of nested Min/Max size expressions of the
-    cursors (which Inductor then need not evaluate)."""
-    return value if n == value else n
-
-
-def _segment(chunk, start: int, rows: int, h0: int, h1: int) -> Segment:
-    if isinstance(chunk, PackedKV):
-        return chunk.rows(start, rows).heads(h0, h1)
-    return chunk.narrow(1, start, rows)[:, :, h0:h1]
-
-
-def _position_ranges(rows: list, sink: int, shift: int, pin: tuple | None) -> list[tuple[int, int]]:
-    """Dense-cache row ranges -> global position ranges, the map of :func:`row_positions`."""
-    pieces = [(0, sink, 0)]  # (first row, end row, position - row)
-    if pin is None and shift == 0:  # nothing evicted: rows are positions
-        pieces = [(0, None, 0)]
-    elif pin is not None:
-        row, position, length = pin
-        pieces.append((row, row + length, position - row))
-    if pieces[-1][1] is not None:
-        pieces.append((pieces[-1][1], None, shift))
-    out = []
-    for a, b in rows:
-        for lo, hi, add in pieces:
-            x0, x1 = torch.sym_max(a, lo), b if hi is None else torch.sym_min(b, hi)
-            if x1 > x0:
-                out.append((x0 + add, x1 + add))
-    return out
 
 
 def materialize(segments: list, dtype: torch.dtype) -> torch.Tensor:
