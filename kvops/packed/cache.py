@@ -81,8 +81,8 @@ class PackedCausalKVCache:
     (:func:`kvops.packed._plan.gather_window`) and an append and a rewrite run the same graph (a rewrite quantizes
     into a scratch slot), so a stream compiles a few graphs whatever the window's length (measured on torch 2.13,
     tests/test_packed_compile.py, windows of 3, 6 and 10 chunks): 3 without a sink, 5 with one, 6 with a packed
-    sink and a recent window, +3 with a pinned chunk; none per chunk after the first 4 chunks. All within Dynamo's
-    default ``recompile_limit`` (8). With Inductor's on-disk caches (FX graph, AOTAutograd) torch 2.13 may add
+    sink and a recent window or with a sink and a pinned chunk; none per chunk after the first 4 chunks. All within
+    Dynamo's default ``recompile_limit`` (8). With Inductor's on-disk caches (FX graph, AOTAutograd) torch 2.13 may add
     graphs (see ``CausalKVCache``). :meth:`update` (segments) follows the window's chunk structure and adds graphs
     until the window is full. Errors are raised at trace time (Dynamo reports them as
     ``torch._dynamo.exc.Unsupported`` carrying the original exception).
@@ -106,7 +106,8 @@ class PackedCausalKVCache:
         group_size: int | None = None, stages: int = 1, num_clusters: int = 16, kmeans_iters: int = 4,
         dtype: torch.dtype | None = None, device=None, name: str = "PackedCausalKVCache",
     ) -> None:
-        b, s, h, d, n, k, gs = batch_size, cache_size, num_kv_heads, head_dim, chunk_tokens, sink_tokens, global_sink_tokens
+        b, s, h, d, n = batch_size, cache_size, num_kv_heads, head_dim, chunk_tokens
+        k, gs = sink_tokens, global_sink_tokens
         if n < 1 or k < 0 or gs < 0 or keep_recent_chunks < 0:
             raise ValueError(
                 f"{name}: chunk_tokens ({n}) must be >= 1, sink_tokens ({k}), global_sink_tokens ({gs}) and "
@@ -176,9 +177,9 @@ class PackedCausalKVCache:
     # --- accounting and cursors ---------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes resident for K and V: dense ring and sink rows, packed pools (codes, scales, zero points,
-        centroids, cluster ids), the pinned chunk's copy, all included. Constant over a stream (everything is
-        preallocated)."""
+        """Bytes resident for K and V: dense ring and sink rows, the packed pool (codes, scales, zero points,
+        centroids, cluster ids; with the scratch slot, one packed chunk), the pinned chunk's copy, all included.
+        Constant over a stream (everything is preallocated)."""
         total = 0
         dense_pin = () if isinstance(self.k_pin, PackedKV) else (self.k_pin, self.v_pin)
         for t in (self.k_ring, self.v_ring, self.k_sink, self.v_sink, self.pool) + dense_pin:
@@ -295,7 +296,8 @@ class PackedCausalKVCache:
                           if self.quantize_sink else [pick((self.k_sink, self.v_sink))]))
         if self.pool_chunks:
             pool = self.packed_slots("pool", kv)
-            parts.append(("pool", [pool] if self._per_token else [self._slot("pool", kv, i) for i in range(self.pool_chunks)]))
+            slots = [pool] if self._per_token else [self._slot("pool", kv, i) for i in range(self.pool_chunks)]
+            parts.append(("pool", slots))
         parts.append(("ring", [pick((self.k_ring, self.v_ring))]))
         if self.pinnable:
             parts.append(("pin", [pick((self.k_pin, self.v_pin))]))
@@ -314,7 +316,8 @@ class PackedCausalKVCache:
         h0 = check_cache_write(
             key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k_ring, self.v_ring, 0, cache_head_start, op=name
         )
-        n, s, g, cur_start, size = key.shape[1], current_chunk_start, self.global_end, self.current_start, self.chunk_tokens
+        n, s, size = key.shape[1], current_chunk_start, self.chunk_tokens
+        g, cur_start = self.global_end, self.current_start
         # One graph for appends and rewrites under torch.compile: each check is one comparison of a min/max of the
         # cursors (an equality guard ``Eq(a, b)`` would also merge the two symbols, and Inductor (torch 2.13) then
         # binds one of them but uses the other: "name 's72' is not defined").
