@@ -679,6 +679,32 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   return {out, lse};
 }
 
+// The value contracts of paged_attention (kvops/_checks/values.py, docs/semantics.md §7) for an eager CPU call, in
+// one pass over the int32 index tensors: true when any is violated (values.py then finds the first and raises its
+// message), so a valid call costs one op instead of a dozen.
+bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                                const at::Tensor& block_table, int64_t num_tokens, int64_t max_seqlen_q,
+                                int64_t num_blocks, int64_t block_size) {
+  const int64_t batch = seq_lens.size(0), width = block_table.size(1);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t s_cu = cu_seqlens_q.stride(0), s_len = seq_lens.stride(0);
+  const int64_t s_b = block_table.stride(0), s_w = block_table.stride(1);
+  if (cu[0] != 0 || cu[batch * s_cu] > num_tokens) return true;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = static_cast<int64_t>(cu[(b + 1) * s_cu]) - cu[b * s_cu];
+    const int64_t len = lens[b * s_len];
+    if (q_len < 0 || q_len > max_seqlen_q || len < 0 || len > width * block_size) return true;
+    const int64_t used = (len + block_size - 1) / block_size;
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t blk = table[b * s_b + j * s_w];
+      if (blk < 0 || blk >= num_blocks) return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 }  // namespace kvops_native
 
@@ -687,6 +713,12 @@ TORCH_LIBRARY_FRAGMENT(kvops, m) {
       "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
       "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
       "Tensor? sinks, Tensor? k_scale, Tensor? v_scale) -> (Tensor, Tensor)");
+  m.def(
+      "_paged_attention_values_bad(Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, int num_tokens, "
+      "int max_seqlen_q, int num_blocks, int block_size) -> bool");
 }
 
-TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("_paged_attention_native", &kvops_native::paged_attention_native); }
+TORCH_LIBRARY_IMPL(kvops, CPU, m) {
+  m.impl("_paged_attention_native", &kvops_native::paged_attention_native);
+  m.impl("_paged_attention_values_bad", &kvops_native::paged_attention_values_bad);
+}

@@ -47,6 +47,16 @@ def _paged_attention_op(
     v_scale: Optional[torch.Tensor] = None,
     kv_layout: str = "NHD",
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _implementation(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
+        sinks, k_scale, v_scale, kv_layout,
+    )
+
+
+def _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
+                    window_left, softcap, sinks, k_scale, v_scale, kv_layout):
+    """The op's body (validator, then the device's kernel): what ``kvops::paged_attention`` runs, and what an eager
+    CPU call runs directly (``_direct``)."""
     sm_scale = check_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
         sinks, k_scale, v_scale, kv_layout,
@@ -65,6 +75,21 @@ def _paged_attention_op(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
         softcap, sinks, k_scale, v_scale,
     )
+
+
+def _direct(tensors) -> bool:
+    """Whether an eager call may run ``_implementation`` without the dispatcher (the same validator, kernel and
+    results, ~15 us less per call): plain CPU tensors, the native kernel, nothing tracing, no dispatch or
+    function mode and no functorch transform active, and no autograd to record (the op has no derivative, and the
+    dispatcher is what reports that)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or not t.is_cpu or (grad and t.requires_grad)):
+            return False
+    return native.use_native()
 
 
 def paged_attention(
@@ -162,8 +187,10 @@ def paged_attention(
             softcap, sinks, k_scale, v_scale, kv_layout,
         )
         raise
-    out, lse = torch.ops.kvops.paged_attention(
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
-        sinks, k_scale, v_scale, kv_layout,
-    )
+    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
+            softcap, sinks, k_scale, v_scale, kv_layout)
+    if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale)):
+        out, lse = _implementation(*args)
+    else:
+        out, lse = torch.ops.kvops.paged_attention(*args)
     return (out, lse) if return_lse else out
