@@ -1,7 +1,8 @@
 """Native (C++) CPU kernels, built on first use.
 
 ``paged_attention.cpp`` registers ``kvops::_paged_attention_native`` (the CPU kernel behind ``kvops::paged_attention``,
-see the comment at its top). It is compiled by ``torch.utils.cpp_extension.load`` the first time a CPU paged attention
+see the comment at its top) and ``kvops::_paged_attention_values_bad`` (the one-pass value-contract check of eager CPU
+calls, ``kvops/_checks/values.py``). It is compiled by ``torch.utils.cpp_extension.load`` the first time a CPU paged attention
 runs (not at import), with the machine's C++ compiler (the one ``torch.compile`` on CPU needs too), into torch's
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the
 source, the flags and the CPU's instruction-set flags, so later processes load the cached build in well under a

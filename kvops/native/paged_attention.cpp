@@ -17,8 +17,11 @@
 // chunk's end point at a zero buffer), so NaN/inf in unused slots or unreferenced blocks is never read. Caches are
 // addressed through their four strides (joint K|V allocations, interleaved blocks, HND caches viewed as NHD, sliced
 // heads); a last-dim stride != 1 or a head_dim that is not a multiple of 16 goes through a small fp32 staging tile.
-// Rows of the next chunks are software-prefetched (blocks are scattered). Vector code uses GCC/Clang vector
-// extensions (AVX-512 / AVX2 / NEON under -march=native).
+// A KV head's rows go through the math in blocks of 1, 2, 4 (decode with GQA ratio <= 4: no padding to 8) or 8.
+// The K/V rows ~8 KiB ahead are software-prefetched (blocks are scattered), one cache line per inner-loop step
+// (a burst per chunk overflows the miss buffers and is mostly dropped). Vector code uses GCC/Clang vector
+// extensions (AVX-512 / AVX2 / NEON under -march=native). Also here: the one-pass value-contract check of eager CPU
+// calls (paged_attention_values_bad, used by kvops/_checks/values.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,8 +43,8 @@ namespace kvops_native {
 namespace {
 
 constexpr int L = 16;  // vector lanes = tokens per chunk
-#ifndef KVOPS_PREFETCH
-#define KVOPS_PREFETCH 16384
+#ifndef KVOPS_PREFETCH  // Zen 5 (48 KiB L1d), one thread: 8 KiB as good as or better than 4, 16, 32 KiB; t0 > t1, t2
+#define KVOPS_PREFETCH 8192
 #endif
 constexpr int PREFETCH_BYTES = KVOPS_PREFETCH;  // K/V bytes prefetched ahead of the math
 typedef float vf __attribute__((vector_size(64)));
@@ -165,16 +168,10 @@ inline void load_row(const T* src, int64_t st, int n, float* dst, int n_pad) {
   for (; i < n_pad; ++i) dst[i] = 0.f;
 }
 
-#ifndef KVOPS_PF_HINT
-#define KVOPS_PF_HINT 0
-#endif
-#define KVOPS_STR2(x) #x
-#define KVOPS_STR(x) KVOPS_STR2(x)
-#define KVOPS_PF_INSN "prefetcht" KVOPS_STR(KVOPS_PF_HINT)
 // (GCC 12 was seen to drop __builtin_prefetch in this file; the x86 instruction is emitted directly)
 inline void prefetch_line(const char* p) {
 #if defined(__x86_64__) || defined(__i386__)
-  asm volatile(KVOPS_PF_INSN " %0" : : "m"(*p));
+  asm volatile("prefetcht0 %0" : : "m"(*p));
 #else
   __builtin_prefetch(p);
 #endif
