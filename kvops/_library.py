@@ -61,3 +61,8 @@ lib.define(
     "Tensor positions, Tensor rotary_cos, Tensor rotary_sin, bool rotary_interleaved=False, "
     "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
 )
+
+# --- the streaming step's position contract (kvops/export/streaming.py) ------------------------------------------
+# state: int64 [9] (current_chunk_start, global_end, local_end, write row, roll src, roll count, and three margins
+# that are >= 0 when the step is valid); returns a copy after raising the contract's RuntimeError when one is < 0.
+lib.define("stream_positions(Tensor state, int sink_tokens, int kv_cache_size) -> Tensor")
