@@ -213,8 +213,8 @@ def main() -> None:
     kvops.set_value_checks(args.value_checks)
     native = kvops.native.available()
     emit(f"torch {torch.__version__}; CPU kernel: {'native C++' if native else 'composite torch (no native build)'}; "
-         f"block_size {BLOCK_SIZE}; value checks {args.value_checks}; ratios = kvops / ideal per interleaved round: median [25th-75th pct] of "
-         f"{args.rounds} rounds")
+         f"block_size {BLOCK_SIZE}; value checks {args.value_checks}; ratios = kvops / ideal per interleaved round: "
+         f"median [25th-75th pct] of {args.rounds} rounds")
     panels = {}
     global clock
     for threads in args.threads:

@@ -175,6 +175,9 @@ class TestNativeKernel(unittest.TestCase):
         with torch.no_grad():
             self.assertTrue(op_module._direct((q,)))
         self.assertFalse(op_module._direct((torch.nn.Parameter(q.detach()),)))  # subclasses: the dispatcher
+        with torch.profiler.profile() as prof:  # a profile names the op
+            kvops.paged_attention(**inputs)
+        self.assertIn("kvops::paged_attention", [e.name for e in prof.events()])
 
     def test_compiled_graph_calls_native_kernel(self):
         torch._dynamo.reset()

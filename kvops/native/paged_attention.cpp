@@ -134,7 +134,8 @@ inline void transpose16(vf* m) {
 struct Fp8Lut {
   float v[256];
   Fp8Lut() {
-    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    for (int i = 0; i < 256; ++i)
+      v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
   }
 };
 const Fp8Lut& fp8_lut() { static const Fp8Lut lut; return lut; }
