@@ -66,10 +66,14 @@ inline float hmax(vf v) {
   for (int i = 1; i < L; ++i) m = v[i] > m ? v[i] : m;
   return m;
 #else
-  for (int h = 8; h >= 1; h >>= 1) {
-    vi idx;
-    for (int c = 0; c < L; ++c) idx[c] = c ^ h;
-    const vf w = __builtin_shuffle(v, idx);
+  // butterfly over lane distance 8, 4, 2, 1 (constant lane permutations c ^ h)
+  const vi idx[4] = {vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                     vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                     vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                     vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const vf w = __builtin_shuffle(v, idx[k]);
     v = vsel(w > v, w, v);
   }
   return v[0];
@@ -103,31 +107,39 @@ inline vf vtanh(vf x) {
   return vsel(neg, -t, t);
 }
 
-// in-register 16x16 transpose: rows m[0..15] -> columns (swaps bit h of row and lane index for h = 8, 4, 2, 1)
-inline void transpose16(vf* m) {
-  for (int h = 8; h >= 1; h >>= 1) {
-    vi lo, hi;
-    for (int c = 0; c < L; ++c) {
-      lo[c] = (c & h) ? L + c - h : c;
-      hi[c] = (c & h) ? L + c : c + h;
-    }
-    for (int i = 0; i < L; ++i) {
-      if (i & h) continue;
-      vf a = m[i], b = m[i + h];
+// in-register 16x16 transpose: rows m[0..15] -> columns. Stage H swaps bit H of row and lane index: rows i and
+// i + H (bit H clear in i) become shuffle(a, b, lo) and shuffle(a, b, hi) with constant index vectors (indices >= 16
+// pick from b), so each stage is 16 two-source permutes and nothing else.
+template <int H>
+inline void transpose_stage(vf* m, const vi lo, const vi hi) {
+#pragma GCC unroll 16
+  for (int i = 0; i < L; ++i) {
+    if (i & H) continue;
+    const vf a = m[i], b = m[i + H];
 #if defined(__clang__)
-      vf x, y;
-      for (int c = 0; c < L; ++c) {
-        x[c] = lo[c] < L ? a[lo[c]] : b[lo[c] - L];
-        y[c] = hi[c] < L ? a[hi[c]] : b[hi[c] - L];
-      }
-      m[i] = x;
-      m[i + h] = y;
-#else
-      m[i] = __builtin_shuffle(a, b, lo);
-      m[i + h] = __builtin_shuffle(a, b, hi);
-#endif
+    vf x, y;
+    for (int c = 0; c < L; ++c) {
+      x[c] = lo[c] < L ? a[lo[c]] : b[lo[c] - L];
+      y[c] = hi[c] < L ? a[hi[c]] : b[hi[c] - L];
     }
+    m[i] = x;
+    m[i + H] = y;
+#else
+    m[i] = __builtin_shuffle(a, b, lo);
+    m[i + H] = __builtin_shuffle(a, b, hi);
+#endif
   }
+}
+
+inline void transpose16(vf* m) {
+  transpose_stage<8>(m, vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                     vi{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  transpose_stage<4>(m, vi{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                     vi{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  transpose_stage<2>(m, vi{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                     vi{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  transpose_stage<1>(m, vi{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                     vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
 }
 
 // --- loading one row of n elements (element stride st) into n_pad fp32 values (zeros after n) ------------------
