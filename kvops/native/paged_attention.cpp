@@ -47,6 +47,7 @@ constexpr int L = 16;  // vector lanes = tokens per chunk
 #define KVOPS_PREFETCH 8192
 #endif
 constexpr int PREFETCH_BYTES = KVOPS_PREFETCH;  // K/V bytes prefetched ahead of the math
+constexpr int64_t TINY_KV_ROWS = 2048;  // (KV position, KV head) rows below which a call stays on one thread (~50 us)
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
@@ -516,7 +517,11 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
          int max_rows_pad, std::vector<float>& partials) {
   const int dvp = pb.dv_pad, nh = pb.num_kv_heads;
   const int64_t head_size = static_cast<int64_t>(max_rows_pad) * (dvp + 2), part_size = nh * head_size;
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+  // tiny calls (decode of a few short sequences) run on the calling thread: waking the pool costs more than the work
+  int64_t kv_rows = 0;
+  for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo) * nh;
+  const int64_t grain = kv_rows < TINY_KV_ROWS ? static_cast<int64_t>(work.size()) : 1;
+  at::parallel_for(0, static_cast<int64_t>(work.size()), grain, [&](int64_t begin, int64_t end) {
     static thread_local Scratch sc;  // reused across calls: no allocation once warm
     static thread_local std::vector<float> own;
     sc.size(max_rows_pad, pb);
@@ -662,7 +667,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   }
   // split-KV when there are fewer items than 2 per thread: parts of >= 256 positions
   const int threads = at::get_num_threads();
-  if (threads > 1 && static_cast<int>(items.size()) < 2 * threads) {
+  int64_t kv_rows = 0;  // (KV position, KV head) rows of the call; tiny calls stay on one thread (run)
+  for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo) * pb.num_kv_heads;
+  if (threads > 1 && static_cast<int>(items.size()) < 2 * threads && kv_rows >= TINY_KV_ROWS) {
     const int want = (2 * threads + static_cast<int>(items.size()) - 1) / static_cast<int>(items.size());
     for (Item& it : items) it.parts = std::max(1, std::min(want, (it.hi - it.lo) / 256));
   }
