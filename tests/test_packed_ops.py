@@ -37,16 +37,18 @@ def ref_int8(x):
 
 
 def ref_int4(x, group):
-    """Loop reference: per (b, t, h, group) zero = fp16(min), scale = fp16((max - zero) / 15), codes in [0, 15]."""
+    """Loop reference: per (b, t, h, group) scale = fp16(max((max - min) / 15, |min| / 127)), integer zero point
+    zero = round(-min / scale) (int8), codes = round(x / scale) + zero in [0, 15]; x ≈ (code - zero) · scale."""
     b, t, h, d = x.shape
     codes = torch.empty(b, t, h, d, dtype=torch.uint8)
     scales = torch.empty(b, t, h, d // group, dtype=torch.float16)
-    zeros = torch.empty_like(scales)
+    zeros = torch.empty(b, t, h, d // group, dtype=torch.int8)
     for i, j, k, gi in itertools.product(range(b), range(t), range(h), range(d // group)):
         seg = x[i, j, k, gi * group : (gi + 1) * group].float()
-        z = seg.min().half().float()
-        s = ((seg.max() - z) / 15).clamp(2.0**-14, 65504).half().float()
-        codes[i, j, k, gi * group : (gi + 1) * group] = torch.round((seg - z) / s).clamp(0, 15).to(torch.uint8)
+        lo, hi = seg.min(), seg.max()
+        s = torch.maximum((hi - lo) / 15, lo.abs() / 127).clamp(2.0**-14, 65504).half().float()
+        z = torch.round(-lo / s).clamp(-128, 127)
+        codes[i, j, k, gi * group : (gi + 1) * group] = (torch.round(seg / s) + z).clamp(0, 15).to(torch.uint8)
         scales[i, j, k, gi], zeros[i, j, k, gi] = s, z
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, scales, zeros
@@ -72,9 +74,9 @@ class TestQuantizeReference(unittest.TestCase):
             self.assertTrue(torch.equal(p.codes, codes))
             self.assertTrue(torch.equal(p.scales, scales) and torch.equal(p.zeros, zeros))
             y = dequantize_kv(p, torch.float32)
-            # half a step, plus the fp16 rounding of the zero (min side) and of the scale (15 steps, max side)
-            per_group = scales.float() * (0.5 + 15 * 2.0**-11) + zeros.float().abs() * 2.0**-11
-            bound = per_group.repeat_interleave(group, -1) + 1e-6
+            # half a step: the integer zero point loses nothing (codes are round(x / scale) + zero), and the range
+            # fits 15 steps up to the fp16 rounding of the scale (at most 15 · 2^-11 of a step at the max side)
+            bound = (scales.float() * (0.5 + 15 * 2.0**-11)).repeat_interleave(group, -1) + 1e-6
             self.assertTrue(bool(((y - x).abs() <= bound).all()))
 
     def test_fp8_per_head_scale(self):
@@ -122,9 +124,9 @@ class TestInt2PRQ(unittest.TestCase):
         for stages in (1, 2, 3):
             p = quantize_kv(x, "int2", stages=stages, group_size=32)
             y = dequantize_kv(p, torch.float32)
-            # the last stage's rounding bounds the error: half its step per group (+ fp16 rounding of the zero)
+            # the last stage's rounding bounds the error: half its step per group (+ fp16 rounding of the scale)
             last = p.scales[:, :, :, -1].float().repeat_interleave(32, -1)
-            self.assertTrue(bool(((y - x).abs() <= last / 2 + 1e-2).all()))
+            self.assertTrue(bool(((y - x).abs() <= last * (0.5 + 3 * 2.0**-11) + 1e-5).all()))
             errors.append(((y - x) ** 2).mean().item())
         self.assertLess(errors[1], errors[0] / 4)
         self.assertLess(errors[2], errors[1] / 4)
@@ -138,7 +140,8 @@ class TestInt2PRQ(unittest.TestCase):
             for s in range(2):
                 byte = p.codes[b, t, h, s].long()
                 codes = torch.stack([(byte >> (2 * i)) & 3 for i in range(4)], -1).flatten()
-                row = row + codes * p.scales[b, t, h, s].float().repeat_interleave(64) + p.zeros[b, t, h, s].float()
+                zero = p.zeros[b, t, h, s].float().repeat_interleave(64)
+                row = row + (codes - zero) * p.scales[b, t, h, s].float().repeat_interleave(64)
             expect[b, t, h] = row
         torch.testing.assert_close(dequantize_kv(p, torch.float32), expect, rtol=1e-6, atol=1e-6)
 

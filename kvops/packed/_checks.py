@@ -15,7 +15,8 @@ import torch
 FORMATS = ("int8", "fp8", "int4", "int2")
 GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SCALE_DTYPE = torch.float16  # int8 / int4 / int2 scales and zero points (fp8: one fp32 scale per (batch, head))
+SCALE_DTYPE = torch.float16  # int8 / int4 / int2 scales (fp8: one fp32 scale per (batch, head))
+ZERO_DTYPE = torch.int8  # int4 / int2 integer zero points, in units of the group's scale
 _FIELDS = ("codes", "scales", "zeros", "centroids", "cluster_ids")
 
 
@@ -40,17 +41,22 @@ def packed_layout(
     """The tensors a ``quant``-packed ``[B, T, H, D]`` K or V consists of (``None``: not stored by this format).
 
     - ``"int8"``: symmetric per (token, head). ``codes [B, T, H, D]`` int8 in ``[-127, 127]``, ``scales [B, T, H]``
-      fp16 (``amax / 127``); ``x ≈ codes · scale``.
+      fp16 (``amax / 127``); ``x ≈ codes · scale``. ``D + 2`` bytes per (token, head) (D=128: 0.508 × bf16).
     - ``"fp8"``: e4m3 with per-head scales. ``codes [B, T, H, D]`` float8_e4m3fn, ``scales [B, H]`` fp32 (``amax``
-      over the call's tokens and ``D`` divided by 448); ``x ≈ codes · scale``.
+      over the call's tokens and ``D`` divided by 448); ``x ≈ codes · scale``. ``D + 4 / T`` bytes (0.500 × bf16).
     - ``"int4"``: asymmetric, groups of ``group_size`` along ``D``. ``codes [B, T, H, D/2]`` uint8 (element ``2j`` in
-      the low nibble, ``2j+1`` in the high one), ``scales``/``zeros [B, T, H, D/group_size]`` fp16;
-      ``x ≈ code · scale + zero``.
+      the low nibble, ``2j+1`` in the high one), ``scales [B, T, H, D/group_size]`` fp16 and ``zeros`` (same shape)
+      int8 integer zero points (GPTQ/AWQ style); ``x ≈ (code - zero) · scale``. Bytes per (token, head):
+      ``D/2 + 3·D/group_size`` (D=128: 76 / 70 / 67 for groups 32 / 64 / 128, i.e. 0.297 / 0.273 / 0.262 × bf16).
     - ``"int2"``: Quant VideoGen's progressive residual quantization. Per (batch, head) a k-means over the tokens
       gives ``centroids [B, H, C, D]`` fp16 and ``cluster_ids [B, T, H]`` uint8; the residual ``x - centroid`` is
       quantized in ``stages`` 2-bit asymmetric stages, each of the previous stage's residual, with groups of
       ``group_size`` along ``D``: ``codes [B, T, H, stages, D/4]`` uint8 (element ``4j+i`` in bits ``2i..2i+1``),
-      ``scales``/``zeros [B, T, H, stages, D/group_size]`` fp16; ``x ≈ centroid + Σ_s (code_s · scale_s + zero_s)``.
+      ``scales [B, T, H, stages, D/group_size]`` fp16 and ``zeros`` (same shape) int8 integer zero points;
+      ``x ≈ centroid + Σ_s (code_s - zero_s) · scale_s``. Bytes per (token, head): ``stages · (D/4 + 3·D/group_size)
+      + 1`` (cluster id) ``+ 2·C·D / T`` (centroids, amortized over the ``T`` tokens of the call). At QVG's chunk
+      (T = 3 × 1560), C = 16, D = 128, group 64: 1 stage = 38 + 1 + 0.88 = 39.9 B = 0.156 × bf16 (the default, <=
+      0.18 ×); every further stage adds 38 B (0.148 ×), so 2 stages = 0.304 × (4 bits per value cannot be <= 0.25 ×).
     """
     b, t, h, d, g = batch, tokens, heads, head_dim, group_size
     out: dict[str, Spec | None] = dict.fromkeys(_FIELDS)
@@ -59,12 +65,12 @@ def packed_layout(
     elif quant == "fp8":
         out.update(codes=Spec((b, t, h, d), torch.float8_e4m3fn), scales=Spec((b, h), torch.float32))
     elif quant == "int4":
-        grouped = Spec((b, t, h, d // g), SCALE_DTYPE)
-        out.update(codes=Spec((b, t, h, d // 2), torch.uint8), scales=grouped, zeros=grouped)
+        out.update(codes=Spec((b, t, h, d // 2), torch.uint8), scales=Spec((b, t, h, d // g), SCALE_DTYPE),
+                   zeros=Spec((b, t, h, d // g), ZERO_DTYPE))
     elif quant == "int2":
-        grouped = Spec((b, t, h, stages, d // g), SCALE_DTYPE)
         out.update(
-            codes=Spec((b, t, h, stages, d // 4), torch.uint8), scales=grouped, zeros=grouped,
+            codes=Spec((b, t, h, stages, d // 4), torch.uint8), scales=Spec((b, t, h, stages, d // g), SCALE_DTYPE),
+            zeros=Spec((b, t, h, stages, d // g), ZERO_DTYPE),
             centroids=Spec((b, h, num_clusters, d), SCALE_DTYPE), cluster_ids=Spec((b, t, h), torch.uint8),
         )
     else:

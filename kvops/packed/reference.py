@@ -35,20 +35,28 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.flatten(-2)
 
 
+ZERO_MIN, ZERO_MAX = -128, 127  # integer zero points are stored as int8
+
+
 def _affine(x: torch.Tensor, group: int, levels: int):
-    """Asymmetric min/max quantization of ``x [..., D]`` in groups of ``group`` along D: (codes, scale, zero), with
-    scale and zero rounded to fp16 (the stored values), codes in ``[0, levels]``."""
+    """Asymmetric min/max quantization of ``x [..., D]`` in groups of ``group`` along D with an integer zero point
+    (GPTQ/AWQ style): ``x ≈ (code - zero) · scale``. Returns (codes in ``[0, levels]``, scale rounded to its stored
+    fp16 value, zero as an integer-valued fp32 in ``[-128, 127]``).
+
+    ``scale = max((max - min) / levels, |min| / 127)`` (the second term keeps ``zero = round(-min / scale)`` inside
+    int8; it only binds for groups whose range is < 1/127 of their offset), so every value of the group is within
+    half a step of its code's value, as with a float zero point."""
     g = x.unflatten(-1, (-1, group))
     lo, hi = g.amin(-1), g.amax(-1)
-    zero = lo.to(torch.float16).float()
-    scale = _fp16_scale((hi - zero) / levels)
-    q = torch.round((g - zero[..., None]) / scale[..., None]).clamp(0, levels)
+    scale = _fp16_scale(torch.maximum((hi - lo) / levels, lo.abs() / 127.0))
+    zero = torch.round(-lo / scale).clamp(ZERO_MIN, ZERO_MAX)
+    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, levels)
     return q.flatten(-2), scale, zero
 
 
 def _ungroup(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     g = q.float().unflatten(-1, (scale.shape[-1], -1))
-    return (g * scale[..., None] + zero[..., None]).flatten(-2)
+    return ((g - zero[..., None]) * scale[..., None]).flatten(-2)
 
 
 def kmeans(x: torch.Tensor, num_clusters: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
