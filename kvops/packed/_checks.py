@@ -173,12 +173,89 @@ def check_dequantize_kv(codes, scales, zeros, centroids, cluster_ids, quant: str
             f"{op}: codes must be {want}-D for quant={quant!r} (see kvops.packed.packed_layout); got shape "
             f"{tuple(codes.shape)}."
         )
+    tensors = dict(codes=codes, scales=scales, zeros=zeros, centroids=centroids, cluster_ids=cluster_ids)
+    return _check_packed(op, tensors, quant)
+
+
+def _check_packed(op: str, tensors: dict, quant: str) -> tuple[int, int, int, int]:
+    """One packed tensor's stored tensors (``codes`` of the format's rank) against its layout: ``(B, T, H, D)``."""
+    codes, scales, centroids = tensors["codes"], tensors["scales"], tensors["centroids"]
     b, t, h = codes.shape[:3]
     d = codes.shape[-1] * {"int8": 1, "fp8": 1, "int4": 2, "int2": 4}[quant]
     group, stages = _grouping(op, quant, d, scales)
     clusters = centroids.shape[2] if quant == "int2" and centroids is not None and centroids.dim() == 4 else 16
     check_format(op, quant, d, group, stages, clusters)
     layout = packed_layout(quant, b, t, h, d, group_size=group, stages=stages, num_clusters=clusters)
-    tensors = dict(codes=codes, scales=scales, zeros=zeros, centroids=centroids, cluster_ids=cluster_ids)
     _check_tensors(op, quant, tensors, layout, codes.device, f"codes of shape {tuple(codes.shape)}, group_size {group}")
     return b, t, h, d
+
+
+SEGMENT_FIELDS = {"int8": 2, "fp8": 2, "int4": 3, "int2": 5}  # stored tensors per packed segment, in _FIELDS order
+
+
+def split_segments(quant: str, flat) -> list[dict]:
+    """A flat list of packed segments' tensors (``kvops::packed_attention``'s ``k_packed``) -> one dict per segment
+    (``_FIELDS`` -> tensor or None)."""
+    n = SEGMENT_FIELDS[quant]
+    return [dict(zip(_FIELDS, list(flat[i : i + n]) + [None] * (5 - n))) for i in range(0, len(flat), n)]
+
+
+def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale) -> tuple[float, int]:
+    """Contract of ``kvops::packed_attention``; returns ``(scale, D_v)`` (scale defaults to ``D ** -0.5``)."""
+    op = "kvops.packed_attention"
+    if q.dim() != 4 or q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: q must be 4-D [B, T, H_q, D] of {FLOAT_DTYPES}; got {q.dtype} of shape {tuple(q.shape)}.")
+    if len(k_dense) != len(v_dense) or len(k_packed) != len(v_packed):
+        raise ValueError(
+            f"{op}: K and V need the same segments; got {len(k_dense)} dense K and {len(v_dense)} dense V segments, "
+            f"{len(k_packed)} packed K and {len(v_packed)} packed V tensors."
+        )
+    if quant is None and k_packed:
+        raise ValueError(f"{op}: packed segments given without their format; pass quant (one of {FORMATS}).")
+    if quant is not None and quant not in FORMATS:
+        raise ValueError(f"{op}: quant must be one of {FORMATS} (or None), got {quant!r}.")
+    if quant is not None and len(k_packed) % SEGMENT_FIELDS[quant]:
+        raise ValueError(
+            f"{op}: quant={quant!r} stores {SEGMENT_FIELDS[quant]} tensors per segment (see "
+            f"kvops.packed.packed_layout), so k_packed/v_packed need a multiple of {SEGMENT_FIELDS[quant]}; got "
+            f"{len(k_packed)}."
+        )
+    if not k_dense and not k_packed:
+        raise ValueError(f"{op}: need at least one K/V segment (dense or packed), got none.")
+    b, _, hq, d = q.shape
+    shapes = []  # (what, batch, tokens, heads, head_dim, device) of every segment
+    for kind, segs in (("K", k_dense), ("V", v_dense)):
+        for i, x in enumerate(segs):
+            if x.dim() != 4 or x.dtype not in FLOAT_DTYPES:
+                raise ValueError(
+                    f"{op}: dense {kind} segment {i} must be 4-D [B, n, H_kv, D] of {FLOAT_DTYPES}; got {x.dtype} "
+                    f"of shape {tuple(x.shape)}."
+                )
+            shapes.append((f"dense {kind} segment {i}", *x.shape, x.device))
+    for kind, flat in (("K", k_packed), ("V", v_packed)):
+        for i, seg in enumerate(split_segments(quant, flat) if quant else []):
+            where = f"{op} (packed {kind} segment {i})"
+            if seg["codes"].dim() != (5 if quant == "int2" else 4):
+                raise ValueError(f"{where}: codes must be {5 if quant == 'int2' else 4}-D for quant={quant!r}; got "
+                                 f"shape {tuple(seg['codes'].shape)}.")
+            shapes.append((f"packed {kind} segment {i}", *_check_packed(where, seg, quant), seg["codes"].device))
+    hkv = shapes[0][3]
+    if hq % hkv != 0:
+        raise ValueError(f"{op}: query heads ({hq}) must be a multiple of num_kv_heads ({hkv}) (GQA).")
+    d_v = next(s[4] for s in shapes if s[0].split()[1] == "V")
+    for what, sb, _, sh, sd, dev in shapes:
+        want_d = d if what.split()[1] == "K" else d_v
+        if (sb, sh, sd) != (b, hkv, want_d):
+            raise ValueError(
+                f"{op}: {what} has batch {sb}, {sh} KV heads and head_dim {sd}; expected batch {b} (q), "
+                f"num_kv_heads {hkv} and head_dim {want_d} ({'q' if what.split()[1] == 'K' else 'the first V'})."
+            )
+        if dev != q.device:
+            raise ValueError(f"{op}: {what} is on {dev} but q is on {q.device}. Move them to one device.")
+    for kind in ("dense", "packed"):
+        ks = [s for s in shapes if s[0].startswith(kind + " K")]
+        vs = [s for s in shapes if s[0].startswith(kind + " V")]
+        for sk, sv in zip(ks, vs):
+            if sk[2] != sv[2]:
+                raise ValueError(f"{op}: {sk[0]} has {sk[2]} tokens but {sv[0]} has {sv[2]}; K and V must match.")
+    return (d**-0.5 if scale is None else scale), d_v
