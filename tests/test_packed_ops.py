@@ -9,7 +9,8 @@ import unittest
 import expecttest
 import torch
 
-from kvops.packed import FORMATS, dequantize_kv, empty_packed, packed_layout, quantize_kv
+from kvops.packed import FORMATS, default_group_size, dequantize_kv, empty_packed
+from kvops.packed import packed_layout, quantize_kv
 from kvops.packed import reference as kernels
 from tests.contract import raises_everywhere
 
@@ -182,9 +183,37 @@ class TestContracts(expecttest.TestCase):
         self.assertExpectedInline(msg, """kvops.dequantize_kv: dtype must be one of (torch.float32, torch.bfloat16, torch.float16), got torch.int32.""")
 
     def test_layout_bytes(self):
-        specs = packed_layout("int2", 1, 4680, 1, 128, stages=1, num_clusters=16)
-        nbytes = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in specs.values() if s is not None)
-        self.assertLessEqual(nbytes / (4680 * 128 * 2), 0.18)
+        """Issue 7's byte targets at Quant VideoGen's chunk (3 x 1560 tokens), head_dim 64 and 128, vs bf16, with the
+        exact per-format arithmetic of packed_layout's docstring."""
+        t = 3 * 1560
+
+        def ratio(quant, d, **fmt):
+            specs = packed_layout(quant, 1, t, 1, d, **fmt)
+            nbytes = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in specs.values() if s is not None)
+            return nbytes / (t * d * 2)
+
+        for d in (64, 128):
+            self.assertEqual(ratio("int8", d), (d + 2) / (2 * d))
+            self.assertLessEqual(ratio("fp8", d), 0.53)
+            for g in (32, 64, 128):
+                if g <= d:
+                    self.assertEqual(ratio("int4", d, group_size=g), (d / 2 + 3 * d / g) / (2 * d))
+                    self.assertLessEqual(ratio("int4", d, group_size=g), 0.30)
+            default = dict(group_size=default_group_size(d), stages=1, num_clusters=16)
+            self.assertAlmostEqual(ratio("int2", d, **default), (d / 4 + 3 * d / 64 + 1 + 2 * 16 * d / t) / (2 * d))
+            self.assertLessEqual(ratio("int2", d, **default), 0.18)
+            self.assertGreater(ratio("int2", d, **{**default, "stages": 2}), 0.25)  # 4 bits per value: never <= 0.25
+        self.assertLessEqual(ratio("int8", 128), 0.53)
+
+    def test_integer_zero_point_of_an_offset_group(self):
+        # a group far from zero with a tiny range: the zero point stays in int8 (scale >= |min| / 127), error <= step/2
+        x = torch.full((1, 2, 1, 64), 100.0)
+        x[0, 1, 0, :32] = -3.0 + 0.001 * torch.arange(32)
+        p = quantize_kv(x, "int4", group_size=32)
+        self.assertEqual(p.zeros.dtype, torch.int8)
+        step = p.scales.float().repeat_interleave(32, -1)
+        self.assertTrue(bool(((dequantize_kv(p, torch.float32) - x).abs() <= step * (0.5 + 2.0**-10)).all()))
+        self.assertLessEqual(float(p.scales[0, 0, 0, 0]), 100 / 127 * (1 + 2.0**-10))
 
     def test_opcheck(self):
         x = kv_like(2, 6, 3, 64, dtype=torch.bfloat16)

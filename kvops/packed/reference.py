@@ -141,11 +141,12 @@ def dequantize(codes, scales, zeros, centroids, cluster_ids, quant: str, dtype: 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Attention of ``q [B, H_kv, M, D]`` to one segment ``k``/``v [B, H_kv, n, D]`` (``n >= 1``): (out fp32, LSE fp32
     ``[B, H_kv, M]``). A fused flash kernel where torch has one that returns the LSE (CPU: any float dtype; CUDA:
-    fp16/bf16), else plain fp32 math."""
-    if q.device.type == "cpu":
+    fp16/bf16; both need ``D_v == D``), else plain fp32 math."""
+    flash = q.shape[-1] == v.shape[-1]
+    if flash and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
         return out.float(), lse
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+    if flash and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
         return out.float(), lse
     s = torch.einsum("bhmd,bhnd->bhmn", q.float(), k.float()) * scale
