@@ -38,8 +38,8 @@ def ref_int8(x):
 
 
 def ref_int4(x, group):
-    """Loop reference: per (b, t, h, group) scale = fp16(max((max - min) / 15, |min| / 127)), integer zero point
-    zero = round(-min / scale) (int8), codes = round(x / scale) + zero in [0, 15]; x ≈ (code - zero) · scale."""
+    """Loop reference: per (b, t, h, group) scale = fp16(max((max - min) / 15, |min| / 15.875)), int8 zero point in
+    eighths of a step zero = round(-8 · min / scale), codes = round(x / scale + zero / 8) in [0, 15]."""
     b, t, h, d = x.shape
     codes = torch.empty(b, t, h, d, dtype=torch.uint8)
     scales = torch.empty(b, t, h, d // group, dtype=torch.float16)
@@ -47,9 +47,9 @@ def ref_int4(x, group):
     for i, j, k, gi in itertools.product(range(b), range(t), range(h), range(d // group)):
         seg = x[i, j, k, gi * group : (gi + 1) * group].float()
         lo, hi = seg.min(), seg.max()
-        s = torch.maximum((hi - lo) / 15, lo.abs() / 127).clamp(2.0**-14, 65504).half().float()
-        z = torch.round(-lo / s).clamp(-128, 127)
-        codes[i, j, k, gi * group : (gi + 1) * group] = (torch.round(seg / s) + z).clamp(0, 15).to(torch.uint8)
+        s = torch.maximum((hi - lo) / 15, lo.abs() / 15.875).clamp(2.0**-14, 65504).half().float()
+        z = torch.round(-lo / s * 8).clamp(-128, 127)
+        codes[i, j, k, gi * group : (gi + 1) * group] = torch.round(seg / s + z / 8).clamp(0, 15).to(torch.uint8)
         scales[i, j, k, gi], zeros[i, j, k, gi] = s, z
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, scales, zeros
@@ -75,9 +75,13 @@ class TestQuantizeReference(unittest.TestCase):
             self.assertTrue(torch.equal(p.codes, codes))
             self.assertTrue(torch.equal(p.scales, scales) and torch.equal(p.zeros, zeros))
             y = dequantize_kv(p, torch.float32)
-            # half a step: the integer zero point loses nothing (codes are round(x / scale) + zero), and the range
-            # fits 15 steps up to the fp16 rounding of the scale (at most 15 · 2^-11 of a step at the max side)
-            bound = (scales.float() * (0.5 + 15 * 2.0**-11)).repeat_interleave(group, -1) + 1e-6
+            # half a step: codes are round(x / scale + zero / 8), and the range fits 15 steps up to the fp16 rounding
+            # of the scale and the zero's 1/16-step rounding (at most 15 · 2^-11 + 1/16 of a step at the max side)
+            bound = (scales.float() * 0.5).repeat_interleave(group, -1) + x.abs() * 2.0**-22  # + fp32 rounding
+            # the group minimum is reproduced to within 1/16 of a step (the zero point's resolution)
+            lo = x.unflatten(-1, (-1, group)).amin(-1)
+            lo_hat = -zeros.float() / 8 * scales.float()
+            self.assertTrue(bool(((lo_hat - lo).abs() <= scales.float() / 16 * (1 + 1e-5)).all()))
             self.assertTrue(bool(((y - x).abs() <= bound).all()))
 
     def test_fp8_per_head_scale(self):
@@ -141,7 +145,7 @@ class TestInt2PRQ(unittest.TestCase):
             for s in range(2):
                 byte = p.codes[b, t, h, s].long()
                 codes = torch.stack([(byte >> (2 * i)) & 3 for i in range(4)], -1).flatten()
-                zero = p.zeros[b, t, h, s].float().repeat_interleave(64)
+                zero = p.zeros[b, t, h, s].float().repeat_interleave(64) / 8
                 row = row + (codes - zero) * p.scales[b, t, h, s].float().repeat_interleave(64)
             expect[b, t, h] = row
         torch.testing.assert_close(dequantize_kv(p, torch.float32), expect, rtol=1e-6, atol=1e-6)
@@ -206,14 +210,16 @@ class TestContracts(expecttest.TestCase):
         self.assertLessEqual(ratio("int8", 128), 0.53)
 
     def test_integer_zero_point_of_an_offset_group(self):
-        # a group far from zero with a tiny range: the zero point stays in int8 (scale >= |min| / 127), error <= step/2
+        # a group far from zero with a tiny range: the zero point stays in int8 (scale >= |min| / 15.875), error <=
+        # half a step
         x = torch.full((1, 2, 1, 64), 100.0)
         x[0, 1, 0, :32] = -3.0 + 0.001 * torch.arange(32)
         p = quantize_kv(x, "int4", group_size=32)
         self.assertEqual(p.zeros.dtype, torch.int8)
         step = p.scales.float().repeat_interleave(32, -1)
         self.assertTrue(bool(((dequantize_kv(p, torch.float32) - x).abs() <= step * (0.5 + 2.0**-10)).all()))
-        self.assertLessEqual(float(p.scales[0, 0, 0, 0]), 100 / 127 * (1 + 2.0**-10))
+        self.assertLessEqual(float(p.scales[0, 0, 0, 0]), 100 / 15.875 * (1 + 2.0**-10))
+        self.assertEqual(int(p.zeros[0, 0, 0, 0]), -127)
 
     def test_opcheck(self):
         x = kv_like(2, 6, 3, 64, dtype=torch.bfloat16)

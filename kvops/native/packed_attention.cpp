@@ -138,23 +138,23 @@ struct Seg {
           for (int e = 0; e < d; ++e) o[e * cs] = lut[x[e * c[3]]] * s;
           break;
         }
-        case INT4: {  // two codes per byte (element 2i low nibble), (code - zero) * scale per group
+        case INT4: {  // two codes per byte (element 2i low nibble), (code - zero / 8) * scale per group
           const uint8_t* x = static_cast<const uint8_t*>(codes.p) + b * c[0] + t * c[1] + h * c[2];
           const int64_t srow = b * scales.st[0] + t * scales.st[1] + h * scales.st[2];
           const int64_t zrow = b * zeros.st[0] + t * zeros.st[1] + h * zeros.st[2];
           const int8_t* z = static_cast<const int8_t*>(zeros.p);
           for (int g = 0; g < d / group; ++g) {
             const float s = h2f(scales.p, srow + g * scales.st[3]);
-            const float zs = static_cast<float>(z[zrow + g * zeros.st[3]]) * s;
+            const float zf = static_cast<float>(z[zrow + g * zeros.st[3]]) * 0.125f;  // zero point in eighths
             for (int e = g * group; e < (g + 1) * group; e += 2) {
               const int byte = x[(e >> 1) * c[3]];
-              o[e * cs] = static_cast<float>(byte & 15) * s - zs;
-              o[(e + 1) * cs] = static_cast<float>(byte >> 4) * s - zs;
+              o[e * cs] = (static_cast<float>(byte & 15) - zf) * s;
+              o[(e + 1) * cs] = (static_cast<float>(byte >> 4) - zf) * s;
             }
           }
           break;
         }
-        case INT2: {  // centroid of the token's cluster + every stage's (code - zero) * scale, 4 codes per byte
+        case INT2: {  // centroid of the token's cluster + every stage's (code - zero / 8) * scale, 4 codes per byte
           const int cid = static_cast<const uint8_t*>(ids.p)[b * ids.st[0] + t * ids.st[1] + h * ids.st[2]];
           const int64_t mrow = b * centroids.st[0] + h * centroids.st[1] + cid * centroids.st[2];
           for (int e = 0; e < d; ++e) o[e * cs] = h2f(centroids.p, mrow + e * centroids.st[3]);
@@ -166,10 +166,10 @@ struct Seg {
             const int64_t zrow = b * zeros.st[0] + t * zeros.st[1] + h * zeros.st[2] + st * zeros.st[3];
             for (int g = 0; g < d / group; ++g) {
               const float s = h2f(scales.p, srow + g * scales.st[4]);
-              const float zs = static_cast<float>(z[zrow + g * zeros.st[4]]) * s;
+              const float zf = static_cast<float>(z[zrow + g * zeros.st[4]]) * 0.125f;
               for (int e = g * group; e < (g + 1) * group; e += 4) {
                 const int byte = x[(e >> 2) * c[4]];
-                for (int i = 0; i < 4; ++i) o[(e + i) * cs] += static_cast<float>((byte >> (2 * i)) & 3) * s - zs;
+                for (int i = 0; i < 4; ++i) o[(e + i) * cs] += (static_cast<float>((byte >> (2 * i)) & 3) - zf) * s;
               }
             }
           }

@@ -16,7 +16,7 @@ FORMATS = ("int8", "fp8", "int4", "int2")
 GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPE = torch.float16  # int8 / int4 / int2 scales (fp8: one fp32 scale per (batch, head))
-ZERO_DTYPE = torch.int8  # int4 / int2 integer zero points, in units of the group's scale
+ZERO_DTYPE = torch.int8  # int4 / int2 zero points, in eighths of the group's scale
 _FIELDS = ("codes", "scales", "zeros", "centroids", "cluster_ids")
 
 
@@ -46,15 +46,16 @@ def packed_layout(
       over the call's tokens and ``D`` divided by 448); ``x ≈ codes · scale``. ``D + 4 / T`` bytes (0.500 × bf16).
     - ``"int4"``: asymmetric, groups of ``group_size`` along ``D``. ``codes [B, T, H, D/2]`` uint8 (element ``2j`` in
       the low nibble, ``2j+1`` in the high one), ``scales [B, T, H, D/group_size]`` fp16 and ``zeros`` (same shape)
-      int8 integer zero points (GPTQ/AWQ style); ``x ≈ (code - zero) · scale``. Bytes per (token, head):
+      int8 zero points in eighths of a step (an 8-bit integer zero point, as GPTQ/AWQ store it, with 3 fractional
+      bits); ``x ≈ (code - zero / 8) · scale``. Bytes per (token, head):
       ``D/2 + 3·D/group_size`` (D=128: 76 / 70 / 67 for groups 32 / 64 / 128, i.e. 0.297 / 0.273 / 0.262 × bf16).
     - ``"int2"``: Quant VideoGen's progressive residual quantization. Per (batch, head) a k-means over the tokens
       gives ``centroids [B, H, C, D]`` fp16 and ``cluster_ids [B, T, H]`` uint8; the residual ``x - centroid`` is
       quantized in ``stages`` 2-bit asymmetric stages, each of the previous stage's residual, with groups of
       ``group_size`` along ``D``: ``codes [B, T, H, stages, D/4]`` uint8 (element ``4j+i`` in bits ``2i..2i+1``),
-      ``scales [B, T, H, stages, D/group_size]`` fp16 and ``zeros`` (same shape) int8 integer zero points;
-      ``x ≈ centroid + Σ_s (code_s - zero_s) · scale_s``. Bytes per (token, head): ``stages · (D/4 + 3·D/group_size)
-      + 1`` (cluster id) ``+ 2·C·D / T`` (centroids, amortized over the ``T`` tokens of the call). At QVG's chunk
+      ``scales [B, T, H, stages, D/group_size]`` fp16 and ``zeros`` (same shape) int8 zero points in eighths of a
+      step; ``x ≈ centroid + Σ_s (code_s - zero_s / 8) · scale_s``. Bytes per (token, head):
+      ``stages · (D/4 + 3·D/group_size) + 1`` (cluster id) ``+ 2·C·D / T`` (centroids, amortized over the ``T`` tokens of the call). At QVG's chunk
       (T = 3 × 1560), C = 16, D = 128, group 64: 1 stage = 38 + 1 + 0.88 = 39.9 B = 0.156 × bf16 (the default, <=
       0.18 ×); every further stage adds 38 B (0.148 ×), so 2 stages = 0.304 × (4 bits per value cannot be <= 0.25 ×).
     """

@@ -35,28 +35,31 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.flatten(-2)
 
 
-ZERO_MIN, ZERO_MAX = -128, 127  # integer zero points are stored as int8
+ZERO_MIN, ZERO_MAX = -128, 127  # zero points are stored as int8 ...
+ZERO_STEPS = 8  # ... in units of scale / 8 (fixed point with 3 fractional bits)
 
 
 def _affine(x: torch.Tensor, group: int, levels: int):
-    """Asymmetric min/max quantization of ``x [..., D]`` in groups of ``group`` along D with an integer zero point
-    (GPTQ/AWQ style): ``x ≈ (code - zero) · scale``. Returns (codes in ``[0, levels]``, scale rounded to its stored
-    fp16 value, zero as an integer-valued fp32 in ``[-128, 127]``).
+    """Asymmetric min/max quantization of ``x [..., D]`` in groups of ``group`` along D with an 8-bit integer zero
+    point (as GPTQ/AWQ store it, here in units of ``scale / 8``): ``x ≈ (code - zero / 8) · scale``. Returns (codes in
+    ``[0, levels]``, scale rounded to its stored fp16 value, zero as an integer-valued fp32 in ``[-128, 127]``).
 
-    ``scale = max((max - min) / levels, |min| / 127)`` (the second term keeps ``zero = round(-min / scale)`` inside
-    int8; it only binds for groups whose range is < 1/127 of their offset), so every value of the group is within
-    half a step of its code's value, as with a float zero point."""
+    ``scale = max((max - min) / levels, |min| / 15.875)`` (the second term keeps ``zero = round(-8 · min / scale)``
+    inside int8; it binds only for a group whose values all lie on one side of zero, farther from it than the
+    group's range), ``code = round(x / scale + zero / 8)``. Every value is within half a step of its code's value,
+    and the group's minimum within 1/16 of a step (a zero in whole steps, as GPTQ's, would lose the near-exact
+    minimum: with one outlier channel per group, as in K, that costs ~2x attention error at int4 g32)."""
     g = x.unflatten(-1, (-1, group))
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = _fp16_scale(torch.maximum((hi - lo) / levels, lo.abs() / 127.0))
-    zero = torch.round(-lo / scale).clamp(ZERO_MIN, ZERO_MAX)
-    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, levels)
+    scale = _fp16_scale(torch.maximum((hi - lo) / levels, lo.abs() / (ZERO_MAX / ZERO_STEPS)))
+    zero = torch.round(-lo / scale * ZERO_STEPS).clamp(ZERO_MIN, ZERO_MAX)
+    q = torch.round(g / scale[..., None] + zero[..., None] / ZERO_STEPS).clamp(0, levels)
     return q.flatten(-2), scale, zero
 
 
 def _ungroup(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     g = q.float().unflatten(-1, (scale.shape[-1], -1))
-    return ((g - zero[..., None]) * scale[..., None]).flatten(-2)
+    return ((g - zero[..., None] / ZERO_STEPS) * scale[..., None]).flatten(-2)
 
 
 def kmeans(x: torch.Tensor, num_clusters: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:

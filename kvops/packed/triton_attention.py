@@ -3,9 +3,9 @@
 One launch per segment (dense or packed), grid ``(row tiles, B · H_kv)``; row ``r`` of KV head ``h`` is query
 ``r // G``, query head ``h · G + r % G`` (GQA: K/V are read once per row tile, never repeated). Each launch loads the
 online-softmax state (running max ``m``, sum ``l``, accumulator ``acc``; fp32 buffers) of its rows, walks the
-segment in tiles of ``BLOCK_N`` tokens -- a packed tile is dequantized in registers from its codes, scales, integer
-zero points, centroids and cluster ids (layouts: :func:`kvops.packed.packed_layout`), never written back -- and
-stores the state; the state carried from launch to launch is the LSE merge of the segments. A final torch step
+segment in tiles of ``BLOCK_N`` tokens -- a packed tile is dequantized in registers from its codes, scales, zero
+points (int8, eighths of a step), centroids and cluster ids (layouts: :func:`kvops.packed.packed_layout`), never
+written back -- and stores the state; the state carried from launch to launch is the LSE merge of the segments. A final torch step
 divides by ``l`` and forms the LSE. All math in fp32 (inputs are loaded and ``.to(tl.float32)`` first; ``tl.dot``
 uses TF32 on GPUs that have it). fp8 e4m3 codes are decoded from their bits (exact).
 """
@@ -57,7 +57,7 @@ def _tile(c_ptr, s_ptr, z_ptr, m_ptr, id_ptr, cb, ct, ch, cs_, cd, sb, st_, sh, 
         g = ee // GROUP
         s = tl.load(s_ptr + b * sb + tt * st_ + h * sh + g * sg, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + b * zb + tt * zt + h * zh + g * zg, mask=mask, other=0).to(tl.float32)
-        x = (q - z) * s
+        x = (q - z * 0.125) * s
     else:
         cid = tl.load(id_ptr + b * ib + t.to(tl.int64) * it + h * ih, mask=tmask, other=0)
         x = tl.load(m_ptr + b * mb + h * mh + cid.to(tl.int64)[:, None] * mc + ee * md, mask=mask,
@@ -70,7 +70,7 @@ def _tile(c_ptr, s_ptr, z_ptr, m_ptr, id_ptr, cb, ct, ch, cs_, cd, sb, st_, sh, 
                         other=0.0).to(tl.float32)
             z = tl.load(z_ptr + b * zb + tt * zt + h * zh + st * zs_ + g * zg, mask=mask,
                         other=0).to(tl.float32)
-            x += (q - z) * s
+            x += (q - z * 0.125) * s
     return x
 
 
