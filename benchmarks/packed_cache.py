@@ -265,6 +265,12 @@ def segment_bytes(segments) -> int:
     return sum(x.nbytes if isinstance(x, PackedKV) else x.numel() * x.element_size() for x in segments)
 
 
+def split(segments):
+    """(dense segments, flat list of the packed segments' tensors): the composite kernel's arguments."""
+    packed = [t for x in segments if isinstance(x, PackedKV) for t in x.tensors()]
+    return [x for x in segments if not isinstance(x, PackedKV)], packed
+
+
 def table_attention(model: str, heads: int, dim: int, frame_tokens: int, reps: int, window_chunks: int = 7):
     """Attention of one chunk's queries to a full window (the oldest window_chunks - 2 chunks packed, 2 dense: the
     current one and keep_recent_chunks = 1), as the streaming cache runs it."""
@@ -291,8 +297,7 @@ def table_attention(model: str, heads: int, dim: int, frame_tokens: int, reps: i
     scale = dim**-0.5
     for label, (ks, vs) in windows.items():
         quant = ks[0].quant
-        kd, kp = [x for x in ks if not isinstance(x, PackedKV)], [t for x in ks if isinstance(x, PackedKV) for t in x.tensors()]
-        vd, vp = [x for x in vs if not isinstance(x, PackedKV)], [t for x in vs if isinstance(x, PackedKV) for t in x.tensors()]
+        (kd, kp), (vd, vp) = split(ks), split(vs)
         fns[label] = lambda ks=ks, vs=vs: packed_attention(q, ks, vs)
         fns[label + " deq"] = lambda a=(kd, vd, kp, vp, quant): reference.packed_attention(q, *a, scale)
         fns[label + " mat"] = lambda ks=ks, vs=vs: attention(q, materialize(ks, torch.bfloat16),

@@ -159,9 +159,10 @@ class TestContracts(expecttest.TestCase):
         msg = raises_everywhere(self, ValueError, lambda q, c, s, z: op(q, [], [], [c, s, z.half()], [c, s, z], "int4"),
                                 (q, *kp))
         self.assertExpectedInline(msg, """kvops.packed_attention (packed K segment 0): zeros must be torch.int8 of shape (1, 6, 2, 1) for quant='int4' (codes of shape (1, 6, 2, 32), group_size 64); got torch.float16 of shape (1, 6, 2, 1). Allocate it from kvops.packed.packed_layout(...).""")
-        msg = raises_everywhere(self, ValueError, lambda q, k, v: op(q, [k], [v], [], [], None), (q, kd[0], vd[1][:, :2]))
+        one = lambda q, k, v: op(q, [k], [v], [], [], None)  # noqa: E731
+        msg = raises_everywhere(self, ValueError, one, (q, kd[0], vd[1][:, :2]))
         self.assertExpectedInline(msg, """kvops.packed_attention: dense K segment 0 has 3 tokens but dense V segment 0 has 2; K and V must match.""")
-        msg = raises_everywhere(self, ValueError, lambda q, k, v: op(q, [k], [v], [], [], None), (q[..., :32], kd[0], vd[0]))
+        msg = raises_everywhere(self, ValueError, one, (q[..., :32], kd[0], vd[0]))
         self.assertExpectedInline(msg, """kvops.packed_attention: dense K segment 0 has batch 1, 2 KV heads and head_dim 64; expected batch 1 (q), num_kv_heads 2 and head_dim 32 (q).""")
         msg = raises_everywhere(self, ValueError, lambda q: op(q, [], [], [], [], None), (q,))
         self.assertExpectedInline(msg, """kvops.packed_attention: need at least one K/V segment (dense or packed), got none.""")

@@ -247,7 +247,8 @@ void run(const Problem& pb, const std::vector<Item>& items) {
       for (int r = 0; r < it.rows; ++r) {  // row r = query i * G + g
         const int row = it.r0 + r, i = row / pb.group, hq = it.h * pb.group + row % pb.group;
         const TQ* src = static_cast<const TQ*>(pb.q) + it.b * pb.sq[0] + i * pb.sq[1] + hq * pb.sq[2];
-        for (int e = 0; e < pb.d; ++e) qf[static_cast<size_t>(r) * dp + e] = static_cast<float>(src[e * pb.sq[3]]) * pb.scale;
+        float* dst = qf.data() + static_cast<size_t>(r) * dp;
+        for (int e = 0; e < pb.d; ++e) dst[e] = static_cast<float>(src[e * pb.sq[3]]) * pb.scale;
       }
       for (size_t si = 0; si < pb.ks.size(); ++si) {
         const Seg& ks = pb.ks[si];
@@ -288,7 +289,8 @@ void run(const Problem& pb, const std::vector<Item>& items) {
           for (int e0 = 0; e0 < dvp; e0 += BN) {
             for (int r0 = 0; r0 < rows_pad; r0 += 8) {
               vf a[8];
-              for (int i = 0; i < 8; ++i) a[i] = loadu(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
+              for (int i = 0; i < 8; ++i)
+                a[i] = loadu(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
               for (int j = 0; j < nt; ++j) {
                 const vf vv = loadu(vt.data() + static_cast<size_t>(j) * dvp + e0);
                 for (int i = 0; i < 8; ++i) a[i] += p[r0 + i][j] * vv;
@@ -305,7 +307,8 @@ void run(const Problem& pb, const std::vector<Item>& items) {
         const float w = l > 0.f ? 1.f / l : 0.f;
         TQ* o = out + ((static_cast<int64_t>(it.b) * pb.tokens + i) * pb.num_heads + hq) * pb.d_v;
         for (int e = 0; e < pb.d_v; ++e) o[e] = static_cast<TQ>(acc[static_cast<size_t>(r) * dvp + e] * w);
-        pb.lse[(static_cast<int64_t>(it.b) * pb.num_heads + hq) * pb.tokens + i] = l > 0.f ? m[r] + std::log(l) : NEG_INF;
+        const int64_t at = (static_cast<int64_t>(it.b) * pb.num_heads + hq) * pb.tokens + i;
+        pb.lse[at] = l > 0.f ? m[r] + std::log(l) : NEG_INF;
       }
     }
   });

@@ -55,9 +55,10 @@ def packed_layout(
       ``group_size`` along ``D``: ``codes [B, T, H, stages, D/4]`` uint8 (element ``4j+i`` in bits ``2i..2i+1``),
       ``scales [B, T, H, stages, D/group_size]`` fp16 and ``zeros`` (same shape) int8 zero points in eighths of a
       step; ``x ≈ centroid + Σ_s (code_s - zero_s / 8) · scale_s``. Bytes per (token, head):
-      ``stages · (D/4 + 3·D/group_size) + 1`` (cluster id) ``+ 2·C·D / T`` (centroids, amortized over the ``T`` tokens of the call). At QVG's chunk
-      (T = 3 × 1560), C = 16, D = 128, group 64: 1 stage = 38 + 1 + 0.88 = 39.9 B = 0.156 × bf16 (the default, <=
-      0.18 ×); every further stage adds 38 B (0.148 ×), so 2 stages = 0.304 × (4 bits per value cannot be <= 0.25 ×).
+      ``stages · (D/4 + 3·D/group_size) + 1`` (cluster id) ``+ 2·C·D / T`` (centroids, amortized over the ``T``
+      tokens of the call). At QVG's chunk (T = 3 × 1560), C = 16, D = 128, group 64: 1 stage = 38 + 1 + 0.88 =
+      39.9 B = 0.156 × bf16 (the default, <= 0.18 ×); every further stage adds 38 B (0.148 ×), so 2 stages = 0.304 ×
+      (4 bits per value cannot be <= 0.25 ×).
     """
     b, t, h, d, g = batch, tokens, heads, head_dim, group_size
     out: dict[str, Spec | None] = dict.fromkeys(_FIELDS)
@@ -205,7 +206,9 @@ def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale
     """Contract of ``kvops::packed_attention``; returns ``(scale, D_v)`` (scale defaults to ``D ** -0.5``)."""
     op = "kvops.packed_attention"
     if q.dim() != 4 or q.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{op}: q must be 4-D [B, T, H_q, D] of {FLOAT_DTYPES}; got {q.dtype} of shape {tuple(q.shape)}.")
+        raise ValueError(
+            f"{op}: q must be 4-D [B, T, H_q, D] of {FLOAT_DTYPES}; got {q.dtype} of shape {tuple(q.shape)}."
+        )
     if len(k_dense) != len(v_dense) or len(k_packed) != len(v_packed):
         raise ValueError(
             f"{op}: K and V need the same segments; got {len(k_dense)} dense K and {len(v_dense)} dense V segments, "

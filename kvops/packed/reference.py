@@ -41,8 +41,8 @@ ZERO_STEPS = 8  # ... in units of scale / 8 (fixed point with 3 fractional bits)
 
 def _affine(x: torch.Tensor, group: int, levels: int):
     """Asymmetric min/max quantization of ``x [..., D]`` in groups of ``group`` along D with an 8-bit integer zero
-    point (as GPTQ/AWQ store it, here in units of ``scale / 8``): ``x ≈ (code - zero / 8) · scale``. Returns (codes in
-    ``[0, levels]``, scale rounded to its stored fp16 value, zero as an integer-valued fp32 in ``[-128, 127]``).
+    point (as GPTQ/AWQ store it, here in units of ``scale / 8``): ``x ≈ (code - zero / 8) · scale``. Returns (codes
+    in ``[0, levels]``, scale rounded to its stored fp16 value, zero as an integer-valued fp32 in ``[-128, 127]``).
 
     ``scale = max((max - min) / levels, |min| / 15.875)`` (the second term keeps ``zero = round(-8 · min / scale)``
     inside int8; it binds only for a group whose values all lie on one side of zero, farther from it than the

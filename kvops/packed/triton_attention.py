@@ -5,8 +5,8 @@ One launch per segment (dense or packed), grid ``(row tiles, B · H_kv)``; row `
 online-softmax state (running max ``m``, sum ``l``, accumulator ``acc``; fp32 buffers) of its rows, walks the
 segment in tiles of ``BLOCK_N`` tokens -- a packed tile is dequantized in registers from its codes, scales, zero
 points (int8, eighths of a step), centroids and cluster ids (layouts: :func:`kvops.packed.packed_layout`), never
-written back -- and stores the state; the state carried from launch to launch is the LSE merge of the segments. A final torch step
-divides by ``l`` and forms the LSE. All math in fp32 (inputs are loaded and ``.to(tl.float32)`` first; ``tl.dot``
+written back -- and stores the state; the state carried from launch to launch is the LSE merge of the segments. A
+final torch step divides by ``l`` and forms the LSE. All math in fp32 (inputs are loaded and ``.to(tl.float32)`` first; ``tl.dot``
 uses TF32 on GPUs that have it). fp8 e4m3 codes are decoded from their bits (exact).
 """
 
