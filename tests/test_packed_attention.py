@@ -100,6 +100,13 @@ class TestFusedAgainstReference(unittest.TestCase):
         q = torch.randn(2, 5, 8, 64)[:, :, ::2]
         self.assertEqual(self.check(q, ks, vs).shape, (2, 5, 4, 32))
 
+    def test_joint_kv_allocation(self):
+        # dense K and V as views of one [B, n, 2, H_kv, D] allocation (never copied), with a packed int2 segment
+        kv = torch.randn(1, 9, 2, 2, 64)
+        ks, vs = window("int2", 1, 2, 64, [1, 1, 30])
+        ks[0], vs[0] = kv[:, :, 0], kv[:, :, 1]
+        self.check(torch.randn(1, 2, 6, 64), ks, vs)
+
     def test_cache_view(self):
         for quant in FORMATS:
             view = streamed_view(quant, 2, 64, torch.float32)
