@@ -13,7 +13,7 @@
 // the window exists. One online softmax (running max m, sum l, accumulator acc, fp32) runs across all segments, which
 // is the LSE merge of per-segment results done incrementally.
 //
-// Work: one item per (batch, KV head, tile of <= 64 query rows), row r = query i * G + group head g, under
+// Work: one item per (batch, KV head, tile of <= 128 query rows), row r = query i * G + group head g, under
 // at::parallel_for. Every tensor is addressed through its strides (pool slots, head slices, narrowed rows).
 // Vector code uses GCC/Clang vector extensions (AVX-512 / AVX2 / NEON under -march=native).
 
@@ -39,7 +39,7 @@ namespace kvops_packed_native {
 namespace {
 
 constexpr int BN = 16;  // tokens per tile = vector lanes
-constexpr int ROWS = 64;  // query rows per item (per KV head)
+constexpr int ROWS = 128;  // query rows per item (per KV head)
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
