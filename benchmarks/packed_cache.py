@@ -95,7 +95,7 @@ def table_bytes():
     chunk = CHUNK_FRAMES * FRAME_TOKENS
     print(f"\n1. Bytes per quantized (token, head) of K or V vs bf16, chunk {CHUNK_FRAMES} x {FRAME_TOKENS} = {chunk}"
           " tokens (targets: int8/fp8 <= 0.53, int4 <= 0.30, int2 <= 0.18); scales fp16 (fp8: fp32 per head), int4/int2"
-          " zero points int8 integers")
+          " zero points int8 in eighths of a step")
     print(f"{'format':<20}" + "".join(f"{'D=' + str(d) + ' bytes':>14}{'x bf16':>8}" for d in (64, 128))
           + "   arithmetic at D=128")
     for label, quant, fmt in FORMATS:
