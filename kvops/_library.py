@@ -62,6 +62,11 @@ lib.define(
     "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
 )
 
+# --- the streaming step's position contract (kvops/export/streaming.py) ------------------------------------------
+# state: int64 [9] (current_chunk_start, global_end, local_end, write row, roll src, roll count, and three margins
+# that are >= 0 when the step is valid); returns a copy after raising the contract's RuntimeError when one is < 0.
+lib.define("stream_positions(Tensor state, int sink_tokens, int kv_cache_size) -> Tensor")
+
 # --- attention over a packed window (kvops/packed/attention.py; docs/semantics.md §2) ---------------------------
 # q [B, T, H_q, D]; k_dense/v_dense: dense segments [B, n_i, H_kv, D] / [B, n_i, H_kv, D_v]; k_packed/v_packed: the
 # stored tensors of every packed segment in kvops.packed.packed_layout's order (codes, scales[, zeros[, centroids,
