@@ -27,6 +27,7 @@ import warnings
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [SOURCE, SOURCE.with_name("packed_attention.cpp")]  # packed_attention.cpp: kvops::_packed_attention_native
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
@@ -47,7 +48,7 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     """Extension name: ``kvops_native_<hash of source, flags, CPU flags, torch version>``."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     for part in (*CFLAGS, _cpu_flags(), torch.__version__):
         h.update(part.encode())
     return f"kvops_native_{h.hexdigest()[:16]}"
@@ -68,7 +69,7 @@ def _build(load=None) -> bool:
     try:
         if load is None:
             from torch.utils.cpp_extension import load
-        load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        load(name=build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
         if not hasattr(torch.ops.kvops, "_paged_attention_native"):
             raise RuntimeError(f"the built library does not define {OP_NAME}")
