@@ -7,19 +7,18 @@ values come from the producer's loader (RoPE, norm, and for ``float8_e4m3fn`` ca
 
 **Negative slots (skip) without a masked store.** Inductor's C++ backend has no masked store (``ops.masked`` bodies
 may not store; see also the comment in Inductor's ``_unsafe_masked_index_put_accumulate`` lowering), and every
-iteration of a ``Scatter`` stores. So a skipped token is routed to an equivalent store, decided per batch by one
-reduction over the slots (``first``: the first slotted token ``j``, ``N`` when none, ``-1`` when a slot is past the
-cache):
+iteration of a ``Scatter`` stores. So a skipped token (a negative slot, or any token of a batch skipped whole, below)
+stores its own value into slot 0, i.e. cache row (block 0, row 0) of its heads, and that row is **restored** at the end:
 
-- if some token in ``[0, N)`` has a slot, a skipped token stores token ``j``'s value into token ``j``'s slot: the
-  same bytes at the same address as token ``j``'s own store (a duplicate write, not a dummy row);
-- if no token has a slot (an all-padding batch, or a batch skipped whole, below), every token stores into cache row
-  (block 0, row 0) of its heads, and a **restore** store puts that row's bytes back afterwards: the heads of that
-  row are copied into a small ``[2, H_in, D]`` buffer before the write (half 0: the row; half 1: token ``j``'s value
-  when there is a ``j``), and after the token stores, one ``[H_in, D]`` store writes half 1 into token ``j``'s slot
-  (a duplicate again) or half 0 back into row (0, 0). So the final cache is exact (a bit copy, NaN payloads
-  included), but while the kernel runs, row (0, 0) of a batch that writes nothing transiently holds a token's value
-  (visible only to a reader running concurrently with this op).
+- one reduction over the slots (:func:`batch_code`) gives ``-1`` when a slot is past the cache, else the first token
+  ``w`` whose slot is 0 (``N`` when none);
+- before the write, heads ``[h0, h0 + H_in)`` of row (0, 0) are bit-copied into a small buffer, next to token ``w``'s
+  stored value (:func:`saved_rows`; one ``[2, 2, H_in, D]`` buffer for K and V);
+- after the token stores, one ``[H_in, D]`` store per cache writes token ``w``'s value into row (0, 0) again when a
+  token writes that row (the duplicate of its own store), else the row's saved bytes back.
+
+The final cache is exact (a bit copy: NaN payloads included); while the kernel runs, row (0, 0) may transiently hold a
+skipped token's value (visible only to a reader running concurrently with this op).
 
 **Vectorized over the head dim, no select.** The store loop is Inductor's own ``index_put_`` loop: per token it
 loads the slot, computes ``(src, dst)`` with a few scalar ops (as ``index_put_`` computes its wrapped index; the
@@ -42,6 +41,7 @@ import sympy
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import ir
+from torch._inductor.lowering import empty_strided
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
@@ -149,25 +149,37 @@ def cache_index(cache, h0, kv_layout):
     return index
 
 
-def saved_rows(src, cache, scale, router, h0, kv_layout):
-    """``[2, H_in, D]`` buffer in the cache dtype, computed before the write: half 0 holds heads ``[h0, h0 + H_in)`` of
-    cache row (block 0, row 0) (a bit copy), half 1 the value of the first token ``w`` whose slot is 0."""
-    heads, head_dim = src.get_size()[1:]
-    load_old, index = cache.make_loader(), cache_index(cache, h0, kv_layout)
+def saved_rows(caches, router, h0, kv_layout):
+    """Computed before the write, per ``(src, cache, scale)`` of ``caches``: ``(buffer, c)``, where ``buffer[c, 0]``
+    holds heads ``[h0, h0 + H_in)`` of cache row (block 0, row 0) (a bit copy) and ``buffer[c, 1]`` the value of the
+    first token ``w`` whose slot is 0. K and V share one uninitialized ``[2, 2, H_in, D]`` buffer (one allocation)
+    when their head dims agree (the caches' dtypes always do)."""
+    heads = caches[0][0].get_size()[1]
+    dims = [src.get_size()[2] for src, _, _ in caches]
+    shared = all(V.graph.sizevars.statically_known_equals(d, dims[0]) for d in dims)
     zero = sympy.Integer(0)
-    rows = ir.Pointwise.create(  # the row, in both halves (half 1 is overwritten next)
-        device=cache.get_device(), dtype=cache.get_dtype(), ranges=[2, heads, head_dim],
-        inner_fn=lambda idx: load_old(index(zero, idx[1], idx[2])))
-    rows.realize()
-    value = cache_values(src, cache, scale, h0)
+    out, buffer = [], None
+    for c, (src, cache, scale) in enumerate(caches):
+        if buffer is None or not shared:
+            buffer = empty_strided([len(caches) if shared else 1, 2, heads, dims[c]], None, dtype=cache.get_dtype(),
+                                   device=cache.get_device())  # no loop: every element is stored below
+        slot = c if shared else 0
+        load_old, index = cache.make_loader(), cache_index(cache, h0, kv_layout)
+        value = cache_values(src, cache, scale, h0)
 
-    def token_w(idx):
-        _, w = router.row0()
-        return value(w, idx[0], idx[1])
+        def old_row(idx, load_old=load_old, index=index):
+            return load_old(index(zero, idx[0], idx[1]))
 
-    scatter_into(rows, ir.Pointwise(device=cache.get_device(), dtype=cache.get_dtype(), inner_fn=token_w,
-                                    ranges=[heads, head_dim]), lambda idx: [1, idx[0], idx[1]])
-    return rows
+        def token_w(idx, value=value):
+            _, w = router.row0()
+            return value(w, idx[0], idx[1])
+
+        for half, fn in ((0, old_row), (1, token_w)):
+            scatter_into(buffer, ir.Pointwise(device=cache.get_device(), dtype=cache.get_dtype(), inner_fn=fn,
+                                              ranges=[heads, dims[c]]),
+                         lambda idx, slot=slot, half=half: [slot, half, idx[0], idx[1]])
+        out.append((buffer, slot))
+    return out
 
 
 def paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout, saved) -> None:
@@ -181,12 +193,13 @@ def paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout, saved)
                                      inner_fn=lambda idx: value(idx[0], idx[1], idx[2]),
                                      ranges=[slot_mapping.get_size()[0], *src.get_size()[1:]]),
                  lambda idx: index(router.token(idx[0]), idx[1], idx[2]))
-    load_saved = saved.make_loader()
+    buffer, slot = saved
+    load_saved = buffer.make_loader()
 
     def restored(idx):
         written, _ = router.row0()
         half = ops.indirect_indexing(ops.to_dtype(written, torch.int64), 2, check=False, wrap_neg=False)
-        return load_saved([half, idx[0], idx[1]])
+        return load_saved([slot, half, idx[0], idx[1]])
 
     zero = sympy.Integer(0)
     scatter_into(cache, ir.Pointwise(device=cache.get_device(), dtype=dtype, inner_fn=restored,
@@ -208,7 +221,7 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
     sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
     router = route_table(slot_mapping, k_cache, kv_layout)
     caches = list(zip(sources, (k_cache, v_cache), (k_scale, v_scale)))
-    saved = [saved_rows(src, cache, scale, router, h0, kv_layout) for src, cache, scale in caches]  # before writing
+    saved = saved_rows(caches, router, h0, kv_layout)  # before writing
     for (src, cache, scale), rows in zip(caches, saved):
         paged_scatter(src, cache, scale, slot_mapping, router, h0, kv_layout, rows)
 

@@ -67,7 +67,7 @@ def rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positio
     router = route_table(slot_mapping, k_cache)
     key = rotated(key, positions, rotary_cos, rotary_sin, rotary_interleaved, n)
     caches = ((key, k_cache, k_scale), (value, v_cache, v_scale))
-    saved = [saved_rows(src, cache, scale, router, h0, "NHD") for src, cache, scale in caches]  # before writing
+    saved = saved_rows(caches, router, h0, "NHD")  # before writing
     for (src, cache, scale), rows in zip(caches, saved):
         paged_scatter(src, cache, scale, slot_mapping, router, h0, "NHD", rows)
 

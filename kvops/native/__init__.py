@@ -26,6 +26,9 @@ import warnings
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
+# kvops::_paged_write_native (CPU kernel of kvops::paged_cache_write), built into the same extension
+WRITE_SOURCE = SOURCE.with_name("paged_write.cpp")
+SOURCES = (SOURCE, WRITE_SOURCE)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
@@ -46,7 +49,7 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     """Extension name: ``kvops_native_<hash of source, flags, CPU flags, torch version>``."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     for part in (*CFLAGS, _cpu_flags(), torch.__version__):
         h.update(part.encode())
     return f"kvops_native_{h.hexdigest()[:16]}"
@@ -67,7 +70,7 @@ def _build(load=None) -> bool:
     try:
         if load is None:
             from torch.utils.cpp_extension import load
-        load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        load(name=build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
         if not hasattr(torch.ops.kvops, "_paged_attention_native"):
             raise RuntimeError(f"the built library does not define {OP_NAME}")
