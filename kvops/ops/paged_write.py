@@ -70,7 +70,7 @@ def paged_cache_write(
     Duplicate non-negative slots within one call: which token lands is unspecified.
     """
     if torch.compiler.is_compiling():  # traced: the op (and the async value check); few globals, so few guards
-        if values.get_value_checks() == "async":
+        if values._mode == "async":  # read directly: one source for the values module, so no aliasing guard
             slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)
         torch.ops.kvops.paged_cache_write(
             key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout
