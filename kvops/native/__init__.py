@@ -26,9 +26,8 @@ import warnings
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
-# kvops::_paged_write_native (CPU kernel of kvops::paged_cache_write), built into the same extension
-WRITE_SOURCE = SOURCE.with_name("paged_write.cpp")
-SOURCES = (SOURCE, WRITE_SOURCE)
+SOURCES = [SOURCE, SOURCE.with_name("packed_attention.cpp")]  # packed_attention.cpp: kvops::_packed_attention_native
+SOURCES.append(SOURCE.with_name("paged_write.cpp"))  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
