@@ -98,7 +98,7 @@ class Router:
         return written, ops.where(written, code, zero)
 
 
-def route_table(slot_mapping, k_cache, kv_layout="NHD") -> Router:
+def batch_router(slot_mapping, k_cache, kv_layout="NHD") -> Router:
     """The routing of a paged write's tokens (:class:`Router`); a batch with a slot ``>= P * block_size`` is skipped
     whole. Shared by every paged-write lowering."""
     n = slot_mapping.get_size()[0]
@@ -107,8 +107,8 @@ def route_table(slot_mapping, k_cache, kv_layout="NHD") -> Router:
 
 
 def cache_values(src, cache, scale, h0):
-    """``value(token, h, d)``: the value stored for input head ``h``, dim ``d`` of ``token`` (an int64 ops value):
-    ``src``'s, cast to the cache dtype; for ``float8_e4m3fn`` caches ``clamp(x / scale, ±448)`` in fp32."""
+    """``value(token, h, d)``: the value stored for input head ``h``, dim ``d`` of ``token`` (an index, or an int64
+    ops value): ``src``'s, cast to the cache dtype; for ``float8_e4m3fn`` caches ``clamp(x / scale, ±448)`` in fp32."""
     dtype = cache.get_dtype()
     load_src = src.make_loader()
     load_scale = scale.make_loader() if scale is not None else None
@@ -219,7 +219,7 @@ def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_sta
     written = buffer_names(k_cache, v_cache)
     # values computed from the caches themselves are copied out before either cache is written
     sources = [unfused_copy(x) if x.get_read_names() & written else x for x in (key, value)]
-    router = route_table(slot_mapping, k_cache, kv_layout)
+    router = batch_router(slot_mapping, k_cache, kv_layout)
     caches = list(zip(sources, (k_cache, v_cache), (k_scale, v_scale)))
     saved = saved_rows(caches, router, h0, kv_layout)  # before writing
     for (src, cache, scale), rows in zip(caches, saved):

@@ -223,8 +223,9 @@ class TestGeneratedCode(FreshInductorCache):
         self.assertNotIn("VecMask<float", code)  # no select on values
         self.assertNotIn("index out of bounds", code)
         # the V store: its value is the loaded vector itself
-        v_copy = re.search(r"auto (tmp\d+) = at::vec::Vectorized<at::BFloat16>::loadu\((in_ptr\d+) \+ static_cast<int64_t>"
-                           r"\(x1 \+ 1024L\*x0\).*\n(?:.*\n)*?\s*auto (tmp\d+) = \(\1\);\n(?:.*\n)*?\s*\3\.store\(", code)
+        v_copy = re.search(r"auto (tmp\d+) = at::vec::Vectorized<at::BFloat16>::loadu\((in_ptr\d+) \+ "
+                           r"static_cast<int64_t>\(x1 \+ 1024L\*x0\).*\n(?:.*\n)*?\s*auto (tmp\d+) = \(\1\);\n"
+                           r"(?:.*\n)*?\s*\3\.store\(", code)
         self.assertIsNotNone(v_copy)
 
     def test_all_padding_keeps_special_values(self):
