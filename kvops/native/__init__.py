@@ -27,8 +27,11 @@ import warnings
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
-SOURCES = [SOURCE, SOURCE.with_name("packed_attention.cpp")]  # packed_attention.cpp: kvops::_packed_attention_native
-SOURCES.append(SOURCE.with_name("paged_write.cpp"))  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
+SOURCES = [
+    SOURCE,  # kvops::_paged_attention_native (and its value check kvops::_paged_attention_values_bad)
+    SOURCE.with_name("packed_attention.cpp"),  # kvops::_packed_attention_native
+    SOURCE.with_name("paged_write.cpp"),  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
+]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
