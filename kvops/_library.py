@@ -71,8 +71,10 @@ lib.define("stream_positions(Tensor state, int sink_tokens, int kv_cache_size) -
 # q [B, T, H_q, D]; k_dense/v_dense: dense segments [B, n_i, H_kv, D] / [B, n_i, H_kv, D_v]; k_packed/v_packed: the
 # stored tensors of every packed segment in kvops.packed.packed_layout's order (codes, scales[, zeros[, centroids,
 # cluster_ids]]: 2 per segment for int8/fp8, 3 for int4, 5 for int2), segments one after another; quant: their format
-# (None when there are none). Returns (out [B, T, H_q, D_v] in q's dtype, lse [B, H_q, T] fp32).
+# (None when there are none); row_counts: None or int32 [total rows] (dense segments' rows, then packed ones'), how
+# often each row is attended (0: skipped; PackedCausalKVCache.update's visible-row mask). Returns (out [B, T, H_q, D_v]
+# in q's dtype, lse [B, H_q, T] fp32).
 lib.define(
     "packed_attention(Tensor q, Tensor[] k_dense, Tensor[] v_dense, Tensor[] k_packed, Tensor[] v_packed, "
-    "str? quant=None, float? scale=None) -> (Tensor, Tensor)"
+    "str? quant=None, float? scale=None, Tensor? row_counts=None) -> (Tensor, Tensor)"
 )

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvops.cache import CausalKVCache, PackedCausalKVCache
-from kvops.packed import dequantize_kv
+from kvops.packed import dequantize_kv, materialize, packed_attention
 from kvops.packed._plan import pool_slot
 from tests.contract import raises_everywhere
 
@@ -35,6 +35,13 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean().clamp(min=1e-30)).sqrt().item()
 
 
+def attention64(q, k, v):
+    """fp64 softmax attention (GQA: query head h reads KV head h // (H_q / H_kv))."""
+    k, v = (x.double().repeat_interleave(q.shape[2] // x.shape[2], 2) for x in (k, v))
+    sc = torch.einsum("bthd,bshd->bhts", q.double(), k) * q.shape[-1] ** -0.5
+    return torch.einsum("bhts,bshd->bthd", sc.softmax(-1), v)
+
+
 class Pair:
     """A dense CausalKVCache and a PackedCausalKVCache of one geometry, fed the same calls and compared."""
 
@@ -43,12 +50,12 @@ class Pair:
         self.test, self.quant, self.chunk = test, quant, chunk
         self.dense = CausalKVCache.allocate(b, size, heads, dim, dtype=dtype, sink_tokens=sink,
                                             global_sink_tokens=global_sink, attention_window_size=window)
-        self.packed = PackedCausalKVCache.allocate(
+        self.packed, self.segs = (PackedCausalKVCache.allocate(
             b, size, heads, dim, chunk_tokens=chunk, quant=quant, keep_recent_chunks=keep, sink_tokens=sink,
             global_sink_tokens=global_sink, attention_window_size=window, quantize_sink=quantize_sink,
-            pinnable=pinnable, dtype=dtype, **fmt)
+            pinnable=pinnable, dtype=dtype, **fmt) for _ in range(2))
         self.shape, self.dtype = (b, chunk, heads, dim), dtype
-        self.g = torch.Generator().manual_seed(0)
+        self.g, self.gq = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
         self.worst = 0.0
 
     def call(self, s, recent=None, slices=None, exact=None):
@@ -59,6 +66,7 @@ class Pair:
             want = self.dense.update_and_get_attention_kv(k, v, s, start, recent)
             got = self.packed.update_and_get_attention_kv(k, v, s, start, recent)
             self.test.assertEqual(tuple(got[2:]), tuple(want[2:]))
+            self.check_segments(self.segs.update(k, v, s, start, recent), got)
             self.test.assertEqual(got.k.shape, want.k.shape)
             self.test.assertEqual(got.k.dtype, want.k.dtype)
             if exact if exact is not None else self.quant is None:
@@ -72,12 +80,32 @@ class Pair:
             if recent is None and self.packed.attention_window_size >= self.packed.cache_size:
                 self.test.assertTrue(torch.equal(got.k[:, ls:le], k))
 
+    def check_segments(self, view, gathered):
+        """``update()`` (the storage + row_counts) + ``packed_attention`` against the rows that
+        ``update_and_get_attention_kv`` gathered from an identical cache: the rows ``row_counts`` marks (dequantized
+        in the cache dtype, as the gather does) give the gathered window's fp64 attention up to summation order (the
+        same rows, another order), and the fused kernel (which dequantizes in fp32) matches fp64 attention over the
+        rows dequantized in fp32. GQA 2:1."""
+        self.test.assertEqual(tuple(view[2:]), tuple(gathered[2:]))
+        self.test.assertEqual(int(view.k.row_counts.sum()), gathered.k.shape[1])
+        b, _, h, d = gathered.k.shape
+        q = torch.randn(b, 2, 2 * h, d, generator=self.gq) * 0.1
+        got = packed_attention(q, view.k, view.v)
+        if gathered.k.shape[1] == 0:
+            self.test.assertTrue(torch.equal(got, torch.zeros_like(got)))
+            return
+        marked = attention64(q, materialize(view.k, self.dtype), materialize(view.v, self.dtype))
+        torch.testing.assert_close(marked, attention64(q, gathered.k, gathered.v), rtol=1e-9, atol=1e-9)
+        want = attention64(q, materialize(view.k, torch.float32), materialize(view.v, torch.float32))
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
     def chunk_steps(self, s, steps=2, recent=None, slices=None, exact=None, pin=False):
         for _ in range(1 + steps):  # append, then rewrites (denoising steps, context pass)
             self.call(s, recent, slices, exact)
         if pin:  # pin the chunk just written (LongLive's shot sink), in both caches
             self.dense.pin_current_chunk(self.chunk)
             self.packed.pin_current_chunk(self.chunk)
+            self.segs.pin_current_chunk(self.chunk)
             self.test.assertEqual(self.packed.pinned_len, self.dense.pinned_len)
 
 
@@ -200,6 +228,7 @@ class TestRandomSchedules(unittest.TestCase):
             if reset:
                 p.dense.reset_indices()
                 p.packed.reset_indices()
+                p.segs.reset_indices()
 
 
 class TestStorage(unittest.TestCase):

@@ -97,6 +97,7 @@ struct Seg {
   Kind kind;
   int n, d;  // tokens, values per row
   int group = 0, stages = 0;  // int4 / int2
+  const int32_t* counts = nullptr;  // row_counts of this segment's rows (nullptr: every row once)
   Field codes, scales, zeros, centroids, ids;
 
   // n_rows rows of this segment, from token t0 of (batch b, KV head h), as fp32: value e of row j goes to
@@ -255,7 +256,19 @@ void run(const Problem& pb, const std::vector<Item>& items) {
         const Seg& vs = pb.vs[si];
         for (int t0 = 0; t0 < ks.n; t0 += BN) {
           const int nt = std::min(BN, ks.n - t0);
-          if (nt < BN) {  // rows past the segment's end: zeros (masked below)
+          vf wv = splat(1.0f);  // row weights (row_counts); a tile with no visible row is skipped unread
+          bool masked = nt < BN;
+          if (ks.counts) {
+            bool any = false;
+            for (int j = 0; j < BN; ++j) {
+              const int32_t c = j < nt ? ks.counts[t0 + j] : 0;
+              wv[j] = static_cast<float>(c);
+              any |= c > 0;
+              masked |= c != 1;
+            }
+            if (!any) continue;
+          }
+          if (nt < BN || ks.counts) {  // rows past the segment's end or not visible: zeros (masked below)
             std::fill(kt.begin(), kt.end(), 0.f);
             std::fill(vt.begin(), vt.end(), 0.f);
           }
@@ -272,9 +285,9 @@ void run(const Problem& pb, const std::vector<Item>& items) {
           }
           vi lane;
           for (int c = 0; c < BN; ++c) lane[c] = c;
-          const vi valid = lane < (vi{} + nt);
+          const vi valid = (lane < (vi{} + nt)) & (wv > splat(0.0f));
           for (int r = 0; r < it.rows; ++r) {
-            vf s = nt < BN ? vsel(valid, p[r], splat(NEG_INF)) : p[r];
+            vf s = masked ? vsel(valid, p[r], splat(NEG_INF)) : p[r];
             const float mc = hmax(s);
             if (mc <= m[r]) {
               alpha[r] = 1.f;
@@ -282,10 +295,13 @@ void run(const Problem& pb, const std::vector<Item>& items) {
               alpha[r] = std::exp(m[r] - mc);  // 0 when m was -inf
               m[r] = mc;
             }
-            p[r] = vexp(s - m[r]);
+            p[r] = ks.counts ? vexp(s - m[r]) * wv : vexp(s - m[r]);
             lv[r] = lv[r] * alpha[r] + p[r];
           }
           vs.load(it.b, it.h, t0, nt, vt.data(), dvp, 1);  // V row-major: vt[j * dvp + e]
+          if (ks.counts)  // a row not visible may hold anything (stale ring rows): never let it reach acc
+            for (int j = 0; j < nt; ++j)
+              if (wv[j] == 0.0f) std::fill(vt.begin() + static_cast<size_t>(j) * dvp, vt.begin() + (j + 1) * dvp, 0.f);
           for (int e0 = 0; e0 < dvp; e0 += BN) {
             for (int r0 = 0; r0 < rows_pad; r0 += 8) {
               vf a[8];
@@ -317,7 +333,7 @@ void run(const Problem& pb, const std::vector<Item>& items) {
 std::tuple<at::Tensor, at::Tensor> packed_attention_native(
     const at::Tensor& q, const std::vector<at::Tensor>& k_dense, const std::vector<at::Tensor>& v_dense,
     const std::vector<at::Tensor>& k_packed, const std::vector<at::Tensor>& v_packed, const std::string& quant,
-    double scale) {
+    double scale, const std::optional<at::Tensor>& row_counts) {
   Problem pb{};
   pb.batch = static_cast<int>(q.size(0));
   pb.tokens = static_cast<int>(q.size(1));
@@ -331,6 +347,10 @@ std::tuple<at::Tensor, at::Tensor> packed_attention_native(
   for (size_t i = 0; i < k_packed.size(); i += fields) {
     pb.ks.push_back(packed_seg(quant, k_packed, i));
     pb.vs.push_back(packed_seg(quant, v_packed, i));
+  }
+  if (row_counts.has_value()) {  // contiguous int32 [total rows], dense segments first (checked by the caller)
+    const int32_t* c = row_counts->data_ptr<int32_t>();
+    for (auto& seg : pb.ks) { seg.counts = c; c += seg.n; }
   }
   const at::Tensor& k0 = !k_dense.empty() ? k_dense[0] : k_packed[0];
   pb.num_kv_heads = static_cast<int>(k0.size(2));
@@ -366,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor> packed_attention_native(
 TORCH_LIBRARY_FRAGMENT(kvops, m) {
   m.def(
       "_packed_attention_native(Tensor q, Tensor[] k_dense, Tensor[] v_dense, Tensor[] k_packed, Tensor[] v_packed, "
-      "str quant, float scale) -> (Tensor, Tensor)");
+      "str quant, float scale, Tensor? row_counts) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("_packed_attention_native", &kvops_packed_native::packed_attention_native); }

@@ -202,8 +202,9 @@ def split_segments(quant: str, flat) -> list[dict]:
     return [dict(zip(_FIELDS, list(flat[i : i + n]) + [None] * (5 - n))) for i in range(0, len(flat), n)]
 
 
-def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale) -> tuple[float, int]:
-    """Contract of ``kvops::packed_attention``; returns ``(scale, D_v)`` (scale defaults to ``D ** -0.5``)."""
+def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale, row_counts=None) -> tuple[float, int]:
+    """Contract of ``kvops::packed_attention``; returns ``(scale, D_v)`` (scale defaults to ``D ** -0.5``).
+    ``row_counts``: None or int32 ``[total rows]`` (dense segments' rows, then packed ones') on ``q``'s device."""
     op = "kvops.packed_attention"
     if q.dim() != 4 or q.dtype not in FLOAT_DTYPES:
         raise ValueError(
@@ -262,4 +263,28 @@ def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale
         for sk, sv in zip(ks, vs):
             if sk[2] != sv[2]:
                 raise ValueError(f"{op}: {sk[0]} has {sk[2]} tokens but {sv[0]} has {sv[2]}; K and V must match.")
+    if row_counts is not None:
+        total = sum(s[2] for s in shapes if s[0].split()[1] == "K")
+        if row_counts.dim() != 1 or row_counts.dtype != torch.int32 or row_counts.shape[0] != total:
+            raise ValueError(
+                f"{op}: row_counts must be int32 of shape ({total},) (one count per K row, dense segments first, "
+                f"then packed ones); got {row_counts.dtype} of shape {tuple(row_counts.shape)}. Pass view.k of "
+                f"PackedCausalKVCache.update, or None to attend every row."
+            )
+        if row_counts.device != q.device:
+            raise ValueError(f"{op}: row_counts is on {row_counts.device} but q is on {q.device}. Move them to one device.")
     return (d**-0.5 if scale is None else scale), d_v
+
+
+def check_row_count_values(row_counts) -> None:
+    """Values of ``packed_attention``'s ``row_counts`` (kvops/_checks/values.py modes): every count ``>= 0``."""
+    from .._checks import values
+
+    if row_counts is None or row_counts.numel() == 0:
+        return
+    mode = values._active(row_counts)
+    msg = "kvops.packed_attention: row_counts must be >= 0 (0 skips a row, 1 attends it)"
+    if mode == "async":
+        values._assert(row_counts.min() >= 0, msg)
+    elif mode == "eager" and int(row_counts.min()) < 0:
+        raise RuntimeError(f"{msg}; got {int(row_counts.min())} at row {int(row_counts.argmin())}.")

@@ -50,13 +50,30 @@ def row_positions(rows: torch.Tensor, sink: int, shift: int, pin: tuple | None) 
     return pos
 
 
-def gather_window(cache, ranges, positions_of, cur: int, h0: int, h1: int, sliced: bool):
-    """``(k, v)`` ``[B, V, H_in, D]`` of the dense-cache row ranges ``ranges`` (in the cache dtype; a new tensor).
+def _rows(t) -> int:
+    return t.codes.shape[1] if isinstance(t, PackedKV) else t.shape[1]
+
+
+def storage_segments(cache, kv: int, h0: int, h1: int, sliced: bool) -> tuple[list, dict]:
+    """K (``kv = 0``) or V storage as a FIXED list of segments (dense views or :class:`PackedKV` slots, heads
+    ``[h0, h1)`` when ``sliced``) in the row order of :func:`window_index`, and the first row of each part."""
+    segments, base, rows = [], {}, 0
+    for part, items in cache._storage(kv):
+        base[part] = rows
+        for t in items:
+            if sliced:
+                t = t.heads(h0, h1) if isinstance(t, PackedKV) else t[:, :, h0:h1]
+            segments.append(t)
+            rows += _rows(t)
+    return segments, base
+
+
+def window_index(cache, ranges, positions_of, cur: int, base: dict) -> torch.Tensor:
+    """Storage row (in the order of :func:`storage_segments`) of every visible row, int64 ``[V]``.
 
     ``positions_of(rows)`` maps a row tensor to global positions; chunk ``c = pos // N`` is then read from the sink
     storage (``c`` a sink chunk, unless it is still in the ring), the ring (the newest ``R`` chunks), the copy of the
-    pinned chunk (once it left the ring) or pool slot ``c % P``. ``cache._storage(kv)`` lists the storage in row
-    order: ``[(part, [dense rows or packed chunk, ...]), ...]``.
+    pinned chunk (once it left the ring) or pool slot ``c % P``.
     """
     n, r_chunks, p_chunks, sc = cache.chunk_tokens, cache.ring_chunks, cache.pool_chunks, cache.sink_chunks
     device = cache.k_ring.device
@@ -64,20 +81,6 @@ def gather_window(cache, ranges, positions_of, cur: int, h0: int, h1: int, slice
     pos = positions_of(rows)
     c = torch.div(pos, n, rounding_mode="floor")
     off = pos - c * n
-    dtype = cache.k_ring.dtype
-    out, base = [], {}
-    for kv in (0, 1):
-        tensors, rows_so_far = [], 0
-        for part, items in cache._storage(kv):
-            base[part] = rows_so_far
-            for t in items:
-                if isinstance(t, PackedKV):
-                    t = dequantize_kv(t.heads(h0, h1) if sliced else t, dtype)
-                elif sliced:
-                    t = t[:, :, h0:h1]
-                tensors.append(t)
-                rows_so_far += t.shape[1]
-        out.append(torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0])
     in_ring = c > cur - r_chunks
     ring_i = base["ring"] + torch.remainder(c, r_chunks) * n + off
     idx = ring_i
@@ -88,57 +91,35 @@ def gather_window(cache, ranges, positions_of, cur: int, h0: int, h1: int, slice
     if sc > 0:
         sink_i = base["sink"] + pos
         idx = torch.where(c < sc, torch.where(in_ring, ring_i, sink_i) if cache.quantize_sink else sink_i, idx)
+    return idx
+
+
+def gather_window(cache, ranges, positions_of, cur: int, h0: int, h1: int, sliced: bool):
+    """``(k, v)`` ``[B, V, H_in, D]`` of the dense-cache row ranges ``ranges`` (in the cache dtype; a new tensor):
+    the storage dequantized and concatenated, then the rows of :func:`window_index` selected."""
+    dtype, out, base = cache.k_ring.dtype, [], {}
+    for kv in (0, 1):
+        segments, base = storage_segments(cache, kv, h0, h1, sliced)
+        parts = [dequantize_kv(t, dtype) if isinstance(t, PackedKV) else t for t in segments]
+        out.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+    idx = window_index(cache, ranges, positions_of, cur, base)
     return out[0].index_select(1, idx), out[1].index_select(1, idx)
 
 
-def window_segments(cache, rows, sink: int, shift: int, pin, cur: int, h0: int, h1: int) -> tuple[list, list]:
-    """The visible rows as segments in token order (``PackedCausalKVCache.update``): per visible chunk a dense view
-    or a :class:`PackedKV` of its rows, from ``cache._chunk``."""
-    size = cache.chunk_tokens
-    ks, vs = [], []
-    for p0, p1 in _position_ranges(rows, sink, shift, pin):
-        for i in range((p1 - 1) // size - p0 // size + 1):
-            c = p0 // size + i
-            a = _static(torch.sym_max(p0, c * size) - c * size, 0)
-            length = _static(torch.sym_min(p1, (c + 1) * size) - c * size - a, size)
-            kc, vc = cache._chunk(c, cur)
-            ks.append(_segment(kc, a, length, h0, h1))
-            vs.append(_segment(vc, a, length, h0, h1))
-    return ks, vs
+def window_counts(cache, ranges, positions_of, cur: int, h0: int, h1: int, sliced: bool):
+    """The visible window as the whole storage plus a row mask (``PackedCausalKVCache.update``): ``(k_segments,
+    v_segments, row_counts)``, the segment lists fixed for the cache (every storage slot, visible or not) and
+    ``row_counts`` int32 ``[sum of the segments' rows]``: how often each stored row is in the window (0 or 1), from
+    the same tensor arithmetic as :func:`gather_window`, so no Python control flow depends on the cursors' values."""
+    ks, base = storage_segments(cache, 0, h0, h1, sliced)
+    vs, _ = storage_segments(cache, 1, h0, h1, sliced)
+    idx = window_index(cache, ranges, positions_of, cur, base)
+    total = sum(_rows(t) for t in ks)
+    counts = torch.zeros(total, dtype=torch.int32, device=idx.device)
+    counts = counts.index_add(0, idx, torch.ones_like(idx, dtype=torch.int32))
+    return ks, vs, counts
 
 
 def dist(a: int, b: int) -> int:
     """``|a - b|`` as a max (one guard-free SymInt under torch.compile)."""
     return torch.sym_max(a - b, b - a)
-
-
-def _static(n: int, value: int) -> int:
-    """``value`` (a plain int) when ``n == value``, else ``n``. Under torch.compile this is one guard, stable once the
-    window is full, and makes whole-chunk segments static shapes instead of nested Min/Max size expressions of the
-    cursors (which Inductor then need not evaluate)."""
-    return value if n == value else n
-
-
-def _segment(chunk, start: int, rows: int, h0: int, h1: int):
-    if isinstance(chunk, PackedKV):
-        return chunk.rows(start, rows).heads(h0, h1)
-    return chunk.narrow(1, start, rows)[:, :, h0:h1]
-
-
-def _position_ranges(rows: list, sink: int, shift: int, pin: tuple | None) -> list[tuple[int, int]]:
-    """Dense-cache row ranges -> global position ranges, the map of :func:`row_positions`."""
-    pieces = [(0, sink, 0)]  # (first row, end row, position - row)
-    if pin is None and shift == 0:  # nothing evicted: rows are positions
-        pieces = [(0, None, 0)]
-    elif pin is not None:
-        row, position, length = pin
-        pieces.append((row, row + length, position - row))
-    if pieces[-1][1] is not None:
-        pieces.append((pieces[-1][1], None, shift))
-    out = []
-    for a, b in rows:
-        for lo, hi, add in pieces:
-            x0, x1 = torch.sym_max(a, lo), b if hi is None else torch.sym_min(b, hi)
-            if x1 > x0:
-                out.append((x0 + add, x1 + add))
-    return out

@@ -26,7 +26,8 @@ from .. import _library  # noqa: F401  (defines the schemas)
 from .. import native
 from ..triton import HAS_TRITON
 from . import reference
-from ._checks import check_packed_attention
+from ._checks import check_packed_attention, check_row_count_values
+from .cache import PackedSegments
 from .ops import PackedKV
 
 
@@ -36,30 +37,54 @@ def _split(segments: list) -> tuple[list, list]:
     return dense, packed
 
 
+def _op_order(segments: list, counts: torch.Tensor) -> torch.Tensor:
+    """``row_counts`` over ``segments`` in list order -> the op's order (dense segments, then packed ones)."""
+    kinds = [isinstance(s, PackedKV) for s in segments]
+    if kinds == sorted(kinds):  # already dense first
+        return counts
+    pieces, row = ([], []), 0
+    for s, packed in zip(segments, kinds):
+        n = s.codes.shape[1] if packed else s.shape[1]
+        pieces[packed].append(counts.narrow(0, row, n))
+        row += n
+    return torch.cat(pieces[0] + pieces[1])
+
+
 def packed_attention(
-    q: torch.Tensor, k_segments: list, v_segments: list, *, scale: float | None = None, return_lse: bool = False,
+    q: torch.Tensor, k_segments, v_segments, *, row_counts: torch.Tensor | None = None, scale: float | None = None,
+    return_lse: bool = False,
 ):
-    """Softmax attention of ``q`` to every row of the segments (no mask: a chunk sees its whole visible window).
+    """Softmax attention of ``q`` to the rows of the segments (no causal mask: a chunk sees its whole visible window).
 
     Args:
         q: ``[B, T, H_q, D]`` (fp32/bf16/fp16, any strides); ``H_q`` a multiple of the segments' ``H_kv`` (GQA:
             query head ``h`` reads KV head ``h // (H_q / H_kv)``; K/V are never repeated).
-        k_segments, v_segments: the window, as returned by ``PackedCausalKVCache.update`` (``view.k``, ``view.v``):
-            dense ``[B, n, H_kv, D]`` tensors (fp32/bf16/fp16, any strides) or :class:`PackedKV` of ``n`` rows, all
-            packed ones of one format; K and V segment ``i`` have the same ``n``. The result does not depend on
-            their order (softmax over the union of the rows).
+        k_segments, v_segments: the window: ``view.k``, ``view.v`` of ``PackedCausalKVCache.update`` (a
+            :class:`kvops.packed.PackedSegments`: the storage and its ``row_counts``), or lists of dense
+            ``[B, n, H_kv, D]`` tensors (fp32/bf16/fp16, any strides) and :class:`PackedKV` of ``n`` rows, all packed
+            ones of one format; K and V segment ``i`` have the same ``n``. The result does not depend on their
+            order (softmax over the union of the rows).
+        row_counts: int32 ``[sum n_i]`` (segments concatenated in list order), how many times each row is attended
+            (0: skipped); default all 1, or the ``PackedSegments``' own.
         scale: score scale (default ``D ** -0.5``).
         return_lse: also return the LSE ``[B, H_q, T]`` (fp32, natural log).
 
     Returns:
         ``out [B, T, H_q, D_v]`` in ``q.dtype`` (and the LSE): softmax attention over the concatenated dequantized
-        window, computed in fp32 (``kvops::packed_attention``). A window with no rows gives zeros (LSE ``-inf``).
+        window (row ``j`` weighted by ``row_counts[j]``), computed in fp32 (``kvops::packed_attention``). A window
+        with no rows gives zeros (LSE ``-inf``).
 
     Raises:
         ValueError: no segments, different K and V segments, mixed packed formats, ``H_q`` not a multiple of
             ``H_kv``, a segment whose batch / heads / head_dim / tokens / device / layout does not match (messages
-            name the segment). Raised at trace time too.
+            name the segment), ``row_counts`` not int32 ``[total rows]`` on ``q``'s device, or (eager) negative.
+            Raised at trace time too (the values check: eager only).
     """
+    if isinstance(k_segments, PackedSegments):
+        row_counts = k_segments.row_counts if row_counts is None else row_counts
+        k_segments = k_segments.segments
+    if isinstance(v_segments, PackedSegments):
+        v_segments = v_segments.segments
     formats = {s.quant for s in (*k_segments, *v_segments) if isinstance(s, PackedKV)}
     if len(formats) > 1:
         raise ValueError(f"kvops.packed_attention: all packed segments must have one format, got {sorted(formats)}.")
@@ -68,34 +93,42 @@ def packed_attention(
             f"kvops.packed_attention: need the same number of K and V segments, got {len(k_segments)} and "
             f"{len(v_segments)}."
         )
+    if row_counts is not None and row_counts.dim() == 1 and len(k_segments) > 1:
+        rows = sum(s.codes.shape[1] if isinstance(s, PackedKV) else s.shape[1] for s in k_segments)
+        if row_counts.shape[0] == rows:  # (else the op's validator names the mismatch)
+            row_counts = _op_order(list(k_segments), row_counts)
     (k_dense, k_packed), (v_dense, v_packed) = _split(k_segments), _split(v_segments)
     out, lse = torch.ops.kvops.packed_attention(
-        q, k_dense, v_dense, k_packed, v_packed, formats.pop() if formats else None, scale
+        q, k_dense, v_dense, k_packed, v_packed, formats.pop() if formats else None, scale, row_counts
     )
     return (out, lse) if return_lse else out
 
 
 # --- fake rule and kernels ----------------------------------------------------------------------------------------
 @torch.library.register_fake("kvops::packed_attention")
-def _fake(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None):
-    _, d_v = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale)
+def _fake(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_counts=None):
+    _, d_v = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale, row_counts)
     b, t, hq, _ = q.shape
     return q.new_empty(b, t, hq, d_v), q.new_empty(b, hq, t, dtype=torch.float32)
 
 
 @torch.library.impl("kvops::packed_attention", "CPU")
-def _cpu(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None):
-    sm_scale, _ = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale)
+def _cpu(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_counts=None):
+    sm_scale, _ = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale, row_counts)
+    check_row_count_values(row_counts)
     if native.available() and hasattr(torch.ops.kvops, "_packed_attention_native"):
-        return torch.ops.kvops._packed_attention_native(q, k_dense, v_dense, k_packed, v_packed, quant or "", sm_scale)
-    return reference.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale)
+        return torch.ops.kvops._packed_attention_native(
+            q, k_dense, v_dense, k_packed, v_packed, quant or "", sm_scale,
+            None if row_counts is None else row_counts.contiguous())
+    return reference.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale, row_counts)
 
 
 @torch.library.impl("kvops::packed_attention", "CUDA")
-def _cuda(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None):
-    sm_scale, _ = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale)
+def _cuda(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_counts=None):
+    sm_scale, _ = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale, row_counts)
+    check_row_count_values(row_counts)
     if not HAS_TRITON:  # pragma: no cover - CUDA builds without triton
-        return reference.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale)
+        return reference.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale, row_counts)
     from . import triton_attention
 
-    return triton_attention.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale)
+    return triton_attention.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale, row_counts)

@@ -26,20 +26,31 @@ from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write
 from ..cache.causal import CausalKVView
 from ..ops.contiguous import cache_write
 from ..cache._window import visible_rows
-from ._plan import alloc_pool, dist as _dist, gather_window, pool_slot, row_positions, window_segments
+from ._plan import alloc_pool, dist as _dist, gather_window, pool_slot, row_positions, window_counts
 from .ops import PackedKV, dequantize_kv, quantize_kv
 
 
 
-class PackedKVView(NamedTuple):
-    """What :meth:`PackedCausalKVCache.update` returns: the visible window as segments, in token order.
+class PackedSegments(NamedTuple):
+    """The visible window of K or V as the cache's whole storage and a row mask (:meth:`PackedCausalKVCache.update`).
 
-    ``k``/``v`` are lists of segments, each either a dense view ``[B, n, H_in, D]`` of the cache or a
-    :class:`PackedKV` of ``n`` rows (views of a pool slot). The four ints are those of :class:`CausalKVView`.
+    ``segments``: every storage slot in a fixed order (the same list on every call of one cache), each a dense view
+    ``[B, n_i, H_in, D]`` or a :class:`PackedKV` of ``n_i`` rows. ``row_counts``: int32 ``[sum n_i]``, how many
+    times each stored row (segments concatenated in list order) is in the window, 0 for rows not visible. Pass it to
+    :func:`kvops.packed.packed_attention` as is (``packed_attention(q, view.k, view.v)``).
     """
 
-    k: list
-    v: list
+    segments: list
+    row_counts: torch.Tensor
+
+
+class PackedKVView(NamedTuple):
+    """What :meth:`PackedCausalKVCache.update` returns: the visible window of K and V as :class:`PackedSegments`
+    (the storage + a row mask, so that a compiled stream runs a fixed graph whatever the window's chunk structure).
+    The four ints are those of :class:`CausalKVView`."""
+
+    k: PackedSegments
+    v: PackedSegments
     local_start_index: int
     local_end_index: int
     visible_local_end: int
@@ -83,8 +94,8 @@ class PackedCausalKVCache:
     tests/test_packed_compile.py, windows of 3, 6 and 10 chunks): 3 without a sink, 5 with one, 6 with a packed
     sink and a recent window or with a sink and a pinned chunk; none per chunk after the first 4 chunks. All within
     Dynamo's default ``recompile_limit`` (8). With Inductor's on-disk caches (FX graph, AOTAutograd) torch 2.13 may add
-    graphs (see ``CausalKVCache``). :meth:`update` (segments) follows the window's chunk structure and adds graphs
-    until the window is full. Errors are raised at trace time (Dynamo reports them as
+    graphs (see ``CausalKVCache``). :meth:`update` (the storage as a fixed segment list + a row mask from the same
+    arithmetic) compiles the same few graphs (tests/test_packed_compile.py). Errors are raised at trace time (Dynamo reports them as
     ``torch._dynamo.exc.Unsupported`` carrying the original exception).
 
     Pool slots are slices of one allocation (``narrow`` of dim 1), never ``pool[i]``: Inductor (torch 2.13)
@@ -363,15 +374,18 @@ class PackedCausalKVCache:
         """Write a chunk and return the visible window as segments (dense views and packed slots).
 
         The contract is :meth:`update_and_get_attention_kv`'s; use this with :func:`kvops.packed.packed_attention`
-        to attend without materializing the window densely. The segment list follows the window's chunk structure
-        (Python control flow): under ``torch.compile`` it adds graphs until the window is full; use
-        :meth:`update_and_get_attention_kv` for a bounded graph count.
+        to attend without materializing the window densely. The K/V segments are the cache's whole storage (every
+        dense and packed slot, a fixed list) and ``row_counts`` marks the visible rows, computed by the tensor
+        arithmetic of :meth:`update_and_get_attention_kv` -- so under ``torch.compile`` it compiles the same few
+        graphs whatever the window's length (tests/test_packed_compile.py) and the attention reads only the
+        visible rows' bytes (``kvops::packed_attention`` skips tiles with no visible row).
         """
         h0, h1, cur, g, local_end, ls = self._write(key, value, current_chunk_start, cache_head_start,
                                                    recent_window_tokens)
         rows, sink, shift, pin = self._window(local_end, ls, g, recent_window_tokens)
-        ks, vs = window_segments(self, rows, sink, shift, pin, cur, h0, h1)
-        return PackedKVView(ks, vs, ls, local_end, local_end, g)
+        ks, vs, counts = window_counts(self, rows, lambda r: row_positions(r, sink, shift, pin), cur, h0, h1,
+                                       h1 - h0 != self.num_kv_heads)
+        return PackedKVView(PackedSegments(ks, counts), PackedSegments(vs, counts), ls, local_end, local_end, g)
 
     def _raise_non_sequential(self, s: int, g: int, cur_start: int) -> None:
         cur = None if cur_start < 0 else cur_start
@@ -444,7 +458,14 @@ class PackedCausalKVCache:
         return CausalKVView(k, v, ls, local_end, local_end, g)
 
 
-def materialize(segments: list, dtype: torch.dtype) -> torch.Tensor:
-    """Dense ``[B, V, H, D]`` of a list of segments (a view when there is one dense segment)."""
-    parts = [dequantize_kv(x, dtype) if isinstance(x, PackedKV) else x for x in segments]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+def materialize(segments, dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[B, V, H, D]`` of a list of segments (a view when there is one dense segment) or of
+    :class:`PackedSegments` (the visible rows, each repeated ``row_counts`` times, in storage order; eager only: the
+    row count is data dependent)."""
+    items = segments.segments if isinstance(segments, PackedSegments) else segments
+    parts = [dequantize_kv(x, dtype) if isinstance(x, PackedKV) else x for x in items]
+    dense = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    if isinstance(segments, PackedSegments):
+        rows = torch.arange(dense.shape[1], device=dense.device).repeat_interleave(segments.row_counts.long())
+        dense = dense.index_select(1, rows)
+    return dense

@@ -157,11 +157,12 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     return torch.einsum("bhmn,bhnd->bhmd", torch.exp(s - lse[..., None]), v.float()), lse
 
 
-def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: float):
+def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: float, row_counts=None):
     """Composite kernel of ``kvops::packed_attention`` (CPU without the native build, and the "dequantize + SDPA"
     baseline of ``benchmarks/packed_cache.py``): each segment in turn -- a packed one dequantized to ``q.dtype``, one
-    segment (at most a chunk) at a time -- attended with torch's flash SDPA, partial results merged by their LSE in
-    fp32. ``(out [B, T, H_q, D_v] q.dtype, lse [B, H_q, T] fp32)``; no rows at all: zeros and ``-inf``."""
+    segment (at most a chunk) at a time; with ``row_counts`` its rows repeated that often (0: dropped) -- attended
+    with torch's flash SDPA, partial results merged by their LSE in fp32. ``(out [B, T, H_q, D_v] q.dtype, lse
+    [B, H_q, T] fp32)``; no rows at all: zeros and ``-inf``."""
     from ._checks import split_segments
 
     b, t, hq, d = q.shape
@@ -174,10 +175,17 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
     group = hq // hkv
     qh = q.reshape(b, t, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * t, d)  # [B, H_kv, G*T, D]
     out = lse = None
+    row = 0
     for ks, vs in segments:
+        n = ks.shape[1] if isinstance(ks, torch.Tensor) else ks["codes"].shape[1]
+        counts = None if row_counts is None else row_counts[row : row + n]
+        row += n
         k = ks if isinstance(ks, torch.Tensor) else dequantize(*ks.values(), quant, q.dtype)
         v = vs if isinstance(vs, torch.Tensor) else dequantize(*vs.values(), quant, q.dtype)
         d_v = v.shape[3]
+        if counts is not None:
+            keep = torch.arange(n, device=k.device).repeat_interleave(counts.long())
+            k, v = k.index_select(1, keep), v.index_select(1, keep)
         if k.shape[1] == 0:
             continue
         o, seg_lse = _partial(qh, k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2), scale)

@@ -76,12 +76,12 @@ def _tile(c_ptr, s_ptr, z_ptr, m_ptr, id_ptr, cb, ct, ch, cs_, cd, sb, st_, sh, 
 
 @triton.jit
 def _segment_kernel(
-    q_ptr, kc, ks, kz, km, kid, vc, vs, vz, vm, vid, m_ptr, l_ptr, acc_ptr,
+    q_ptr, kc, ks, kz, km, kid, vc, vs, vz, vm, vid, m_ptr, l_ptr, acc_ptr, w_ptr,
     qb, qt, qh, qd,
     kcb, kct, kch, kcs, kcd, ksb, kst, ksh, kss, ksg, kzb, kzt, kzh, kzs, kzg, kmb, kmh, kmc, kmd, kib, kit, kih,
     vcb, vct, vch, vcs, vcd, vsb, vst, vsh, vss, vsg, vzb, vzt, vzh, vzs, vzg, vmb, vmh, vmc, vmd, vib, vit, vih,
     N, G, HKV, R, D, DV, K_STAGES, V_STAGES, scale,
-    KIND: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
+    KIND: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, HAS_COUNTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -103,13 +103,19 @@ def _segment_kernel(
     for n0 in range(0, N, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < N
+        if HAS_COUNTS:  # row_counts of this segment's rows: 0 = not visible (masked, its V row never read)
+            w = tl.load(w_ptr + t, mask=tmask, other=0).to(tl.float32)
+            tmask = tmask & (w > 0)
         k = _tile(kc, ks, kz, km, kid, kcb, kct, kch, kcs, kcd, ksb, kst, ksh, kss, ksg, kzb, kzt, kzh, kzs, kzg,
                   kmb, kmh, kmc, kmd, kib, kit, kih, b, h, t, tmask, d, D, K_STAGES, KIND, K_GROUP)
         qk = tl.dot(q, tl.trans(k))
         qk = tl.where(tmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(qk - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile (and state) with no visible row yet
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(qk - m_safe[:, None])
+        if HAS_COUNTS:
+            p = p * w[None, :]
         l = l * alpha + tl.sum(p, 1)
         v = _tile(vc, vs, vz, vm, vid, vcb, vct, vch, vcs, vcd, vsb, vst, vsh, vss, vsg, vzb, vzt, vzh, vzs, vzg,
                   vmb, vmh, vmc, vmd, vib, vit, vih, b, h, t, tmask, dv, DV, V_STAGES, KIND, V_GROUP)
@@ -145,7 +151,7 @@ def _layout(x: dict, quant):
     return ptrs, cs + ss + zs + ms + is_, stages, group
 
 
-def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: float):
+def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: float, row_counts=None):
     """``(out [B, T, H_q, D_v] q.dtype, lse [B, H_q, T] fp32)``; arguments as ``kvops::packed_attention``."""
     b, t, hq, d = q.shape
     segments = [(dict(codes=k, scales=None, zeros=None, centroids=None, cluster_ids=None),
@@ -163,15 +169,18 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
     acc = torch.zeros(b * hkv, rows, d_v, dtype=torch.float32, device=q.device)
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     grid = (triton.cdiv(rows, block_m), b * hkv)
+    counts = None if row_counts is None else row_counts.contiguous()
+    row = 0
     for ks, vs, fmt in segments:
         n = ks["codes"].shape[1]
+        row += n
         if n == 0 or rows == 0 or b * hkv == 0:
             continue
         kp, kst, k_stages, k_group = _layout(ks, fmt)
         vp, vst, v_stages, v_group = _layout(vs, fmt)
         _segment_kernel[grid](
-            q, *kp, *vp, m, l, acc, *q.stride(), *kst, *vst, n, g, hkv, rows, d, d_v, k_stages, v_stages, scale,
-            KIND=_KIND[fmt], K_GROUP=k_group, V_GROUP=v_group, BLOCK_M=block_m, BLOCK_N=16,
+            q, *kp, *vp, m, l, acc, m if counts is None else counts[row - n :], *q.stride(), *kst, *vst, n, g, hkv, rows, d, d_v, k_stages, v_stages, scale,
+            KIND=_KIND[fmt], K_GROUP=k_group, V_GROUP=v_group, HAS_COUNTS=counts is not None, BLOCK_M=block_m, BLOCK_N=16,
             BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         )
     has = l > 0
