@@ -118,6 +118,63 @@ class TestFusedAgainstReference(unittest.TestCase):
             want, _ = reference(q, k, v)
             torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
+    def test_row_counts_mask_and_repeat_rows(self):
+        """row_counts[j] = how often row j is attended (0: skipped, even when it holds NaN; 2: twice): equal to
+        plain attention over the rows repeated that often, for the native kernel and the composite; segments in any
+        order (the wrapper maps the counts to the op's dense-then-packed order); a tile with no visible row."""
+        for quant in FORMATS:
+            ks, vs = window(quant, 1, 2, 64, [20, 3, 5, 17])
+            ks, vs = [ks[2], ks[0], ks[3], ks[1]], [vs[2], vs[0], vs[3], vs[1]]  # packed, dense, packed, dense
+            g = torch.Generator().manual_seed(1)
+            counts = torch.randint(0, 3, (45,), generator=g, dtype=torch.int32)
+            counts[5:21] = 0  # the 20-row dense segment's first tile (16 rows) is skipped, ...
+            counts[23] = 0  # ... its second one partly visible
+            ks[1], vs[1] = ks[1].clone(), vs[1].clone()
+            ks[1][:, 3] = vs[1][:, 4] = float("nan")  # rows not visible may hold anything (stale ring rows)
+            ks[1][:, 18] = vs[1][:, 18] = float("nan")
+            counts[21] = 2
+            q = torch.randn(1, 3, 4, 64, generator=g)
+            rows = torch.arange(45).repeat_interleave(counts.long())
+            want, want_lse = reference(q, dense_window(ks)[:, rows], dense_window(vs)[:, rows])
+            out, lse = packed_attention(q, ks, vs, row_counts=counts, return_lse=True)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+            saved = native._state
+            try:
+                native._state = False  # the composite
+                out = packed_attention(q, ks, vs, row_counts=counts)
+            finally:
+                native._state = saved
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+            zero = packed_attention(q, ks, vs, row_counts=torch.zeros(45, dtype=torch.int32))
+            self.assertTrue(torch.equal(zero, torch.zeros_like(zero)))
+
+    def test_row_counts_in_the_triton_kernel(self):
+        """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1, as tests/conftest.py sets) masks rows
+        with count 0 (NaN rows included), weights the others, and a segment with no visible row leaves the state."""
+        import os
+
+        self.assertTrue(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+        from kvops.packed import triton_attention as ta
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        for quant in ("int4", "int2"):
+            ks, vs = window(quant, 1, 2, 64, [18, 3, 5, 17])  # dense 18, 3; packed 5, 17 (the op's order)
+            ks[0], vs[0] = ks[0].clone(), vs[0].clone()
+            ks[0][:, 17] = vs[0][:, 17] = float("nan")
+            counts = torch.randint(0, 3, (43,), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+            counts[17] = 0
+            counts[21:26] = 0  # the first packed segment: nothing visible
+            q = torch.randn(1, 2, 4, 64)
+            rows = torch.arange(43).repeat_interleave(counts.long())
+            want, want_lse = reference(q, dense_window(ks)[:, rows], dense_window(vs)[:, rows], 0.15)
+            (kd, kp), (vd, vp) = _split(ks), _split(vs)
+            move = lambda ts: [t.to(dev) for t in ts]  # noqa: E731
+            out, lse = ta.packed_attention(q.to(dev), move(kd), move(vd), move(kp), move(vp), quant, 0.15,
+                                           counts.to(dev))
+            torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=1e-5, atol=1e-5)
+
     def test_empty_window(self):
         ks, vs = window(None, 1, 2, 32, [0, 0])
         out, lse = packed_attention(torch.randn(1, 3, 2, 32), ks, vs, return_lse=True)
@@ -174,6 +231,24 @@ class TestContracts(expecttest.TestCase):
         msg = raises_everywhere(self, ValueError, lambda q: op(q, [], [], [], [], None), (q,))
         self.assertExpectedInline(msg, """kvops.packed_attention: need at least one K/V segment (dense or packed), got none.""")
 
+    def test_row_counts_errors(self):
+        ks, vs = window("int8", 1, 2, 64, [3, 2, 5])  # 10 rows: dense 3 + 2, packed 5
+        kd, kp = _split(ks)
+        vd, vp = _split(vs)
+        q = torch.randn(1, 2, 4, 64)
+        op = lambda q, c: torch.ops.kvops.packed_attention(q, kd, vd, kp, vp, "int8", None, c)  # noqa: E731
+        msg = raises_everywhere(self, ValueError, op, (q, torch.ones(9, dtype=torch.int32)))
+        self.assertExpectedInline(msg, """kvops.packed_attention: row_counts must be int32 of shape (10,) (one count per K row, dense segments first, then packed ones); got torch.int32 of shape (9,). Pass view.k of PackedCausalKVCache.update, or None to attend every row.""")
+        msg = raises_everywhere(self, ValueError, op, (q, torch.ones(10, dtype=torch.int64)))
+        self.assertExpectedInline(msg, """kvops.packed_attention: row_counts must be int32 of shape (10,) (one count per K row, dense segments first, then packed ones); got torch.int64 of shape (10,). Pass view.k of PackedCausalKVCache.update, or None to attend every row.""")
+        msg = raises_everywhere(self, ValueError, op, (q, torch.ones(2, 5, dtype=torch.int32)))
+        self.assertExpectedInline(msg, """kvops.packed_attention: row_counts must be int32 of shape (10,) (one count per K row, dense segments first, then packed ones); got torch.int32 of shape (2, 5). Pass view.k of PackedCausalKVCache.update, or None to attend every row.""")
+        bad = torch.ones(10, dtype=torch.int32)
+        bad[7] = -1
+        with self.assertRaises(RuntimeError) as ctx:  # values: eager only (kvops/_checks/values.py)
+            op(q, bad)
+        self.assertExpectedInline(str(ctx.exception), """kvops.packed_attention: row_counts must be >= 0 (0 skips a row, 1 attends it); got -1 at row 7.""")
+
     def test_wrapper_errors(self):
         a, b = quantize_kv(torch.randn(1, 3, 2, 64), "int8"), quantize_kv(torch.randn(1, 3, 2, 64), "int4")
         with self.assertRaisesRegex(ValueError, r"one format, got \['int4', 'int8'\]"):
@@ -192,6 +267,9 @@ class TestContracts(expecttest.TestCase):
             utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
             kw = {"test_utils": utils} if quant == "fp8" else {}
             torch.library.opcheck(torch.ops.kvops.packed_attention.default, (q, kd, vd, kp, vp, quant, 0.2), **kw)
+            counts = torch.tensor([1, 0, 2, 1, 1, 0, 0, 1, 1, 0], dtype=torch.int32)
+            torch.library.opcheck(torch.ops.kvops.packed_attention.default,
+                                  (q, kd, vd, kp, vp, quant, 0.2, counts), **kw)
 
 
 if __name__ == "__main__":
