@@ -1,7 +1,8 @@
 """``kvops::packed_attention``: attention over a packed visible window that reads the packed bytes directly.
 
-:meth:`PackedCausalKVCache.update` returns the window as segments (dense views of the ring and sink rows, packed
-pool slots). The op takes them all at once and runs ONE online softmax over every segment, dequantizing each packed
+:meth:`PackedCausalKVCache.update` returns the window as the cache's storage (dense views of the ring and sink rows,
+packed pool slots: a fixed list) and ``row_counts``, the visible rows' mask. The op takes them all at once, skips the
+rows with count 0 (a tile with none visible is not read) and runs ONE online softmax over the rest, dequantizing each packed
 tile (16 tokens of codes, scales, integer zero points, centroids, cluster ids) into fp32 registers inside its tile
 loop -- so the bytes read per call shrink with the format and no dense copy of any segment is made (the online
 softmax across segments is the LSE merge of FlashAttention's KV splits, done incrementally).
