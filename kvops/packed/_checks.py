@@ -272,7 +272,9 @@ def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale
                 f"PackedCausalKVCache.update, or None to attend every row."
             )
         if row_counts.device != q.device:
-            raise ValueError(f"{op}: row_counts is on {row_counts.device} but q is on {q.device}. Move them to one device.")
+            raise ValueError(
+                f"{op}: row_counts is on {row_counts.device} but q is on {q.device}. Move them to one device."
+            )
     return (d**-0.5 if scale is None else scale), d_v
 
 

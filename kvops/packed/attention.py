@@ -2,8 +2,8 @@
 
 :meth:`PackedCausalKVCache.update` returns the window as the cache's storage (dense views of the ring and sink rows,
 packed pool slots: a fixed list) and ``row_counts``, the visible rows' mask. The op takes them all at once, skips the
-rows with count 0 (a tile with none visible is not read) and runs ONE online softmax over the rest, dequantizing each packed
-tile (16 tokens of codes, scales, integer zero points, centroids, cluster ids) into fp32 registers inside its tile
+rows with count 0 (a tile with none visible is not read) and runs ONE online softmax over the rest, dequantizing each
+packed tile (16 tokens of codes, scales, integer zero points, centroids, cluster ids) into fp32 registers inside its tile
 loop -- so the bytes read per call shrink with the format and no dense copy of any segment is made (the online
 softmax across segments is the LSE merge of FlashAttention's KV splits, done incrementally).
 

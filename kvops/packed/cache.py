@@ -95,8 +95,8 @@ class PackedCausalKVCache:
     sink and a recent window or with a sink and a pinned chunk; none per chunk after the first 4 chunks. All within
     Dynamo's default ``recompile_limit`` (8). With Inductor's on-disk caches (FX graph, AOTAutograd) torch 2.13 may add
     graphs (see ``CausalKVCache``). :meth:`update` (the storage as a fixed segment list + a row mask from the same
-    arithmetic) compiles the same few graphs (tests/test_packed_compile.py). Errors are raised at trace time (Dynamo reports them as
-    ``torch._dynamo.exc.Unsupported`` carrying the original exception).
+    arithmetic) compiles the same few graphs (tests/test_packed_compile.py). Errors are raised at trace time (Dynamo
+    reports them as ``torch._dynamo.exc.Unsupported`` carrying the original exception).
 
     Pool slots are slices of one allocation (``narrow`` of dim 1), never ``pool[i]``: Inductor (torch 2.13)
     regenerates a mutated ``select`` view as ``as_strided(pool, ..., sym_storage_offset(view))`` without a lowering

@@ -179,8 +179,10 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
         kp, kst, k_stages, k_group = _layout(ks, fmt)
         vp, vst, v_stages, v_group = _layout(vs, fmt)
         _segment_kernel[grid](
-            q, *kp, *vp, m, l, acc, m if counts is None else counts[row - n :], *q.stride(), *kst, *vst, n, g, hkv, rows, d, d_v, k_stages, v_stages, scale,
-            KIND=_KIND[fmt], K_GROUP=k_group, V_GROUP=v_group, HAS_COUNTS=counts is not None, BLOCK_M=block_m, BLOCK_N=16,
+            q, *kp, *vp, m, l, acc, m if counts is None else counts[row - n :],
+            *q.stride(), *kst, *vst, n, g, hkv, rows, d, d_v, k_stages, v_stages, scale,
+            KIND=_KIND[fmt], K_GROUP=k_group, V_GROUP=v_group, HAS_COUNTS=counts is not None,
+            BLOCK_M=block_m, BLOCK_N=16,
             BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         )
     has = l > 0
