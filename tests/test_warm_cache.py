@@ -26,9 +26,9 @@ from torch._dynamo.utils import counters
 from tests.test_causal_compile import forward, make_caches, stream
 
 KINDS = {  # name: (cache kwargs, stream kwargs); chunks of 2 tokens, past eviction
-    "sink": (dict(layers=1, sink_tokens=1), dict(chunks=5, steps=1)),
+    "sink": (dict(layers=1, sink_tokens=1), dict(chunks=4, steps=1)),
     "pinned+window": (dict(layers=1, size=8, sink_tokens=2, global_sink_tokens=2, attention_window_size=6),
-                      dict(chunks=7, steps=1, pin_after=(2,))),
+                      dict(chunks=5, steps=1, pin_after=(2,))),
 }
 out = {}
 for name, (cache_kwargs, stream_kwargs) in KINDS.items():

@@ -74,8 +74,11 @@ def visible_rows(
         else:
             ranges.append((smax(sink, local_end - relu(window - sink - shown)), local_end))
         return _merge(ranges)
-    sink_end = smin(sink, local_end)
-    start = smax(sink_end, chunk_start - recent_window_tokens)
+    if sink <= local_end:  # a guard, no clamp (false only while the first chunks fill the sink)
+        sink_end = sink
+        start = sink + relu(chunk_start - recent_window_tokens - sink)
+    else:  # chunk_start - r <= chunk_start < local_end: nothing is shown after the (partial) sink
+        sink_end = start = local_end
     ranges = [(0, sink_end)]
     if pin:
         pinned = (pinned_start, smin(pinned_start + pinned_len, local_end))
