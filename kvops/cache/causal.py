@@ -5,49 +5,16 @@ Bookkeeping is plain Python ints; every tensor write and move goes through ``kvo
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .._checks.common import require_ndim
 from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write, check_caches
 from ..ops.contiguous import cache_roll, cache_write
 from ._clamp import smax
-from ._plan import eviction_moves, eviction_moves_with_pin, plan_rows, raise_write_range
+from ._plan import CausalKVView, _Cursors, eviction_moves, eviction_moves_with_pin, plan_rows, raise_write_range
 from ._window import visible_rows
 
-
-class CausalKVView(NamedTuple):
-    """What :meth:`CausalKVCache.update_and_get_attention_kv` returns.
-
-    ``k``/``v`` are the visible rows ``[B, V, H_in, D]`` / ``[B, V, H_in, D_v]`` in row order (a view of the cache
-    when they are one contiguous row range, else a ``torch.cat`` of the ranges of
-    :func:`kvops.cache._window.visible_rows`: sink rows, a pinned chunk, the newest rows; docs/semantics.md §1.6). The four ints are cache rows
-    (``local_*``) and token positions (``*_global_*``): the chunk was written at rows
-    ``[local_start_index, local_end_index)``; ``visible_local_end`` is the cache's local end after the update (``L'``)
-    and ``visible_global_end`` its global end (``G'``).
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    local_start_index: int
-    local_end_index: int
-    visible_local_end: int
-    visible_global_end: int
-
-
-class _Cursors:
-    """Cursors of one head slice: ``global_end`` (G), ``local_end`` (L), the pinned chunk (rows) and the ring
-    offset (used by :class:`kvops.cache.ring.RingCausalKVCache` only; always 0 here)."""
-
-    __slots__ = ("global_end", "local_end", "pinned_start", "pinned_len", "ring_offset")
-
-    def __init__(self) -> None:
-        self.global_end = 0
-        self.local_end = 0
-        self.pinned_start = -1
-        self.pinned_len = 0
-        self.ring_offset = 0
+__all__ = ["CausalKVCache", "CausalKVView"]
 
 
 class CausalKVCache:
