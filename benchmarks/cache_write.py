@@ -19,9 +19,11 @@ synthetic ``randn`` values. Three tables, every ratio a candidate's time over it
 Timing: candidates are interleaved round by round (each round times every candidate once, ``--inner`` calls each),
 so machine noise hits all of them alike; a table cell is the median of the per-round ratios and its spread the
 25th-75th percentile of those ratios. Nothing is asserted; only the ratios are meaningful. Threads default to 1 (the
-benchmark machine is shared; multi-threaded timings there measure the scheduler).
+benchmark machine is shared; multi-threaded timings there measure the scheduler), and with one thread the clock is
+the thread's CPU time (``time.thread_time``: time this thread was descheduled by other processes is not counted;
+``--clock wall`` for ``time.perf_counter``, the default with more threads).
 
-    python benchmarks/cache_write.py [--rounds 15] [--threads 1] [--quick]
+    python benchmarks/cache_write.py [--rounds 15] [--threads 1] [--clock thread|wall] [--quick]
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ def aten_contiguous(key, value, k_cache, v_cache):
 
 
 # --- timing ---------------------------------------------------------------------------------------------------------
+CLOCK = time.perf_counter
+
+
 def interleaved_ratios(candidates, rounds, inner):
     """``candidates``: {name: (fn, context factory)}; the first is the baseline. Returns {name: [ratio per round]}."""
     for fn, ctx in candidates.values():  # warm-up (compiles)
@@ -122,10 +127,10 @@ def interleaved_ratios(candidates, rounds, inner):
     for _ in range(rounds):
         for name, (fn, ctx) in candidates.items():
             with ctx():
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 for _ in range(inner):
                     fn()
-                times[name].append((time.perf_counter() - t0) / inner)
+                times[name].append((CLOCK() - t0) / inner)
     base = next(iter(times))
     return {name: [t / b for t, b in zip(ts, times[base])] for name, ts in times.items() if name != base}, times[base]
 
@@ -143,14 +148,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=("thread", "wall"), default=None,
+                        help="thread CPU time (default with --threads 1) or wall time")
     parser.add_argument("--quick", action="store_true", help="N in {16, 512} and 7 rounds")
     parser.add_argument("--tables", default="paged,contiguous,eager", help="comma-separated subset to run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    global CLOCK
+    clock = args.clock or ("thread" if args.threads == 1 else "wall")
+    CLOCK = time.thread_time if clock == "thread" else time.perf_counter
     sizes = (16, 512) if args.quick else (16, 512, 8192)
     rounds = 7 if args.quick else args.rounds
     value_checks = getattr(kvops, "value_checks", None)
-    print(f"threads={args.threads}, H_kv={H}, head_dim={D}, block_size={BLOCK_SIZE}, rounds={rounds}; "
+    print(f"threads={args.threads}, clock={clock}, H_kv={H}, head_dim={D}, block_size={BLOCK_SIZE}, rounds={rounds}; "
           f"cells: median ratio [25th-75th percentile]; baseline median time in us")
 
     tables = set(args.tables.split(","))

@@ -30,14 +30,13 @@ import argparse
 import math
 import statistics
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvops.cache import CausalKVCache, PackedCausalKVCache
-from kvops.packed import dequantize_kv, materialize, packed_attention, packed_layout, quantize_kv
+from kvops.packed import PackedKV, default_group_size, dequantize_kv, materialize, packed_attention, packed_layout
+from kvops.packed import quantize_kv, reference
 
 FRAME_TOKENS, CHUNK_FRAMES = 1560, 3  # 480x832 latents, 2x2 patches; Quant VideoGen's / LingBot's chunk
 FORMATS = [  # label, quant, format kwargs
@@ -78,17 +77,35 @@ def token_bytes(quant, dim, chunk, **fmt) -> float:
     return sum(math.prod(s.shape) * s.dtype.itemsize for s in specs.values() if s is not None) / chunk
 
 
+def bytes_formula(quant, dim, chunk, group_size=None, stages=1, num_clusters=16) -> str:
+    """The per-(token, head) byte arithmetic of ``packed_layout`` (its docstring), as a string."""
+    g = group_size or default_group_size(dim)
+    if quant == "int8":
+        return f"{dim} codes + 2 scale"
+    if quant == "fp8":
+        return f"{dim} codes + 4/{chunk} scale"
+    if quant == "int4":
+        return f"{dim // 2} codes + {dim // g}x(2 scale + 1 zero)"
+    per_stage = dim // 4 + 3 * dim // g
+    return (f"{stages}x({dim // 4} codes + {dim // g}x3) = {stages * per_stage} + 1 id + {2 * num_clusters * dim}"
+            f"/{chunk} centroids")
+
+
 def table_bytes():
     chunk = CHUNK_FRAMES * FRAME_TOKENS
     print(f"\n1. Bytes per quantized (token, head) of K or V vs bf16, chunk {CHUNK_FRAMES} x {FRAME_TOKENS} = {chunk}"
-          " tokens (targets: int8/fp8 <= 0.53, int4 <= 0.30, int2 <= 0.18)")
-    print(f"{'format':<20}" + "".join(f"{'D=' + str(d) + ' bytes':>14}{'x bf16':>8}" for d in (64, 128)))
+          " tokens (targets: int8/fp8 <= 0.53, int4 <= 0.30, int2 <= 0.18); scales fp16 (fp8: fp32 per head), int4/int2"
+          " zero points int8 in eighths of a step")
+    print(f"{'format':<20}" + "".join(f"{'D=' + str(d) + ' bytes':>14}{'x bf16':>8}" for d in (64, 128))
+          + "   arithmetic at D=128")
     for label, quant, fmt in FORMATS:
         row = f"{label:<20}"
         for d in (64, 128):
             b = token_bytes(quant, d, chunk, **fmt)
             row += f"{b:>14.2f}{b / (2 * d):>8.3f}"
-        print(row)
+        print(row + "   " + bytes_formula(quant, 128, chunk, **fmt))
+    print("   int2: each stage costs D/4 + 3 D/group bytes (0.148x bf16 at D=128, group 64), so 2 stages (4 bits per "
+          "value) cannot be <= 0.25x; the default (1 stage, group 64, 16 centroids) meets <= 0.18x.")
 
 
 def table_resident():
@@ -132,46 +149,36 @@ def table_accuracy(frame_tokens: int, heads: int = 4, dim: int = 128):
     v, q = v.bfloat16(), q.bfloat16()
     ref = attention(q.float(), k.float(), v.float())
     print(f"\n3. Reconstruction and attention error (window of 4 chunks of {chunk} tokens, 3 packed, keep 1 dense; "
-          f"{heads} x {dim}; bf16 data; scaled: {frame_tokens} tokens/frame)")
+          f"{heads} x {dim}; bf16 data; scaled: {frame_tokens} tokens/frame). attn: the fused kvops.packed_attention "
+          "over the segments vs fp32 SDPA over the dense bf16 window")
     print(f"{'format':<20}{'K rel MSE':>11}{'K cos':>9}{'V rel MSE':>11}{'V cos':>9}{'attn rel err':>14}{'attn cos':>10}")
     for label, quant, fmt in FORMATS:
-        kr, vr = k.clone(), v.clone()
+        ks, vs = [], []
         for c in range(3):  # chunks 0..2 packed (chunk-wise, as the cache does), chunk 3 dense
             rows = slice(c * chunk, (c + 1) * chunk)
-            kr[:, rows] = dequantize_kv(quantize_kv(k[:, rows], quant, **fmt), torch.bfloat16)
-            vr[:, rows] = dequantize_kv(quantize_kv(v[:, rows], quant, **fmt), torch.bfloat16)
-        packed = slice(0, 3 * chunk)
-        out = attention(q.float(), kr.float(), vr.float())
+            ks.append(quantize_kv(k[:, rows], quant, **fmt))
+            vs.append(quantize_kv(v[:, rows], quant, **fmt))
+        kr = torch.cat([dequantize_kv(x, torch.float32) for x in ks], 1)
+        vr = torch.cat([dequantize_kv(x, torch.float32) for x in vs], 1)
+        out = packed_attention(q, ks + [k[:, 3 * chunk :]], vs + [v[:, 3 * chunk :]]).float()
         err = ((out - ref).norm() / ref.norm()).item()
-        print(f"{label:<20}{rel_mse(kr[:, packed].float(), k[:, packed].float()):>11.2e}"
-              f"{cosine(kr[:, packed], k[:, packed]):>9.5f}{rel_mse(vr[:, packed].float(), v[:, packed].float()):>11.2e}"
-              f"{cosine(vr[:, packed], v[:, packed]):>9.5f}{err:>14.2e}{cosine(out, ref):>10.5f}")
+        kp, vp = k[:, : 3 * chunk].float(), v[:, : 3 * chunk].float()
+        print(f"{label:<20}{rel_mse(kr, kp):>11.2e}{cosine(kr, kp):>9.5f}{rel_mse(vr, vp):>11.2e}"
+              f"{cosine(vr, vp):>9.5f}{err:>14.2e}{cosine(out, ref):>10.5f}")
 
 
-class PeakBytes(TorchDispatchMode):
-    """Peak bytes of tensors allocated inside the mode and still alive (storages tracked with weakref finalizers)."""
-
-    def __enter__(self):
-        self.live, self.peak, self.seen = 0, 0, set()
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and not t._is_view():
-                s = t.untyped_storage()
-                key = s.data_ptr()
-                if key in self.seen or s.nbytes() == 0:
-                    continue
-                self.seen.add(key)
-                self.live += s.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(t, self._free, key, s.nbytes())
-        return out
-
-    def _free(self, key, n):
-        self.seen.discard(key)
-        self.live -= n
+def peak_bytes(fn) -> int:
+    """Peak bytes held by tensors allocated during ``fn()`` (CPU allocator events of the profiler, so allocations
+    inside native kernels count too); per-thread scratch of the native kernel (std::vector, ~80 KiB) is not seen."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def timed(fns: dict, reps: int) -> dict:
@@ -187,18 +194,24 @@ def timed(fns: dict, reps: int) -> dict:
     return times
 
 
-def table_time(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, window_chunks: int = 7):
+def cell(ts):
+    return f"{statistics.median(ts) * 1e3:.2f} [{min(ts) * 1e3:.2f}, {max(ts) * 1e3:.2f}]"
+
+
+def ratio(times, name, base="dense"):
+    return statistics.median(times[name]) / statistics.median(times[base])
+
+
+def table_update(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, window_chunks: int = 7):
     chunk = CHUNK_FRAMES * frame_tokens
     size = window_chunks * chunk
     total = window_chunks + 3
     k = synthetic_kv(total * CHUNK_FRAMES, frame_tokens, heads, dim, seed=4).bfloat16()
     v = synthetic_kv(total * CHUNK_FRAMES, frame_tokens, heads, dim, seed=5, outliers=False).bfloat16()
-    q = (k[:, -chunk:].float() + 0.5 * torch.randn(1, chunk, heads, dim)).bfloat16()
-    print(f"\n4. Time, packed / dense CausalKVCache (Wan heads {heads} x {dim}, chunk {chunk} tokens = {CHUNK_FRAMES} x "
-          f"{frame_tokens} (scaled), window {window_chunks} chunks, bf16, keep_recent_chunks 1, {reps} interleaved "
-          f"runs; median [min, max] in ms)")
-    print(f"{'format':<20}{'update ms':>26}{'x dense':>9}{'(mat)':>9}{'attn ms':>28}{'x dense':>9}{'(mat)':>9}"
-          f"{'peak MiB':>10}{'(mat)':>10}")
+    print(f"\n4. Time per chunk update, packed / dense CausalKVCache (Wan heads {heads} x {dim}, chunk {chunk} tokens = "
+          f"{CHUNK_FRAMES} x {frame_tokens} (scaled), window {window_chunks} chunks, bf16, keep_recent_chunks 1, {reps} "
+          "interleaved runs; median [min, max] in ms)")
+    print(f"{'format':<20}{'update ms':>26}{'x dense':>9}{'(mat)':>9}")
 
     def prime(cache, chunks):
         for c in range(chunks):
@@ -208,7 +221,7 @@ def table_time(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, wi
     dense = CausalKVCache.allocate(1, size, heads, dim, dtype=torch.bfloat16)
     primed = total - 1
     prime(dense, primed)
-    caches = {"dense": dense}
+    caches = {}
     for label, quant, fmt in FORMATS:
         if label in ("int4 g32", "int4 g128"):
             continue
@@ -237,44 +250,78 @@ def table_time(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, wi
 
     fns = {"dense": dense_update}
     for name, c in caches.items():
-        if name != "dense":
-            fns[name] = update(c, True)
-            fns[name + " (mat)"] = update(c, False)
+        fns[name] = update(c, True)
+        fns[name + " (mat)"] = update(c, False)
     up = timed(fns, reps)
-    views = {name: (c.update(k[:, last], v[:, last], s) if name != "dense" else
-                    c.update_and_get_attention_kv(k[:, last], v[:, last], s)) for name, c in caches.items()}
-    attn_fns = {"dense": lambda: attention(q, views["dense"].k, views["dense"].v)}
+    print(f"{'dense bf16':<20}{cell(up['dense']):>26}{1:>9.2f}")
     for name in caches:
-        if name != "dense":
-            view = views[name]
-            attn_fns[name] = (lambda view=view: packed_attention(q, view.k, view.v))
-            attn_fns[name + " (mat)"] = (lambda view=view: attention(
-                q, materialize(view.k, torch.bfloat16), materialize(view.v, torch.bfloat16)))
-    at = timed(attn_fns, reps)
-    peaks = {}
-    for name, fn in attn_fns.items():
-        with PeakBytes() as mode:
-            fn()
-        peaks[name] = mode.peak
-
-    def cell(ts):
-        return f"{statistics.median(ts) * 1e3:.2f} [{min(ts) * 1e3:.2f}, {max(ts) * 1e3:.2f}]"
-
-    def ratio(times, name):
-        return statistics.median(times[name]) / statistics.median(times["dense"])
-
-    print(f"{'dense bf16':<20}{cell(up['dense']):>26}{1:>9.2f}{'':>9}{cell(at['dense']):>28}{1:>9.2f}{'':>9}"
-          f"{peaks['dense'] / 2**20:>10.2f}{'':>10}")
-    for name in caches:
-        if name == "dense":
-            continue
-        mat = name + " (mat)"
-        print(f"{name:<20}{cell(up[name]):>26}{ratio(up, name):>9.2f}{ratio(up, mat):>9.2f}{cell(at[name]):>28}"
-              f"{ratio(at, name):>9.2f}{ratio(at, mat):>9.2f}{peaks[name] / 2**20:>10.2f}{peaks[mat] / 2**20:>10.2f}")
+        print(f"{name:<20}{cell(up[name]):>26}{ratio(up, name):>9.2f}{ratio(up, name + ' (mat)'):>9.2f}")
     print("   update: packed cache's update() (returns segments) / dense; (mat): update_and_get_attention_kv, which "
           "also materializes the window densely.")
-    print("   attn: packed_attention over the segments (LSE merge, one chunk dequantized at a time); (mat): "
-          "materialize the window densely, then SDPA. Peak MiB: tensors allocated during the attention call.")
+
+
+def segment_bytes(segments) -> int:
+    """K or V bytes stored for the window's segments (dense rows, or the packed tensors of each segment's rows)."""
+    return sum(x.nbytes if isinstance(x, PackedKV) else x.numel() * x.element_size() for x in segments)
+
+
+def split(segments):
+    """(dense segments, flat list of the packed segments' tensors): the composite kernel's arguments."""
+    packed = [t for x in segments if isinstance(x, PackedKV) for t in x.tensors()]
+    return [x for x in segments if not isinstance(x, PackedKV)], packed
+
+
+def table_attention(model: str, heads: int, dim: int, frame_tokens: int, reps: int, window_chunks: int = 7):
+    """Attention of one chunk's queries to a full window (the oldest window_chunks - 2 chunks packed, 2 dense: the
+    current one and keep_recent_chunks = 1), as the streaming cache runs it."""
+    chunk = CHUNK_FRAMES * frame_tokens
+    size = window_chunks * chunk
+    k = synthetic_kv(window_chunks * CHUNK_FRAMES, frame_tokens, heads, dim, seed=6).bfloat16()
+    v = synthetic_kv(window_chunks * CHUNK_FRAMES, frame_tokens, heads, dim, seed=7, outliers=False).bfloat16()
+    q = (k[:, -chunk:].float() + 0.5 * torch.randn(1, chunk, heads, dim)).bfloat16()
+    packed_rows = (window_chunks - 2) * chunk
+    print(f"\n5. Attention per call, {model} heads {heads} x {dim} (scaled: chunk {chunk} = {CHUNK_FRAMES} x "
+          f"{frame_tokens} tokens of queries, window {window_chunks} chunks = {size} rows, {window_chunks - 2} packed + "
+          f"2 dense), bf16, {reps} interleaved runs, median [min, max] ms")
+    print(f"{'format':<20}{'fused ms':>26}{'x dense':>9}{'x deq+SDPA':>11}{'deq+SDPA ms':>26}{'(mat) ms':>10}"
+          f"{'KV MiB read':>12}{'x dense':>8}{'deq+SDPA':>9}{'peak MiB':>9}{'deq+SDPA':>9}{'(mat)':>8}")
+    dense_k, dense_v = [k], [v]
+    windows = {}
+    for label, quant, fmt in FORMATS:
+        segs = []
+        for x in (k, v):
+            packed = [quantize_kv(x[:, c * chunk : (c + 1) * chunk], quant, **fmt) for c in range(window_chunks - 2)]
+            segs.append(packed + [x[:, packed_rows : packed_rows + chunk], x[:, packed_rows + chunk :]])
+        windows[label] = segs
+    fns = {"dense": lambda: attention(q, k, v)}
+    scale = dim**-0.5
+    for label, (ks, vs) in windows.items():
+        quant = ks[0].quant
+        (kd, kp), (vd, vp) = split(ks), split(vs)
+        fns[label] = lambda ks=ks, vs=vs: packed_attention(q, ks, vs)
+        fns[label + " deq"] = lambda a=(kd, vd, kp, vp, quant): reference.packed_attention(q, *a, scale)
+        fns[label + " mat"] = lambda ks=ks, vs=vs: attention(q, materialize(ks, torch.bfloat16),
+                                                             materialize(vs, torch.bfloat16))
+    at = timed(fns, reps)
+    dense_read = segment_bytes(dense_k) + segment_bytes(dense_v)
+    peak_dense = peak_bytes(fns["dense"])
+    print(f"{'dense bf16 SDPA':<20}{cell(at['dense']):>26}{1:>9.2f}{'':>11}{'':>26}{'':>10}"
+          f"{dense_read / 2**20:>12.2f}{1:>8.3f}{'':>9}{peak_dense / 2**20:>9.2f}")
+    for label, (ks, vs) in windows.items():
+        read = segment_bytes(ks) + segment_bytes(vs)
+        dense_of_packed = 2 * packed_rows * heads * dim * 2  # the bf16 copy the composite writes and reads back
+        deq_read = read + 2 * dense_of_packed
+        peaks = [peak_bytes(fns[n]) / 2**20 for n in (label, label + " deq", label + " mat")]
+        print(f"{label:<20}{cell(at[label]):>26}{ratio(at, label):>9.2f}{ratio(at, label, label + ' deq'):>11.2f}"
+              f"{cell(at[label + ' deq']):>26}{statistics.median(at[label + ' mat']) * 1e3:>10.2f}"
+              f"{read / 2**20:>12.2f}{read / dense_read:>8.3f}{deq_read / dense_read:>9.3f}"
+              f"{peaks[0]:>9.2f}{peaks[1]:>9.2f}{peaks[2]:>8.2f}")
+    print("   fused: kvops.packed_attention (native CPU kernel: packed tiles dequantized in registers, one online "
+          "softmax over all segments); deq+SDPA: the composite (each packed segment dequantized to bf16, torch flash "
+          "SDPA per segment, LSE merge); (mat): materialize the whole window densely, then SDPA.")
+    print("   KV MiB read: K+V bytes the call reads, from the formats (packed codes, scales, zero points, centroids, "
+          "cluster ids + the dense segments); deq+SDPA also writes and re-reads a bf16 copy of each packed chunk. "
+          "peak MiB: bytes allocated during the call and alive at once (fused: only out + LSE; dense: SDPA's output).")
 
 
 def main():
@@ -293,7 +340,11 @@ def main():
     table_bytes()
     table_resident()
     table_accuracy(args.tokens_per_frame)
-    table_time(args.time_tokens_per_frame, args.reps)
+    table_update(args.time_tokens_per_frame, args.reps)
+    for model, (heads, dim, _, _) in MODELS.items():
+        # scaled for a 2-core CPU: LingBot's 40 heads get half Wan's tokens per frame
+        tokens = args.time_tokens_per_frame if heads <= 12 else max(8, args.time_tokens_per_frame // 2)
+        table_attention(model, heads, dim, tokens, args.reps)
 
 
 if __name__ == "__main__":

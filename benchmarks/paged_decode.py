@@ -9,7 +9,11 @@ The ideal is SDPA over a contiguous ``[B, H_kv, S, D]`` cache with each KV head'
   {256, 1024, 4096}, for Qwen2.5-0.5B (14/2 heads x 64, GQA 7:1) and Llama-3.1-8B (32/8 x 128, GQA 4:1);
 * chunked prefill: 4 sequences x (512 cached + 128 new tokens), against SDPA with the same bottom-right causal mask
   (query rows folded the same way);
-* bf16 and fp32; 1 and 2 threads; kvops eager and ``torch.compile(fullgraph=True, dynamic=True)``.
+* bf16 and fp32; 1 and 2 threads (one table each, ``--threads``); kvops eager and
+  ``torch.compile(fullgraph=True, dynamic=True)``. At B = 1, where per-call costs dominate, a second line gives eager
+  kvops with the default value checks (``"eager"`` mode) over the ideal, and compiled kvops over the compiled ideal:
+  every compiled call pays torch.compile's graph entry (guards and wrappers, printed in each table's header; the
+  ideal itself runs eagerly), which a model pays once per step, not once per attention call.
 
 Timing: with one thread, the clock is the thread's CPU time (``time.thread_time``: time the process is preempted
 by other jobs on a shared machine is not counted); with more threads it is wall time (``--clock`` overrides).
@@ -124,6 +128,23 @@ def run_kvops(c):
 # one graph per (geometry, dtype, batch == 1) under dynamic shapes (sizes 0/1 specialize): above Dynamo's default 8
 torch._dynamo.config.recompile_limit = 64
 run_compiled = torch.compile(run_kvops, fullgraph=True, dynamic=True)
+run_ideal_compiled = torch.compile(run_ideal, fullgraph=True, dynamic=True)
+
+
+def run_checked(c):
+    """Eager kvops in the default value-check mode ("eager": the index tensors' contents are checked per call)."""
+    with kvops.value_checks("eager"):
+        return run_kvops(c)
+
+
+def graph_entry_us(rounds: int = 5) -> float:
+    """Per-call cost of entering a compiled graph (guards, wrappers): a compiled one-multiply over a decode's
+    inputs minus the eager multiply, in microseconds. Every compiled B = 1 call pays it once."""
+    c = make_case("qwen2.5-0.5b", 1, 1, 256, torch.float32)
+    mul = lambda c: c["q"] * 2  # noqa: E731
+    cmul = torch.compile(mul, fullgraph=True, dynamic=True)
+    t = interleaved({"eager": lambda: mul(c), "compiled": lambda: cmul(c)}, rounds)
+    return (statistics.median(t["compiled"]) - statistics.median(t["eager"])) * 1e6
 
 
 def unfold(c, out_f):
@@ -132,7 +153,9 @@ def unfold(c, out_f):
     return out_f.view(b, h_kv, c["q_len"], c["group"], d).permute(0, 2, 1, 3, 4).reshape(-1, h_kv * c["group"], d)
 
 
-def measure(c, modes, rounds):
+def measure(c, modes, rounds, extras=False):
+    """Ratios of every candidate to the ideal; with ``extras`` (B = 1: per-call overheads matter) also compiled
+    kvops vs the compiled ideal (both pay the graph entry) and eager kvops with the default value checks."""
     ref = unfold(c, run_ideal(c)).float()
     err = max((f(c).float() - ref).abs().max().item() for f in (run_kvops, run_compiled))  # same attention
     cands = {"ideal": lambda: run_ideal(c)}
@@ -140,11 +163,16 @@ def measure(c, modes, rounds):
         cands["eager"] = lambda: run_kvops(c)
     if "compiled" in modes:
         cands["compiled"] = lambda: run_compiled(c)
+    if extras:
+        cands["ideal_compiled"] = lambda: run_ideal_compiled(c)
+        cands["checked"] = lambda: run_checked(c)
     times = interleaved(cands, rounds)
     res = {"err": err, "ms": {n: statistics.median(ts) * 1e3 for n, ts in times.items()}}
     for n in cands:
         if n != "ideal":
             res[n] = spread([a / b for a, b in zip(times[n], times["ideal"])])
+    if extras and "compiled" in cands:
+        res["compiled_vs_compiled"] = spread([a / b for a, b in zip(times["compiled"], times["ideal_compiled"])])
     kv_bytes = c["k_dense"].numel() * 2 * c["k_dense"].element_size()
     res["gbs"] = {n: kv_bytes / (ms * 1e-3) / 1e9 for n, ms in res["ms"].items()}
     return res
@@ -166,8 +194,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="B in {1, 8} x context in {256, 1024}, 5 rounds")
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--value-checks", default="off", choices=("eager", "async", "off"),
-                        help="kvops.set_value_checks mode while timing (default off: the kernels; eager adds one host "
-                             "sync and ~50 us per call at B = 1)")
+                        help="kvops.set_value_checks mode while timing (default off: the kernels; B = 1 rows also "
+                             "time the default eager mode)")
     parser.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                         help="auto: thread CPU time at 1 thread, wall time otherwise")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"),
@@ -185,8 +213,8 @@ def main() -> None:
     kvops.set_value_checks(args.value_checks)
     native = kvops.native.available()
     emit(f"torch {torch.__version__}; CPU kernel: {'native C++' if native else 'composite torch (no native build)'}; "
-         f"block_size {BLOCK_SIZE}; value checks {args.value_checks}; ratios = kvops / ideal per interleaved round: median [25th-75th pct] of "
-         f"{args.rounds} rounds")
+         f"block_size {BLOCK_SIZE}; value checks {args.value_checks}; ratios = kvops / ideal per interleaved round: "
+         f"median [25th-75th pct] of {args.rounds} rounds")
     panels = {}
     global clock
     for threads in args.threads:
@@ -194,7 +222,7 @@ def main() -> None:
         clock_name = args.clock if args.clock != "auto" else ("cpu" if threads == 1 else "wall")
         clock = CLOCK[clock_name]
         emit(f"\n=== {threads} thread(s), {clock_name} clock: copy bandwidth (read + write) "
-             f"{copy_bandwidth_gbs():.1f} GB/s ===")
+             f"{copy_bandwidth_gbs():.1f} GB/s; torch.compile graph entry {graph_entry_us():.1f} us per call ===")
         header = (f"{'case':<34} | {'ideal ms':>9} {'eager ms':>9} {'comp ms':>9} | {'eager/ideal':>18} "
                   f"{'compiled/ideal':>18} | {'GB/s ideal':>10} {'eager':>6} {'comp':>6} | target")
         emit(header)
@@ -207,7 +235,7 @@ def main() -> None:
                     shapes.append(("prefill", 4, 128, 640))
                 for kind, batch, q_len, context in shapes:
                     c = make_case(geometry, batch, q_len, context, dtype)
-                    r = measure(c, args.modes, args.rounds)
+                    r = measure(c, args.modes, args.rounds, extras=batch == 1)
                     del c
                     target = TARGETS["prefill"] if kind == "prefill" else TARGETS["decode"].get((batch, context))
                     name = (f"{geometry} {dtype_name[:4]} " + (f"B={batch} ctx={context}" if kind == "decode"
@@ -218,6 +246,10 @@ def main() -> None:
                          f"{fmt_ratio(r['compiled']) if 'compiled' in r else '':>18} | {gbs['ideal']:>10.2f} "
                          f"{gbs.get('eager', 0):>6.2f} {gbs.get('compiled', 0):>6.2f} | "
                          f"{'<= ' + str(target) if target else '':<7} (max err {r['err']:.1e})")
+                    if "checked" in r:
+                        emit(f"{'':<34} | eager with value checks (default mode) / ideal {fmt_ratio(r['checked'])}"
+                             + (f"; compiled / compiled ideal {fmt_ratio(r['compiled_vs_compiled'])}"
+                                if "compiled_vs_compiled" in r else ""))
                     if kind == "decode":
                         for mode in args.modes:
                             panel = f"{geometry} {dtype_name} {mode}"

@@ -61,3 +61,18 @@ lib.define(
     "Tensor positions, Tensor rotary_cos, Tensor rotary_sin, bool rotary_interleaved=False, "
     "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
 )
+
+# --- the streaming step's position contract (kvops/export/streaming.py) ------------------------------------------
+# state: int64 [9] (current_chunk_start, global_end, local_end, write row, roll src, roll count, and three margins
+# that are >= 0 when the step is valid); returns a copy after raising the contract's RuntimeError when one is < 0.
+lib.define("stream_positions(Tensor state, int sink_tokens, int kv_cache_size) -> Tensor")
+
+# --- attention over a packed window (kvops/packed/attention.py; docs/semantics.md §2) ---------------------------
+# q [B, T, H_q, D]; k_dense/v_dense: dense segments [B, n_i, H_kv, D] / [B, n_i, H_kv, D_v]; k_packed/v_packed: the
+# stored tensors of every packed segment in kvops.packed.packed_layout's order (codes, scales[, zeros[, centroids,
+# cluster_ids]]: 2 per segment for int8/fp8, 3 for int4, 5 for int2), segments one after another; quant: their format
+# (None when there are none). Returns (out [B, T, H_q, D_v] in q's dtype, lse [B, H_q, T] fp32).
+lib.define(
+    "packed_attention(Tensor q, Tensor[] k_dense, Tensor[] v_dense, Tensor[] k_packed, Tensor[] v_packed, "
+    "str? quant=None, float? scale=None) -> (Tensor, Tensor)"
+)

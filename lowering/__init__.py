@@ -8,6 +8,8 @@ Lowerings (each replaces the op's extern kernel call by a scatter that fuses wit
 - ``kvops::cache_write``, ``kvops::cache_roll``: ``lowering/inductor_contiguous.py``
 - ``kvops::paged_cache_write``: ``lowering/inductor_paged.py``
 - ``kvops::rotary_paged_cache_write`` (rotation in the store loop): ``lowering/inductor_rotary.py``
+- ``kvops::stream_positions`` (a check: extern call under ``torch.compile``, identity in AOTInductor):
+  ``lowering/inductor_checks.py``
 
 Caveat: Inductor's FX graph cache does not include custom lowerings in its key. After changing a lowering, clear the
 cache (``torch._inductor.utils.fresh_inductor_cache()``, or ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``), or a warm cache
@@ -37,6 +39,9 @@ def register() -> None:
     from . import inductor_rotary  # kvops::rotary_paged_cache_write
 
     inductor_rotary.register(register_lowering)
+    from . import inductor_checks  # kvops::stream_positions (kvops.export.streaming_update)
+
+    inductor_checks.register(register_lowering)
     _registered = True
 
 

@@ -19,7 +19,7 @@ from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from .inductor_contiguous import bind_layout_symbols, buffer_names, unfused_copy
-from .inductor_paged import paged_scatter, route_table
+from .inductor_paged import batch_router, paged_scatter, saved_rows
 
 
 def rotated(key, positions, cos, sin, interleaved: bool, n):
@@ -64,10 +64,12 @@ def rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positio
     bind_layout_symbols(k_cache, v_cache)
     written = buffer_names(k_cache, v_cache)
     key, value = (unfused_copy(x) if x.get_read_names() & written else x for x in (key, value))
-    router = route_table(slot_mapping, k_cache)
-    paged_scatter(rotated(key, positions, rotary_cos, rotary_sin, rotary_interleaved, n), k_cache, k_scale,
-                  slot_mapping, router, h0, "NHD")
-    paged_scatter(value, v_cache, v_scale, slot_mapping, router, h0, "NHD")
+    router = batch_router(slot_mapping, k_cache)
+    key = rotated(key, positions, rotary_cos, rotary_sin, rotary_interleaved, n)
+    caches = ((key, k_cache, k_scale), (value, v_cache, v_scale))
+    saved = saved_rows(caches, router, h0, "NHD")  # before writing
+    for (src, cache, scale), rows in zip(caches, saved):
+        paged_scatter(src, cache, scale, slot_mapping, router, h0, "NHD", rows)
 
 
 def register(register_lowering) -> None:

@@ -254,6 +254,12 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, ma
     return out, lse
 
 
+def stream_positions(state, sink_tokens=None, kv_cache_size=None, **_):
+    """``kvops::stream_positions`` (``streaming_update``'s position check) -> ``Identity``: ONNX has no assert; the
+    program's other checks are the exported ``torch._check`` margins, if the runtime keeps them."""
+    return op.Identity(state)
+
+
 def onnx_translation_table() -> dict:
     """``{op overload: onnxscript translation}`` to pass as ``torch.onnx.export(custom_translation_table=...)``.
 
@@ -268,4 +274,5 @@ def onnx_translation_table() -> dict:
         ops.cache_roll_functional.default: cache_roll,
         ops.paged_cache_write_functional.default: paged_cache_write,
         ops.paged_attention.default: paged_attention,
+        ops.stream_positions.default: stream_positions,
     }

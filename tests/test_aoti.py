@@ -72,6 +72,15 @@ class TestStreamPackage(unittest.TestCase):
         for got, expected in zip(k + v, eager_k + eager_v):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
+    def test_bad_position_raises_and_writes_nothing(self):
+        """The package keeps the step's position checks as runtime asserts of the C++ wrapper (without the message
+        an ExportedProgram gives, see lowering/inductor_checks.py) and raises before writing, without kvops."""
+        package = aoti_load_package(STREAM_PACKAGE)
+        x, k, v, cursors, _ = StreamSession().example_inputs()
+        with self.assertRaisesRegex(RuntimeError, r"Expected u\d+ >= 0 but received -8"):
+            package(x, k, v, cursors, torch.tensor(8))  # a gap: positions [0, 8) never written
+        self.assertFalse(any(c.any() for c in k + v))
+
 
 class TestLoadWithoutKvops(unittest.TestCase):
     def test_packages_run_in_a_process_that_never_imports_kvops(self):

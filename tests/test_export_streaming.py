@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import unittest
 
+import expecttest
 import torch
 
 from kvops.cache import CausalKVCache
@@ -70,7 +71,7 @@ class TestWindow(unittest.TestCase):
                 self.assertLessEqual(len(expected), max(window, sink))
 
 
-class TestErrors(unittest.TestCase):
+class TestErrors(expecttest.TestCase):
     def setUp(self):
         self.k, self.v = torch.zeros(1, 6, 1, 2), torch.zeros(1, 6, 1, 2)
         self.chunk = torch.ones(1, 2, 1, 2)
@@ -88,16 +89,62 @@ class TestErrors(unittest.TestCase):
             self.step(torch.zeros(2, dtype=torch.int32), 0)
         self.assertIn("cursors must be int64 [2] (global_end, local_end)", str(cm.exception))
 
-    def test_gap_and_evicted_rewrite_raise_and_write_nothing(self):
-        _, cursors = self.step(init_cursors(), 0, sink_tokens=2)
-        with self.assertRaisesRegex(RuntimeError, "starts past global_end"):
-            self.step(cursors, 4, sink_tokens=2)
-        for s in (2, 4, 6):
+    def bad_positions(self):
+        """``(cursors, current_chunk_start)`` breaking each position check (cache 6, chunks of 2, sink 2)."""
+        cursors = init_cursors()
+        for s in (0, 2, 4, 6):  # the chunk at 6 evicts tokens [2, 4): cursors (8, 6)
             _, cursors = self.step(cursors, s, sink_tokens=2)
-        before = self.k.clone()
-        with self.assertRaisesRegex(RuntimeError, "already evicted"):
-            self.step(cursors, 2, sink_tokens=2)  # rows of chunk 2 were evicted; they would land on the sink
-        self.assertTrue(torch.equal(self.k, before))
+        self.assertEqual(cursors.tolist(), [8, 6])
+        return [(torch.tensor([3, 4]), 0),  # local_end > global_end
+                (cursors, 10),  # a gap: tokens [8, 10) never written
+                (cursors, 2),  # evicted: its rows would land on the sink
+                (cursors, 0)]  # rows before row 0
+
+    def raise_and_write_nothing(self, fn, cursors, s) -> str:
+        before = self.k.clone(), self.v.clone()
+        with self.assertRaises(RuntimeError) as cm:
+            fn(self.chunk, self.chunk, self.k, self.v, cursors, torch.tensor(s))
+        self.assertTrue(torch.equal(self.k, before[0]) and torch.equal(self.v, before[1]))
+        return str(cm.exception)
+
+    def test_bad_positions_raise_naming_argument_value_and_fix_and_write_nothing(self):
+        step = lambda *args: streaming_update(*args, sink_tokens=2)  # noqa: E731
+        msgs = [self.raise_and_write_nothing(step, c, s) for c, s in self.bad_positions()]
+        self.assertExpectedInline(msgs[0], """kvops.export.streaming_update: cursors must be (global_end, local_end) with 0 <= local_end <= global_end and local_end <= kv_cache_size. Pass the cursors returned by the previous step on these caches (init_cursors() for a new stream). Got current_chunk_start=0, cursors=(global_end=3, local_end=4), sink_tokens=2, kv_cache_size=6.""")  # noqa: B950
+        self.assertExpectedInline(msgs[1], """kvops.export.streaming_update: current_chunk_start is past cursors[0] (global_end): the tokens in between were never written (a gap). Pass current_chunk_start <= global_end (global_end appends the next chunk). Got current_chunk_start=10, cursors=(global_end=8, local_end=6), sink_tokens=2, kv_cache_size=6.""")  # noqa: B950
+        self.assertExpectedInline(msgs[2], """kvops.export.streaming_update: current_chunk_start is negative or names tokens already evicted (their rows would start before row 0 or land on the sink rows). Rewrite only tokens still in the cache, current_chunk_start >= global_end - local_end (plus sink_tokens once tokens were evicted, i.e. global_end > local_end), or append at global_end. Got current_chunk_start=2, cursors=(global_end=8, local_end=6), sink_tokens=2, kv_cache_size=6.""")  # noqa: B950
+        self.assertEqual(msgs[3], msgs[2].replace("current_chunk_start=2", "current_chunk_start=0"))  # one check
+
+    def test_exported_program_names_argument_value_and_fix(self):
+        """Strict and non-strict, saved and loaded: the eager message, values included (before: ``Runtime assertion
+        failed for expression u3 <= 0``, and strict export dropped the gap check), before any write."""
+        class Step(torch.nn.Module):
+            def forward(self, key, value, k_cache, v_cache, cursors, start):
+                return streaming_update(key, value, k_cache, v_cache, cursors, start, sink_tokens=2)
+
+        bad = self.bad_positions()
+        step = lambda *args: streaming_update(*args, sink_tokens=2)  # noqa: E731
+        expected = [self.raise_and_write_nothing(step, c, s) for c, s in bad]
+        for strict in (False, True):
+            with self.subTest(strict=strict):
+                ep = torch.export.export(Step(), (self.chunk, self.chunk, self.k.clone(), self.v.clone(),
+                                                  init_cursors(), torch.tensor(0)), strict=strict)
+                buffer = io.BytesIO()
+                torch.export.save(ep, buffer)
+                buffer.seek(0)
+                program = torch.export.load(buffer).module()
+                self.assertEqual([self.raise_and_write_nothing(program, c, s) for c, s in bad], expected)
+
+    def test_compiled_step_names_argument_value_and_fix(self):
+        """Inductor keeps the check as an extern call from its Python wrapper (lowering/inductor_checks.py): the
+        eager message, not an assert thrown from a generated kernel."""
+        step = lambda *args: streaming_update(*args, sink_tokens=2)  # noqa: E731
+        bad = self.bad_positions()[1:3]
+        expected = [self.raise_and_write_nothing(step, c, s) for c, s in bad]
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            compiled = torch.compile(step, fullgraph=True)
+            self.assertEqual([self.raise_and_write_nothing(compiled, c, s) for c, s in bad], expected)
 
 
 class TestExportedStream(unittest.TestCase):

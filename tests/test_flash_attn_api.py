@@ -302,7 +302,7 @@ class TestContracts(expecttest.TestCase):
                          self.q, self.k_cache, self.v_cache, torch.randn(2, 1, 4, 16), self.lens, self.table)
         self.assertExpectedInline(
             msg,
-            """flash_attn_with_kvcache: k must be [batch=2, seqlen_new, num_kv_heads=2, head_dim=16] (k and v with the same seqlen_new), got shape (2, 1, 4, 16).""",
+            """flash_attn_with_kvcache: k must be [batch=2, seqlen_new, num_kv_heads=2, head_dim=16] (k and v with the same seqlen_new), got shape (2, 1, 4, 16). The cache of shape (8, 4, 2, 16) read as kv_layout="NHD" has 2 heads, but its dim of size 4 fits the 4 heads of k: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, flash_attn_with_kvcache takes NHD caches only: pass its NHD view cache.transpose(1, 2) (no copy), or use kvops.paged_cache_write / kvops.paged_attention with kv_layout="HND".""",
         )
         msg = self.check(lambda q, kc: f(q, kc, kc, cache_seqlens=1), self.q, torch.zeros(3, 8, 2, 16))
         self.assertExpectedInline(

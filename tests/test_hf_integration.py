@@ -168,8 +168,37 @@ def test_paged_cache_overflow_is_an_error():
     model.set_attn_implementation("kvops")
     ids, mask = prompts()
     cache = kvops_hf.KvopsPagedCache(model.config, max_cache_len=PROMPT - 1, block_size=4)
-    with pytest.raises(ValueError, match="KvopsPagedCache: writing 9 tokens after 0 exceeds max_cache_len=8"):
+    with pytest.raises(ValueError) as info:
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    assert str(info.value) == (
+        "KvopsPagedCache: writing 9 tokens at positions [0, 9) exceeds max_cache_len=8, the tokens each sequence holds "
+        "(prompt + generated). Allocate the cache with max_cache_len >= 9 (the prompt length + max_new_tokens).")
+
+
+def test_static_cache_generating_past_max_cache_len_names_it():
+    """Before: ``Invalid kvops.cache_write write range: local=[11, 12), kv_cache_size=11`` (the op, not the cache's
+    argument). The step that does not fit raises before any layer writes."""
+    model = model_for("llama")
+    model.set_attn_implementation("kvops")
+    ids, mask = prompts()
+    cache = kvops_hf.KvopsStaticCache(model.config, max_cache_len=PROMPT + 2)
+    snapshots = []
+
+    def keep(*_):  # the caches after each forward (prefill, then decode steps 1 and 2)
+        snapshots.append([layer.k.clone() for layer in cache.layers])
+
+    handle = model.register_forward_hook(keep)
+    try:
+        with torch.no_grad(), pytest.raises(ValueError) as info:
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                           past_key_values=cache, pad_token_id=0)
+    finally:
+        handle.remove()
+    assert str(info.value) == (
+        "KvopsStaticCache: writing 1 tokens at positions [11, 12) exceeds max_cache_len=11, the tokens each sequence "
+        "holds (prompt + generated). Allocate the cache with max_cache_len >= 12 (the prompt length + "
+        "max_new_tokens).")
+    assert len(snapshots) == 3 and all(torch.equal(a, layer.k) for a, layer in zip(snapshots[-1], cache.layers))
 
 
 def test_import_kvops_does_not_import_transformers():

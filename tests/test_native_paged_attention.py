@@ -9,6 +9,7 @@ The sampled matrix in tests/test_paged_attention.py already runs against the nat
 
 from __future__ import annotations
 
+import importlib
 import pathlib
 import shutil
 import unittest
@@ -95,6 +96,88 @@ class TestNativeKernel(unittest.TestCase):
         for name in ("k_cache", "v_cache"):
             inputs[name] = inputs[name].transpose(1, 2).contiguous().transpose(1, 2)
         run_and_check(self, inputs, window_left=20)
+
+    def test_row_blocks_for_every_gqa_ratio(self):
+        # a KV head's rows (q_len x GQA group) run in blocks of 1, 2, 4 or 8: every ratio and query count, contexts
+        # long enough for the prefetch to run ahead across blocks (block_size 5: runs cross block boundaries)
+        for i, (h_q, q_lens) in enumerate(((2, [1, 1, 2]), (4, [1, 3, 1]), (6, [1, 1, 2]), (8, [1, 1, 1]),
+                                           (10, [1, 2, 1]), (16, [1, 9, 1]))):
+            with self.subTest(gqa=h_q // 2, q_lens=q_lens):
+                inputs = make_inputs(20 + i, [700, 37, 2], q_lens, block_size=5 if i % 2 else 16, h_q=h_q, h_kv=2,
+                                     d=32, sinks=i == 3)
+                run_and_check(self, inputs, window_left=-1 if i % 3 else 600)
+
+    def test_native_value_check_agrees_with_the_torch_check(self):
+        # the one-pass native check of the eager CPU path flags exactly the calls the torch check of values.py does
+        from kvops._checks import values
+
+        num_blocks, block_size = 6, 4
+
+        def case(cu, lens, table, num_tokens=4, max_q=2):
+            cu, lens = torch.tensor(cu, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+            table = torch.tensor(table, dtype=torch.int32)
+            return cu, lens, table, num_tokens, max_q
+
+        ok = ([0, 1, 3], [5, 8], [[0, 5, -1], [2, 3, 99]])
+        cases = {
+            "valid": case(*ok),
+            "valid, rows past cu[-1]": case([0, 1, 2], [5, 8], [[0, 5, -1], [2, 3, 99]]),
+            "cu_start": case([1, 1, 3], *ok[1:]),
+            "cu_order": case([0, 3, 2], *ok[1:]),
+            "cu_end": case([0, 1, 5], *ok[1:], num_tokens=4, max_q=4),
+            "q_len": case(ok[0], ok[1], ok[2], max_q=1),
+            "seq_len negative": case(ok[0], [-1, 8], ok[2]),
+            "seq_len past the table": case(ok[0], [5, 13], ok[2]),
+            "block negative": case(ok[0], [5, 8], [[0, -1, -1], [2, 3, 99]]),
+            "block past P": case(ok[0], [5, 8], [[0, 5, -1], [2, 6, 99]]),
+        }
+        q = torch.zeros(4, 1, 8)
+        for name, (cu, lens, table, num_tokens, max_q) in cases.items():
+            for strided in (False, True):
+                t = table
+                if strided:  # a non-contiguous view with the same values
+                    t = torch.stack([table, torch.full_like(table, -7)], dim=-1)[..., 0]
+                    self.assertFalse(t.is_contiguous())
+                with self.subTest(case=name, strided=strided):
+                    native_bad = torch.ops.kvops._paged_attention_values_bad(
+                        cu, lens, t, num_tokens, max_q, num_blocks, block_size)
+                    v = values._attention_violations(q[:num_tokens], num_blocks, block_size, cu, lens, t, max_q)
+                    self.assertEqual(native_bad, bool(torch.stack([x.any() for x in v.values()]).any()))
+                    self.assertEqual(native_bad, not name.startswith("valid"))
+
+    def test_eager_calls_skip_the_dispatcher_only_when_nothing_watches(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        op_module = importlib.import_module("kvops.ops.paged_attention")  # (the package re-exports the function)
+
+        inputs = make_inputs(30, [50, 3], [1, 2], block_size=16, h_q=4, h_kv=2, d=16, sinks=True)
+        tensors = (*(inputs[k] for k in ARGS), inputs["sinks"])
+        self.assertTrue(op_module._direct(tensors))
+        direct = kvops.paged_attention(**inputs, window_left=9, return_lse=True)
+        dispatched = torch.ops.kvops.paged_attention(*(inputs[k] for k in ARGS), inputs["max_seqlen_q"], None, True,
+                                                     9, 0.0, inputs["sinks"], None, None, "NHD")
+        self.assertTrue(torch.equal(direct[0], dispatched[0]) and torch.equal(direct[1], dispatched[1]))
+
+        class Seen(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with Seen() as seen:  # a dispatch mode sees the op itself
+            kvops.paged_attention(**inputs)
+        self.assertIn("kvops.paged_attention.default", seen.ops)
+        q = inputs["q"].clone().requires_grad_()
+        self.assertFalse(op_module._direct((q,)))  # autograd: the dispatcher decides
+        with torch.no_grad():
+            self.assertTrue(op_module._direct((q,)))
+        self.assertFalse(op_module._direct((torch.nn.Parameter(q.detach()),)))  # subclasses: the dispatcher
+        with torch.profiler.profile() as prof:  # a profile names the op
+            kvops.paged_attention(**inputs)
+        self.assertIn("kvops::paged_attention", [e.name for e in prof.events()])
 
     def test_compiled_graph_calls_native_kernel(self):
         torch._dynamo.reset()

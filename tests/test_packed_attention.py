@@ -1,13 +1,21 @@
-"""packed_attention: segment-wise attention merged by LSE equals attention over the dequantized window."""
+"""kvops.packed_attention: the fused op over dense + packed segments against a plain fp64 reference over the
+dequantized window (native CPU kernel and composite), odd shapes, contracts in every mode, opcheck, compile."""
 
 from __future__ import annotations
 
 import unittest
+import warnings
 
+import expecttest
 import torch
 
+from kvops import native
 from kvops.cache import PackedCausalKVCache
-from kvops.packed import materialize, packed_attention
+from kvops.packed import FORMATS, dequantize_kv, materialize, packed_attention, quantize_kv
+from kvops.packed import reference as composite
+from kvops.packed.attention import _split
+from tests.contract import raises_everywhere
+from tests.test_packed_ops import kv_like
 
 
 def reference(q, k, v, scale=None):
@@ -16,6 +24,12 @@ def reference(q, k, v, scale=None):
     k, v = k.double().repeat_interleave(group, 2), v.double().repeat_interleave(group, 2)
     s = torch.einsum("bthd,bshd->bhts", q.double(), k) * (q.shape[-1] ** -0.5 if scale is None else scale)
     return torch.einsum("bhts,bshd->bthd", s.softmax(-1), v), s.logsumexp(-1)
+
+
+def dense_window(segments):
+    """The window in fp32 (packed segments dequantized in fp32): what the fused kernel attends to."""
+    return torch.cat([dequantize_kv(s, torch.float32) if not isinstance(s, torch.Tensor) else s.float()
+                      for s in segments], dim=1)
 
 
 def streamed_view(quant, heads, dim, dtype, chunks=6, **kwargs):
@@ -28,34 +42,156 @@ def streamed_view(quant, heads, dim, dtype, chunks=6, **kwargs):
     return view
 
 
-class TestPackedAttention(unittest.TestCase):
-    def test_matches_attention_over_the_dequantized_window(self):
-        cases = [("int8", 2, 10, 64), ("fp8", 1, 7, 64), ("int4", 2, 2, 80), ("int2", 1, 5, 64), (None, 3, 3, 32)]
-        for quant, hkv, hq, dim in cases:  # GQA 5:1, 7:1, 1:1; head_dim 80
-            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-                view = streamed_view(quant, hkv, dim, dtype, group_size=dim if dim == 80 else None)
-                self.assertGreater(len(view.k), 2)  # sink, packed chunks, dense chunks
-                q = torch.randn(2, 3, hq, dim).to(dtype)
-                out, lse = packed_attention(q, view.k, view.v, return_lse=True, scale=0.1)
-                want, want_lse = reference(q, materialize(view.k, torch.float32), materialize(view.v, torch.float32),
-                                           scale=0.1)
-                self.assertEqual(out.dtype, dtype)
-                torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
-                torch.testing.assert_close(lse.double(), want_lse, rtol=tol, atol=tol)
+def window(quant, b, hkv, d, lengths, d_v=None, seed=0, dtype=torch.float32, **fmt):
+    """K/V segments: dense ones of ``dtype`` for the first two lengths, packed ``quant`` ones for the rest (each
+    quantized separately, like a cache's chunks); K with outlier channels and clusters (``kv_like``, x0.1: logits of a
+    few units, so fp32 rounding stays near 1e-6)."""
+    d_v = d if d_v is None else d_v
+    ks, vs = [], []
+    for i, n in enumerate(lengths):
+        k, v = kv_like(b, n, hkv, d, seed=seed + i) * 0.1, kv_like(b, n, hkv, d_v, seed=seed + 50 + i) * 0.3
+        if i < 2 or quant is None:
+            ks.append(k.to(dtype))
+            vs.append(v.to(dtype))
+        else:
+            ks.append(quantize_kv(k, quant, **fmt))
+            vs.append(quantize_kv(v, quant, **fmt))
+    return ks, vs
 
-    def test_one_dense_segment(self):
-        view = streamed_view("int8", 2, 32, torch.float32, chunks=1)
-        self.assertEqual(len(view.k), 1)
-        q = torch.randn(2, 3, 4, 32)
-        torch.testing.assert_close(packed_attention(q, view.k, view.v).double(),
-                                   reference(q, view.k[0], view.v[0])[0], rtol=1e-5, atol=1e-5)
 
+class TestFusedAgainstReference(unittest.TestCase):
+    def check(self, q, ks, vs, scale=None, tol=1e-5):
+        out, lse = packed_attention(q, ks, vs, scale=scale, return_lse=True)
+        want, want_lse = reference(q, dense_window(ks), dense_window(vs), scale)
+        self.assertEqual(out.dtype, q.dtype)
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=tol, atol=tol)
+        kd, kp = _split(ks)
+        vd, vp = _split(vs)
+        quant = next((s.quant for s in ks if not isinstance(s, torch.Tensor)), None)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        c_out, c_lse = composite.packed_attention(q.float(), [k.float() for k in kd], [v.float() for v in vd], kp,
+                                                  vp, quant, scale)
+        torch.testing.assert_close(c_out.double(), want, rtol=tol, atol=tol)  # the fallback agrees
+        return out
+
+    def test_every_format_gqa_and_head_dims(self):
+        # GQA 5:1, 7:1, 1:1; head_dim 80 (int4: one group per head), 64, 128; segments of 0, 1, 17, 33 tokens
+        cases = [("int8", 2, 10, 80, {}), ("fp8", 1, 7, 64, {}), ("int4", 2, 2, 80, dict(group_size=80)),
+                 ("int4", 1, 5, 128, dict(group_size=32)), ("int2", 1, 5, 64, dict(stages=2, num_clusters=4)),
+                 ("int2", 2, 2, 128, {}), (None, 2, 14, 64, {})]
+        for quant, hkv, hq, d, fmt in cases:
+            with self.subTest(quant=quant, hq=hq, hkv=hkv, d=d):
+                ks, vs = window(quant, 2, hkv, d, [5, 0, 17, 1, 33], seed=d, **fmt)
+                self.check(torch.randn(2, 3, hq, d), ks, vs, scale=0.1)
+
+    def test_half_precision_queries_and_segments(self):
+        for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+            ks, vs = window("int4", 1, 2, 64, [9, 4, 20], dtype=dtype, group_size=32)
+            self.check(torch.randn(1, 4, 4, 64).to(dtype), ks, vs, tol=tol)
+
+    def test_strided_views_and_value_head_dim(self):
+        # q and dense segments strided (every other head / token), packed segments head slices of a pool; D_v != D
+        ks, vs = window("int8", 2, 4, 64, [6, 3, 11], d_v=32)
+        ks = [k[:, ::2] if isinstance(k, torch.Tensor) else k for k in ks]
+        vs = [v[:, ::2] if isinstance(v, torch.Tensor) else v for v in vs]
+        ks, vs = [k[:, :, 1:3] if isinstance(k, torch.Tensor) else k.heads(1, 3) for k in ks], \
+            [v[:, :, 1:3] if isinstance(v, torch.Tensor) else v.heads(1, 3) for v in vs]
+        q = torch.randn(2, 5, 8, 64)[:, :, ::2]
+        self.assertEqual(self.check(q, ks, vs).shape, (2, 5, 4, 32))
+
+    def test_joint_kv_allocation(self):
+        # dense K and V as views of one [B, n, 2, H_kv, D] allocation (never copied), with a packed int2 segment
+        kv = torch.randn(1, 9, 2, 2, 64)
+        ks, vs = window("int2", 1, 2, 64, [1, 1, 30])
+        ks[0], vs[0] = kv[:, :, 0], kv[:, :, 1]
+        self.check(torch.randn(1, 2, 6, 64), ks, vs)
+
+    def test_cache_view(self):
+        for quant in FORMATS:
+            view = streamed_view(quant, 2, 64, torch.float32)
+            self.assertGreater(len(view.k), 2)  # sink, packed chunks, dense chunks
+            q = torch.randn(2, 3, 6, 64)
+            out = packed_attention(q, view.k, view.v)
+            want, _ = reference(q, dense_window(view.k), dense_window(view.v))
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+            # vs the cache's dense materialization in its dtype (fp32 here): same window
+            torch.testing.assert_close(materialize(view.k, torch.float32), dense_window(view.k))
+
+    def test_empty_window(self):
+        ks, vs = window(None, 1, 2, 32, [0, 0])
+        out, lse = packed_attention(torch.randn(1, 3, 2, 32), ks, vs, return_lse=True)
+        self.assertTrue(torch.equal(out, torch.zeros(1, 3, 2, 32)))
+        self.assertTrue(bool((lse == float("-inf")).all()))
+
+    def test_composite_fallback_is_used_without_the_native_build(self):
+        ks, vs = window("int2", 1, 2, 64, [4, 4, 12])
+        q = torch.randn(1, 2, 2, 64)
+        want = packed_attention(q, ks, vs)
+        saved = native._state
+        try:
+            native._state = False  # as after a failed build
+            got = packed_attention(q, ks, vs)
+        finally:
+            native._state = saved
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def test_compiled_with_inductor(self):
+        torch._dynamo.reset()
+        ks, vs = window("int4", 1, 2, 64, [4, 3, 12, 12], group_size=32)
+        q = torch.randn(1, 3, 4, 64)
+        fn = torch.compile(lambda q, ks, vs: packed_attention(q, ks, vs) * 2, fullgraph=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = fn(q, ks, vs)
+        torch.testing.assert_close(got, packed_attention(q, ks, vs) * 2)
+
+
+class TestContracts(expecttest.TestCase):
     def test_errors(self):
-        view = streamed_view("int8", 2, 32, torch.float32)
-        with self.assertRaisesRegex(ValueError, r"query heads \(3\) must be a multiple of num_kv_heads \(2\)"):
-            packed_attention(torch.randn(2, 3, 3, 32), view.k, view.v)
-        with self.assertRaisesRegex(ValueError, "same non-zero number of K and V segments"):
-            packed_attention(torch.randn(2, 3, 2, 32), [], [])
+        ks, vs = window("int4", 1, 2, 64, [3, 3, 6])
+        kd, kp = _split(ks)
+        vd, vp = _split(vs)
+        q = torch.randn(1, 2, 3, 64)
+        op = torch.ops.kvops.packed_attention
+        msg = raises_everywhere(self, ValueError, lambda q, a, b, c, d: op(q, [a, b], [c, d], [], [], None),
+                                (q, kd[0], kd[1], vd[0], vd[1]))
+        self.assertExpectedInline(msg, """kvops.packed_attention: query heads (3) must be a multiple of num_kv_heads (2) (GQA).""")
+        q = torch.randn(1, 2, 4, 64)
+        msg = raises_everywhere(self, ValueError, lambda q, c, s, z: op(q, [], [], [c, s, z], [c, s, z], None),
+                                (q, *kp))
+        self.assertExpectedInline(msg, """kvops.packed_attention: packed segments given without their format; pass quant (one of ('int8', 'fp8', 'int4', 'int2')).""")
+        msg = raises_everywhere(self, ValueError, lambda q, c, s: op(q, [], [], [c, s], [c, s], "int4"), (q, *kp[:2]))
+        self.assertExpectedInline(msg, """kvops.packed_attention: quant='int4' stores 3 tensors per segment (see kvops.packed.packed_layout), so k_packed/v_packed need a multiple of 3; got 2.""")
+        msg = raises_everywhere(self, ValueError, lambda q, c, s, z: op(q, [], [], [c, s, z.half()], [c, s, z], "int4"),
+                                (q, *kp))
+        self.assertExpectedInline(msg, """kvops.packed_attention (packed K segment 0): zeros must be torch.int8 of shape (1, 6, 2, 1) for quant='int4' (codes of shape (1, 6, 2, 32), group_size 64); got torch.float16 of shape (1, 6, 2, 1). Allocate it from kvops.packed.packed_layout(...).""")
+        one = lambda q, k, v: op(q, [k], [v], [], [], None)  # noqa: E731
+        msg = raises_everywhere(self, ValueError, one, (q, kd[0], vd[1][:, :2]))
+        self.assertExpectedInline(msg, """kvops.packed_attention: dense K segment 0 has 3 tokens but dense V segment 0 has 2; K and V must match.""")
+        msg = raises_everywhere(self, ValueError, one, (q[..., :32], kd[0], vd[0]))
+        self.assertExpectedInline(msg, """kvops.packed_attention: dense K segment 0 has batch 1, 2 KV heads and head_dim 64; expected batch 1 (q), num_kv_heads 2 and head_dim 32 (q).""")
+        msg = raises_everywhere(self, ValueError, lambda q: op(q, [], [], [], [], None), (q,))
+        self.assertExpectedInline(msg, """kvops.packed_attention: need at least one K/V segment (dense or packed), got none.""")
+
+    def test_wrapper_errors(self):
+        a, b = quantize_kv(torch.randn(1, 3, 2, 64), "int8"), quantize_kv(torch.randn(1, 3, 2, 64), "int4")
+        with self.assertRaisesRegex(ValueError, r"one format, got \['int4', 'int8'\]"):
+            packed_attention(torch.randn(1, 1, 2, 64), [a, b], [a, b])
+        with self.assertRaisesRegex(ValueError, "same number of K and V segments, got 2 and 1"):
+            packed_attention(torch.randn(1, 1, 2, 64), [a, a], [a])
+
+    def test_opcheck(self):
+        for quant in FORMATS:
+            ks, vs = window(quant, 1, 2, 64, [3, 2, 5], dtype=torch.bfloat16, stages=2, num_clusters=4) \
+                if quant == "int2" else window(quant, 1, 2, 64, [3, 2, 5], dtype=torch.bfloat16)
+            kd, kp = _split(ks)
+            vd, vp = _split(vs)
+            q = torch.randn(1, 2, 4, 64).bfloat16()
+            # opcheck's schema test compares fp8 tensors with a mul that torch has no CPU kernel for on float8_e4m3fn
+            utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+            kw = {"test_utils": utils} if quant == "fp8" else {}
+            torch.library.opcheck(torch.ops.kvops.packed_attention.default, (q, kd, vd, kp, vp, quant, 0.2), **kw)
 
 
 if __name__ == "__main__":

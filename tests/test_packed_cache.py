@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvops.cache import CausalKVCache, PackedCausalKVCache
 from kvops.packed import dequantize_kv
+from kvops.packed._plan import pool_slot
 from tests.contract import raises_everywhere
 
 UNSUPPORTED = torch._dynamo.exc.Unsupported  # how Dynamo (fullgraph) reports an exception raised by traced Python
@@ -38,13 +39,14 @@ class Pair:
     """A dense CausalKVCache and a PackedCausalKVCache of one geometry, fed the same calls and compared."""
 
     def __init__(self, test, *, b=1, size=12, heads=2, dim=64, chunk=3, sink=0, quant=None, keep=1, window=None,
-                 quantize_sink=False, dtype=torch.float32, **fmt):
+                 quantize_sink=False, global_sink=0, pinnable=False, dtype=torch.float32, **fmt):
         self.test, self.quant, self.chunk = test, quant, chunk
         self.dense = CausalKVCache.allocate(b, size, heads, dim, dtype=dtype, sink_tokens=sink,
-                                            attention_window_size=window)
+                                            global_sink_tokens=global_sink, attention_window_size=window)
         self.packed = PackedCausalKVCache.allocate(
             b, size, heads, dim, chunk_tokens=chunk, quant=quant, keep_recent_chunks=keep, sink_tokens=sink,
-            attention_window_size=window, quantize_sink=quantize_sink, dtype=dtype, **fmt)
+            global_sink_tokens=global_sink, attention_window_size=window, quantize_sink=quantize_sink,
+            pinnable=pinnable, dtype=dtype, **fmt)
         self.shape, self.dtype = (b, chunk, heads, dim), dtype
         self.g = torch.Generator().manual_seed(0)
         self.worst = 0.0
@@ -70,9 +72,13 @@ class Pair:
             if recent is None and self.packed.attention_window_size >= self.packed.cache_size:
                 self.test.assertTrue(torch.equal(got.k[:, ls:le], k))
 
-    def chunk_steps(self, s, steps=2, recent=None, slices=None, exact=None):
+    def chunk_steps(self, s, steps=2, recent=None, slices=None, exact=None, pin=False):
         for _ in range(1 + steps):  # append, then rewrites (denoising steps, context pass)
             self.call(s, recent, slices, exact)
+        if pin:  # pin the chunk just written (LongLive's shot sink), in both caches
+            self.dense.pin_current_chunk(self.chunk)
+            self.packed.pin_current_chunk(self.chunk)
+            self.test.assertEqual(self.packed.pinned_len, self.dense.pinned_len)
 
 
 class TestDifferential(unittest.TestCase):
@@ -120,6 +126,45 @@ class TestDifferential(unittest.TestCase):
             p.chunk_steps(2 * c, steps=1)
 
 
+class TestPinnedChunk(unittest.TestCase):
+    """A pinned chunk (CausalKVCache.pin_current_chunk, docs/semantics.md §1.2 and §1.7) is kept through eviction,
+    first moving down with the rows after the global sink, then right after it."""
+
+    def test_dense_mode_is_bit_exact(self):
+        for sink, global_sink, pin_at, window, recent in ((3, 0, 1, None, None), (2, 1, 2, None, None),
+                                                          (3, 2, 1, 8, None), (4, 0, 3, None, 2), (3, 0, 0, None, 1)):
+            p = Pair(self, size=13, chunk=3, sink=sink, global_sink=global_sink, pinnable=True, window=window)
+            for c in range(10):
+                p.chunk_steps(3 * c, pin=c == pin_at, recent=None if c % 2 else recent)
+            self.assertGreater(p.dense.global_end, p.dense.cache_size)  # evicted past the pin
+
+    def test_quantized_within_tolerance(self):
+        for quant, qsink, keep in (("int8", False, 0), ("int4", True, 1), ("int2", True, 0), ("fp8", False, 1)):
+            p = Pair(self, size=14, chunk=3, sink=3, quant=quant, keep=keep, quantize_sink=qsink, pinnable=True,
+                     num_clusters=2)
+            p.chunk_steps(0, exact=True)
+            for c in range(1, 9):
+                p.chunk_steps(3 * c, steps=1, pin=c == 2)
+            self.assertGreater(p.worst, 0.0)
+
+    def test_pin_errors(self):
+        c = PackedCausalKVCache.allocate(1, 12, 2, 32, chunk_tokens=3, quant="int8", sink_tokens=3)
+        x = torch.ones(1, 3, 2, 32)
+        c.update_and_get_attention_kv(x, x, 0)
+        with self.assertRaisesRegex(ValueError, "build the cache with pinnable=True"):
+            c.pin_current_chunk(3)
+        c = PackedCausalKVCache.allocate(1, 12, 2, 32, chunk_tokens=3, quant="int8", sink_tokens=3, pinnable=True)
+        c.update_and_get_attention_kv(x, x, 0)
+        with self.assertRaisesRegex(ValueError, "only tokens of the current chunk can be pinned"):
+            c.pin_current_chunk(4)
+        for i in range(1, 5):
+            c.update_and_get_attention_kv(x, x, 3 * i)  # evicts: rows [0, 3) hold the sink
+        with self.assertRaisesRegex(NotImplementedError, "pins before the first eviction"):
+            c.pin_current_chunk(3)
+        c.pin_current_chunk(0)  # clears
+        self.assertEqual(c.pinned_len, 0)
+
+
 # --- hypothesis schedules ----------------------------------------------------------------------------------------
 @st.composite
 def schedules(draw):
@@ -131,7 +176,8 @@ def schedules(draw):
     window = draw(st.none() | st.integers(1, size + 2))
     config = dict(size=size, heads=heads, dim=draw(st.sampled_from([32, 64])), chunk=chunk, sink=sink, window=window,
                   quant=draw(st.sampled_from([None, "int8", "fp8", "int4", "int2"])), keep=draw(st.integers(0, 2)),
-                  quantize_sink=draw(st.booleans()), b=draw(st.integers(1, 2)))
+                  quantize_sink=draw(st.booleans()), b=draw(st.integers(1, 2)),
+                  global_sink=draw(st.integers(0, sink)), pinnable=draw(st.booleans()))
     plan = draw(st.lists(st.tuples(st.integers(0, 3), st.none() | st.integers(0, 5)), min_size=1, max_size=9))
     return config, slices, plan, draw(st.booleans())
 
@@ -146,7 +192,11 @@ class TestRandomSchedules(unittest.TestCase):
         slices = [(i, i + 1) for i in range(h)] if slicing == "split" else None
         for rounds in range(2 if reset else 1):
             for i, (steps, recent) in enumerate(plan):
-                p.chunk_steps(i * config["chunk"], steps=steps, recent=recent, slices=slices)
+                # pin a chunk appended past the global sink before the first eviction (the packed cache's domain)
+                end, gs = (i + 1) * config["chunk"], config["global_sink"]
+                pin = config["pinnable"] and i == len(plan) // 3 and gs <= end - config["chunk"] and \
+                    end <= config["size"] and config["sink"] > 0
+                p.chunk_steps(i * config["chunk"], steps=steps, recent=recent, slices=slices, pin=pin)
             if reset:
                 p.dense.reset_indices()
                 p.packed.reset_indices()
@@ -167,10 +217,9 @@ class TestStorage(unittest.TestCase):
             for t in (c.k_ring, c.v_ring, c.k_sink, c.v_sink):
                 self.assertTrue(bool((t[:, :, [0, 3]] == 0).all()))
                 self.assertTrue(bool((t[:, :, 1:3] != 0).any()))
-            for pool in (c.k_pool, c.v_pool):
+            for pool in (c.packed_slots("pool", 0), c.packed_slots("pool", 1)):
                 for slot in range(c.pool_chunks):
-                    dense = dequantize_kv(type(pool)(quant, *(None if t is None else t[slot] for t in pool[1:])),
-                                          torch.float32)
+                    dense = dequantize_kv(pool_slot(pool, slot, c.pool_chunks), torch.float32)
                     self.assertTrue(bool((dense[:, :, [0, 3]] == 0).all()), quant)
 
     def test_nbytes_counts_every_tensor_held(self):
@@ -188,7 +237,9 @@ class TestStorage(unittest.TestCase):
         dense = 2 * 1 * 512 * 2 * 128 * 2  # bf16 K+V of S=512 rows, 2 heads, D=128
         ratios = {}
         for quant, target in (("int8", 0.53), ("fp8", 0.53), ("int4", 0.30), ("int2", 0.23)):
-            bound = 1 / 8 + 7 / 8 * target  # one dense chunk (the current one) of 8, the rest packed
+            # one dense chunk (the current one) of 8, the rest packed, plus the scratch slot a rewrite quantizes
+            # into (one packed chunk shared by K and V: half a chunk of each)
+            bound = 1 / 8 + 7.5 / 8 * target
             # int2: 4 centroids of 128 fp16 amortized over a chunk of 64 tokens add 16 bytes per (token, head)
             c = PackedCausalKVCache.allocate(1, 512, 2, 128, chunk_tokens=64, quant=quant, keep_recent_chunks=0,
                                              dtype=torch.bfloat16, num_clusters=4)
@@ -242,11 +293,11 @@ class TestErrors(expecttest.TestCase):
 
     def test_nothing_changes_on_error(self):
         c = self.cache()
-        before = (c.global_end, c.current_start, c.k_ring.clone(), c.k_pool.codes.clone())
+        before = (c.global_end, c.current_start, c.k_ring.clone(), c.pool.codes.clone())
         with self.assertRaises(NotImplementedError):
             c.update_and_get_attention_kv(torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 4, 32), 6)
         self.assertEqual((c.global_end, c.current_start), before[:2])
-        self.assertTrue(torch.equal(c.k_ring, before[2]) and torch.equal(c.k_pool.codes, before[3]))
+        self.assertTrue(torch.equal(c.k_ring, before[2]) and torch.equal(c.pool.codes, before[3]))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import unittest
 import expecttest
 import torch
 
-from kvops.packed import FORMATS, dequantize_kv, empty_packed, packed_layout, quantize_kv
+from kvops.packed import FORMATS, default_group_size, dequantize_kv, empty_packed
+from kvops.packed import packed_layout, quantize_kv
 from kvops.packed import reference as kernels
 from tests.contract import raises_everywhere
 
@@ -37,16 +38,18 @@ def ref_int8(x):
 
 
 def ref_int4(x, group):
-    """Loop reference: per (b, t, h, group) zero = fp16(min), scale = fp16((max - zero) / 15), codes in [0, 15]."""
+    """Loop reference: per (b, t, h, group) scale = fp16(max((max - min) / 15, |min| / 15.875)), int8 zero point in
+    eighths of a step zero = round(-8 · min / scale), codes = round(x / scale + zero / 8) in [0, 15]."""
     b, t, h, d = x.shape
     codes = torch.empty(b, t, h, d, dtype=torch.uint8)
     scales = torch.empty(b, t, h, d // group, dtype=torch.float16)
-    zeros = torch.empty_like(scales)
+    zeros = torch.empty(b, t, h, d // group, dtype=torch.int8)
     for i, j, k, gi in itertools.product(range(b), range(t), range(h), range(d // group)):
         seg = x[i, j, k, gi * group : (gi + 1) * group].float()
-        z = seg.min().half().float()
-        s = ((seg.max() - z) / 15).clamp(2.0**-14, 65504).half().float()
-        codes[i, j, k, gi * group : (gi + 1) * group] = torch.round((seg - z) / s).clamp(0, 15).to(torch.uint8)
+        lo, hi = seg.min(), seg.max()
+        s = torch.maximum((hi - lo) / 15, lo.abs() / 15.875).clamp(2.0**-14, 65504).half().float()
+        z = torch.round(-lo / s * 8).clamp(-128, 127)
+        codes[i, j, k, gi * group : (gi + 1) * group] = torch.round(seg / s + z / 8).clamp(0, 15).to(torch.uint8)
         scales[i, j, k, gi], zeros[i, j, k, gi] = s, z
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, scales, zeros
@@ -72,9 +75,13 @@ class TestQuantizeReference(unittest.TestCase):
             self.assertTrue(torch.equal(p.codes, codes))
             self.assertTrue(torch.equal(p.scales, scales) and torch.equal(p.zeros, zeros))
             y = dequantize_kv(p, torch.float32)
-            # half a step, plus the fp16 rounding of the zero (min side) and of the scale (15 steps, max side)
-            per_group = scales.float() * (0.5 + 15 * 2.0**-11) + zeros.float().abs() * 2.0**-11
-            bound = per_group.repeat_interleave(group, -1) + 1e-6
+            # half a step: codes are round(x / scale + zero / 8), and the range fits 15 steps up to the fp16 rounding
+            # of the scale and the zero's 1/16-step rounding (at most 15 · 2^-11 + 1/16 of a step at the max side)
+            bound = (scales.float() * 0.5).repeat_interleave(group, -1) + x.abs() * 2.0**-22  # + fp32 rounding
+            # the group minimum is reproduced to within 1/16 of a step (the zero point's resolution)
+            lo = x.unflatten(-1, (-1, group)).amin(-1)
+            lo_hat = -zeros.float() / 8 * scales.float()
+            self.assertTrue(bool(((lo_hat - lo).abs() <= scales.float() / 16 * (1 + 1e-5)).all()))
             self.assertTrue(bool(((y - x).abs() <= bound).all()))
 
     def test_fp8_per_head_scale(self):
@@ -122,9 +129,9 @@ class TestInt2PRQ(unittest.TestCase):
         for stages in (1, 2, 3):
             p = quantize_kv(x, "int2", stages=stages, group_size=32)
             y = dequantize_kv(p, torch.float32)
-            # the last stage's rounding bounds the error: half its step per group (+ fp16 rounding of the zero)
+            # the last stage's rounding bounds the error: half its step per group (+ fp16 rounding of the scale)
             last = p.scales[:, :, :, -1].float().repeat_interleave(32, -1)
-            self.assertTrue(bool(((y - x).abs() <= last / 2 + 1e-2).all()))
+            self.assertTrue(bool(((y - x).abs() <= last * (0.5 + 3 * 2.0**-11) + 1e-5).all()))
             errors.append(((y - x) ** 2).mean().item())
         self.assertLess(errors[1], errors[0] / 4)
         self.assertLess(errors[2], errors[1] / 4)
@@ -138,7 +145,8 @@ class TestInt2PRQ(unittest.TestCase):
             for s in range(2):
                 byte = p.codes[b, t, h, s].long()
                 codes = torch.stack([(byte >> (2 * i)) & 3 for i in range(4)], -1).flatten()
-                row = row + codes * p.scales[b, t, h, s].float().repeat_interleave(64) + p.zeros[b, t, h, s].float()
+                zero = p.zeros[b, t, h, s].float().repeat_interleave(64) / 8
+                row = row + (codes - zero) * p.scales[b, t, h, s].float().repeat_interleave(64)
             expect[b, t, h] = row
         torch.testing.assert_close(dequantize_kv(p, torch.float32), expect, rtol=1e-6, atol=1e-6)
 
@@ -179,9 +187,39 @@ class TestContracts(expecttest.TestCase):
         self.assertExpectedInline(msg, """kvops.dequantize_kv: dtype must be one of (torch.float32, torch.bfloat16, torch.float16), got torch.int32.""")
 
     def test_layout_bytes(self):
-        specs = packed_layout("int2", 1, 4680, 1, 128, stages=1, num_clusters=16)
-        nbytes = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in specs.values() if s is not None)
-        self.assertLessEqual(nbytes / (4680 * 128 * 2), 0.18)
+        """Issue 7's byte targets at Quant VideoGen's chunk (3 x 1560 tokens), head_dim 64 and 128, vs bf16, with the
+        exact per-format arithmetic of packed_layout's docstring."""
+        t = 3 * 1560
+
+        def ratio(quant, d, **fmt):
+            specs = packed_layout(quant, 1, t, 1, d, **fmt)
+            nbytes = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in specs.values() if s is not None)
+            return nbytes / (t * d * 2)
+
+        for d in (64, 128):
+            self.assertEqual(ratio("int8", d), (d + 2) / (2 * d))
+            self.assertLessEqual(ratio("fp8", d), 0.53)
+            for g in (32, 64, 128):
+                if g <= d:
+                    self.assertEqual(ratio("int4", d, group_size=g), (d / 2 + 3 * d / g) / (2 * d))
+                    self.assertLessEqual(ratio("int4", d, group_size=g), 0.30)
+            default = dict(group_size=default_group_size(d), stages=1, num_clusters=16)
+            self.assertAlmostEqual(ratio("int2", d, **default), (d / 4 + 3 * d / 64 + 1 + 2 * 16 * d / t) / (2 * d))
+            self.assertLessEqual(ratio("int2", d, **default), 0.18)
+            self.assertGreater(ratio("int2", d, **{**default, "stages": 2}), 0.25)  # 4 bits per value: never <= 0.25
+        self.assertLessEqual(ratio("int8", 128), 0.53)
+
+    def test_integer_zero_point_of_an_offset_group(self):
+        # a group far from zero with a tiny range: the zero point stays in int8 (scale >= |min| / 15.875), error <=
+        # half a step
+        x = torch.full((1, 2, 1, 64), 100.0)
+        x[0, 1, 0, :32] = -3.0 + 0.001 * torch.arange(32)
+        p = quantize_kv(x, "int4", group_size=32)
+        self.assertEqual(p.zeros.dtype, torch.int8)
+        step = p.scales.float().repeat_interleave(32, -1)
+        self.assertTrue(bool(((dequantize_kv(p, torch.float32) - x).abs() <= step * (0.5 + 2.0**-10)).all()))
+        self.assertLessEqual(float(p.scales[0, 0, 0, 0]), 100 / 15.875 * (1 + 2.0**-10))
+        self.assertEqual(int(p.zeros[0, 0, 0, 0]), -127)
 
     def test_opcheck(self):
         x = kv_like(2, 6, 3, 64, dtype=torch.bfloat16)

@@ -2,11 +2,13 @@
 
 import itertools
 import unittest
+import unittest.mock
 
 import expecttest
 import torch
 
 import kvops
+import kvops.ops.paged_write as paged_write_ops
 from tests.contract import raises_everywhere
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -169,6 +171,83 @@ class TestPagedWrite(expecttest.TestCase):
 def _setup(h=4, d=16, dtype=torch.float32):
     k_cache, v_cache = make_paged_caches(3, 4, h, d, dtype=dtype)
     return k_cache, v_cache, torch.tensor([0, 5, -1], dtype=torch.int32)
+
+
+class TestNativeKernel(expecttest.TestCase):
+    """The native CPU kernel (kvops/native/paged_write.cpp, behind the eager fast path and the op's CPU kernel) against
+    the composite torch kernel (kvops/reference/paged_write.py), bit for bit, and the fast path's dispatch rules."""
+
+    def composite(self):
+        """The composite kernel, as when no C++ compiler is available."""
+        return unittest.mock.patch.object(paged_write_ops.native, "use_native", return_value=False)
+
+    def test_fp8_special_values_match_the_composite_kernel(self):
+        """fp8 quantization of NaN, ±inf, ±0, subnormals, round-to-nearest-even ties (e4m3 spacing at 1.0 is 1/8),
+        saturation past ±448, from fp32/bf16/fp16 keys; per-head scales with a head slice, a strided key, an HND cache
+        and K/V views of one [P, 2, block_size, H, D] allocation."""
+        specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -2.0 ** -10, 2.0 ** -9,
+                                 1.0625, 1.1875, -1.3125, 447.9, 448.0, 449.0, 464.0, 480.0, 1e6, -1e6, 3.0e-3, 17.0])
+        for src_dtype in DTYPES:
+            g = torch.Generator().manual_seed(0)
+            x = (torch.randn(9, 3, 2, 20, generator=g) * 100).to(src_dtype)
+            x[:, 0, 0] = specials.to(src_dtype)
+            key, value = x[:, 0].transpose(1, 2).contiguous().transpose(1, 2), x[:, 1]  # key [9, 20, 2]^T: strided
+            for layout, kv_layout in (("separate", "NHD"), ("joint_blocks", "NHD"), ("hnd", "HND")):
+                with self.subTest(src=src_dtype, layout=layout):
+                    if layout == "hnd":
+                        k_cache = torch.zeros(3, 4, 4, 20).to(FP8)
+                        v_cache = torch.zeros(3, 4, 4, 20).to(FP8)
+                    else:
+                        k_cache, v_cache = make_paged_caches(3, 4, 4, 20, dtype=FP8, layout=layout)
+                    k_scale, v_scale = torch.tensor([0.5, 2.0, 0.25, 1.0]), torch.tensor([1.0, 1.0, 3.0, 0.125])
+                    slots = torch.tensor([5, -1, 0, 11, 7, -1, 2, 9, 1], dtype=torch.int32)
+                    args = (slots, 1, k_scale, v_scale, kv_layout)
+                    want_k, want_v = k_cache.clone(), v_cache.clone()
+                    with self.composite():
+                        kvops.paged_cache_write(key, value, want_k, want_v, *args)
+                    kvops.paged_cache_write(key, value, k_cache, v_cache, *args)
+                    self.assertTrue(torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8)))
+                    self.assertTrue(torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8)))
+
+    def test_validation_is_memoized_but_errors_are_not(self):
+        k_cache, v_cache = make_paged_caches(2, 4, 2, 8)
+        key, slots = torch.randn(3, 2, 8), torch.tensor([0, 5, -1])
+        with unittest.mock.patch.object(paged_write_ops, "check_paged_cache_write",
+                                        wraps=paged_write_ops.check_paged_cache_write) as validator:
+            paged_write_ops._memo.clear()
+            for _ in range(3):
+                kvops.paged_cache_write(key, key, k_cache, v_cache, slots)
+            self.assertEqual(validator.call_count, 1)
+            expanded = torch.zeros(1, 4, 2, 8).expand(2, 4, 2, 8)  # same shape and dtype, stride 0: an error
+            for _ in range(2):
+                with self.assertRaisesRegex(ValueError, "stride 0 in dim 0"):
+                    kvops.paged_cache_write(key, key, expanded, v_cache, slots)
+        self.assertEqual(validator.call_count, 3)
+        want_k, _ = ref_write(make_paged_caches(2, 4, 2, 8)[0], v_cache, key, key, slots)
+        self.assertTrue(torch.equal(k_cache, want_k))
+
+    def test_modes_and_transforms_still_see_the_op(self):
+        """The fast path is for plain eager CPU calls only: a TorchDispatchMode sees kvops.paged_cache_write, and a
+        plain call bumps the caches' version counters as an in-place op."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Log(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        k_cache, v_cache = make_paged_caches(2, 4, 2, 8)
+        key, slots = torch.randn(3, 2, 8), torch.tensor([0, 5, -1])
+        with Log() as log:
+            kvops.paged_cache_write(key, key, k_cache, v_cache, slots)
+        self.assertIn("kvops.paged_cache_write.default", log.ops)
+        before = (k_cache._version, v_cache._version)
+        kvops.paged_cache_write(key, key, k_cache, v_cache, slots)
+        self.assertEqual((k_cache._version, v_cache._version), (before[0] + 1, before[1] + 1))
 
 
 class TestContracts(expecttest.TestCase):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .paged_write import layout_hint
 from .rotary import check_rotary
 
 OP = "flash_attn_with_kvcache"
@@ -12,6 +13,11 @@ OP = "flash_attn_with_kvcache"
 def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, causal, window_size, alibi_slopes) -> None:
     """Shape/dtype/Python-int contract of ``kvops.flash_attn_with_kvcache`` (no tensor contents are read).
+
+    Caches are NHD only (as FlashAttention's): when a head count contradicts ``k_cache``'s ``num_kv_heads`` but fits
+    its ``block_size`` dim, the error says the cache may be HND and how to get an NHD view
+    (:func:`kvops._checks.paged_write.layout_hint`). An HND cache whose ``H_kv == block_size``, or whose misread
+    head count still fits, cannot be told from an NHD one by its shape: it is read as NHD.
 
     ``flash_attn_with_kvcache`` is a composite of two ops (``paged_cache_write``, then ``paged_attention``), not an op
     itself, so Inductor still sees and fuses the write; this validator runs in Python before them. Under
@@ -52,6 +58,7 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
         raise ValueError(
             f"{OP}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) (GQA); got q shape "
             f"{tuple(q.shape)} and k_cache shape {tuple(k_cache.shape)}."
+            + layout_hint(k_cache, "NHD", f"{num_heads} query heads", lambda h: num_heads % h == 0, OP)
         )
     if block_table is not None:
         if block_table.dtype != torch.int32 or block_table.dim() != 2:
@@ -92,6 +99,8 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
             raise ValueError(
                 f"{OP}: {name} must be [batch={batch}, seqlen_new, num_kv_heads={cache.shape[2]}, "
                 f"head_dim={cache.shape[3]}] (k and v with the same seqlen_new), got shape {tuple(t.shape)}."
+                + (layout_hint(cache, "NHD", f"{t.shape[2]} heads of {name}", lambda h: h == t.shape[2], OP)
+                   if t.dim() == 4 else "")
             )
     s_new = k.shape[1]
     check_rotary_tables(q, k, rotary_cos, rotary_sin, capacity)

@@ -56,18 +56,25 @@ def check_paged_caches(
     return as_nhd(k_cache, v_cache, kv_layout)
 
 
-def layout_hint(cache: torch.Tensor, kv_layout: str, heads: str, fits) -> str:
+def layout_hint(cache: torch.Tensor, kv_layout: str, heads: str, fits, nhd_only: str = "") -> str:
     """When the NHD view ``cache``'s ``num_kv_heads`` does not ``fit`` the input's heads (``heads``, e.g. "8 input
     heads") but its ``block_size`` dim does, a sentence saying the cache may be in the other layout and how to pass
-    it; else ``""``."""
+    it; else ``""``. ``nhd_only``: the name of an op without ``kv_layout`` (it takes NHD caches only): the sentence
+    then says so and how to get an NHD view. Shapes cannot tell the layouts apart when ``H_kv == block_size``: no hint.
+    """
     if fits(cache.shape[2]) or not fits(cache.shape[1]):
         return ""
     other = "HND" if kv_layout == "NHD" else "NHD"
     shape = tuple(cache.shape) if kv_layout == "NHD" else tuple(cache.transpose(1, 2).shape)
+    fix = (
+        f"{nhd_only} takes NHD caches only: pass its NHD view cache.transpose(1, 2) (no copy), or use "
+        f"kvops.paged_cache_write / kvops.paged_attention with kv_layout=\"HND\"." if nhd_only
+        else f"pass kv_layout=\"{other}\"."
+    )
     return (
         f" The cache of shape {shape} read as kv_layout=\"{kv_layout}\" has {as_int(cache.shape[2])} heads, but its "
         f"dim of size {as_int(cache.shape[1])} fits the {heads}: it may be an {other} cache "
-        f"{KV_LAYOUTS[other][0]}; if so, pass kv_layout=\"{other}\"."
+        f"{KV_LAYOUTS[other][0]}; if so, {fix}"
     )
 
 
@@ -82,6 +89,7 @@ def check_paged_cache_write(
     v_scale: torch.Tensor | None = None,
     kv_layout: str = "NHD",
     op: str = OP,
+    nhd_only: bool = False,
 ) -> int:
     """Validate a paged write of ``N = slot_mapping.shape[0]`` tokens; returns the first cache head written.
 
@@ -89,7 +97,8 @@ def check_paged_cache_write(
     ``slot_mapping`` that is not 1-D int32/int64 on the caches' device; ``key`` shorter than ``slot_mapping``
     (``N' < N``); key/value dtype, device, token-count, head and head_dim mismatches; a head slice outside the cache;
     an fp8 cache without ``k_scale``/``v_scale``; scales for a non-fp8 cache; scales that are not fp32 ``[1]`` or
-    ``[H_kv]``; a cache with a stride-0 dim (an expanded view cannot be written in place).
+    ``[H_kv]``; a cache with a stride-0 dim (an expanded view cannot be written in place). ``nhd_only``: ``op`` has no
+    ``kv_layout`` argument (the layout hint says so, see :func:`layout_hint`).
     """
     k_cache, v_cache = check_paged_caches(op, k_cache, v_cache, kv_layout)
     require_writable(op, "k_cache", k_cache)
@@ -131,7 +140,8 @@ def check_paged_cache_write(
         require_dim_match(op, "head_dim", name, t, 2, cache_name, cache, 3)
     in_heads = key.shape[1]
     if cache_head_start is None and in_heads != k_cache.shape[2]:
-        hint = layout_hint(k_cache, kv_layout, f"{as_int(in_heads)} input heads", lambda h: h == in_heads)
+        hint = layout_hint(k_cache, kv_layout, f"{as_int(in_heads)} input heads", lambda h: h == in_heads,
+                           op if nhd_only else "")
         if hint:
             raise ValueError(
                 f"{op} requires cache_head_start when cache heads ({as_int(k_cache.shape[2])}) differ from input "

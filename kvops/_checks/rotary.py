@@ -56,8 +56,10 @@ def check_rotary(op: str, name: str, x: torch.Tensor, rotary_cos, rotary_sin, po
 
 def check_rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positions, rotary_cos, rotary_sin,
                                    rotary_interleaved, cache_head_start, k_scale, v_scale) -> int:
-    """The paged write's contract (``kvops.paged_cache_write``, same messages under this op's name) plus the rotary
-    tables and positions; returns the first cache head written."""
-    h0 = check_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, op=OP)
+    """The paged write's contract (``kvops.paged_cache_write``, same messages under this op's name; NHD caches only:
+    an HND-looking cache gets the NHD-only layout hint) plus the rotary tables and positions; returns the first cache
+    head written."""
+    h0 = check_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, op=OP,
+                                 nhd_only=True)
     check_rotary(OP, "key", key, rotary_cos, rotary_sin, positions, slot_mapping.shape[0])
     return h0

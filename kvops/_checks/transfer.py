@@ -4,6 +4,11 @@ Both ops move the head slice ``[h0, h0 + h)`` of tokens ``[start, start + n)`` o
 ``block_table`` row) in ``2 * L`` paged caches ``[P, block_size, H_kv, D]`` (K layers then V layers) and one
 contiguous staging buffer ``[2, L, n, h, D]``. Only metadata is checked (block ids are content; the CPU kernel checks
 them, see ``kvops.reference.transfer``).
+
+The caches are NHD only (as vLLM's and sglang's transfer paths): when the staged head slice does not fit a cache's
+``num_kv_heads`` but fits its ``block_size`` dim, the error says the cache may be HND and how to get an NHD view
+(``cache.transpose(1, 2)``, no copy). An HND cache whose misread head count still holds the slice (e.g.
+``H_kv == block_size``) cannot be told from an NHD one by its shape: it is read as NHD.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .common import as_int, require_ndim, require_same_device, require_writable
+from .paged_write import layout_hint
 
 CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
 STAGING_LAYOUT = "[2, num_layers, num_tokens, num_heads, head_dim]"
@@ -32,8 +38,8 @@ def check_paged_kv_transfer(
     ``caches[0]`` in shape, dtype or device; a cache with a stride-0 dim (scatter only); a ``block_table`` that is not
     1-D int32/int64 on the caches' device; a ``staging`` that is not 5-D ``[2, L, n, h, D]`` matching the caches
     (layers, ``head_dim``, dtype, device) or is not contiguous; a head slice ``[head_start, head_start + h)`` outside
-    ``[0, H_kv)`` (the message names ``head_arg``); a negative ``start``; tokens ``[start, start + n)`` beyond the
-    ``block_table``'s capacity (``blocks * block_size``).
+    ``[0, H_kv)`` (the message names ``head_arg``, and says when the cache may be HND); a negative ``start``; tokens
+    ``[start, start + n)`` beyond the ``block_table``'s capacity (``blocks * block_size``).
     """
     if len(caches) == 0 or len(caches) % 2:
         raise ValueError(
@@ -80,10 +86,16 @@ def check_paged_kv_transfer(
         )
     num_tokens, num_heads = staging.shape[2], staging.shape[3]
     if head_start < 0 or head_start + num_heads > num_kv_heads:
+        fix = (
+            f"Pass 0 <= {head_arg} <= {as_int(num_kv_heads - num_heads)} for {as_int(num_heads)} staged heads."
+            if num_heads <= num_kv_heads else
+            f"Pass staging with at most {as_int(num_kv_heads)} heads (it carries {as_int(num_heads)})."
+        )
         raise ValueError(
             f"{op}: head slice [{head_start}, {head_start + as_int(num_heads)}) is outside the caches' heads "
-            f"[0, {as_int(num_kv_heads)}). Pass 0 <= {head_arg} <= {as_int(num_kv_heads - num_heads)} for "
-            f"{as_int(num_heads)} staged heads."
+            f"[0, {as_int(num_kv_heads)}). {fix}"
+            + layout_hint(first, "NHD", f"{as_int(num_heads)} staged heads from {head_arg}={head_start}",
+                          lambda h: 0 <= head_start and head_start + num_heads <= h, op)
         )
     if start < 0:
         raise ValueError(f"{op}: start must be >= 0 (a token position in the request), got {as_int(start)}.")

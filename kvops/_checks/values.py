@@ -191,6 +191,20 @@ def _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block
     )
 
 
+def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_blocks, block_size) -> bool:
+    """Eager CPU fast path: True when the native kernel's one-pass check (``kvops/native/paged_attention.cpp``, the
+    same contracts as ``_attention_violations``) finds every contract held. False when one is violated (the torch
+    path then finds it and raises) or the fast path does not apply (not CPU/int32, no native build)."""
+    from .. import native
+
+    if q.device.type != "cpu" or not all(t.dtype == torch.int32 for t in (cu_seqlens_q, seq_lens, block_table)):
+        return False
+    if not native.available():
+        return False
+    return not torch.ops.kvops._paged_attention_values_bad(
+        cu_seqlens_q, seq_lens, block_table, q.shape[0], max_seqlen_q, num_blocks, block_size)
+
+
 def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout: str = "NHD",
                           op: str = "kvops.paged_attention") -> None:
     """Apply the value contracts of ``paged_attention`` in the current mode (docs/semantics.md §7).
@@ -206,6 +220,8 @@ def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_s
             or (max_seqlen_q < 1 and q.shape[0] > 0)):
         return  # checks off, or a metadata error that the op's validator reports
     num_blocks, block_size = geometry
+    if mode == "eager" and _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_blocks, block_size):
+        return
     v = _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q)
     if mode == "eager":
         if bool(torch.stack([t.any() for t in v.values()]).any()):

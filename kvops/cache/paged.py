@@ -334,7 +334,14 @@ class PagedKVCache:
     # --- tensor work through the ops ----------------------------------------------------------------------------
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, step: PagedStep,
               cache_head_start: int | None = None) -> None:
-        """Write the step's new ``key``/``value`` ``[N_pad, H_in, D]`` of ``layer`` via ``kvops.paged_cache_write``."""
+        """Write the step's new ``key``/``value`` ``[N_pad, H_in, D]`` of ``layer`` via ``kvops.paged_cache_write``.
+
+        Raises ``ValueError`` when ``H_in`` differs from the cache's ``num_kv_heads`` and no ``cache_head_start`` is
+        given (naming ``num_kv_heads``: the caches are NHD by construction, so no layout hint), and every error of
+        ``kvops.paged_cache_write``.
+        """
+        if cache_head_start is None:
+            _check_heads("PagedKVCache.write", "key", key, self.k_caches[layer].shape[2])
         paged_cache_write(key, value, self.k_caches[layer], self.v_caches[layer], step.slot_mapping,
                           cache_head_start, self.k_scale, self.v_scale)
 
@@ -342,7 +349,30 @@ class PagedKVCache:
         """``kvops.paged_attention`` of ``q [N_pad, H_q, D]`` over ``layer``'s cache with the step's metadata.
 
         ``kwargs``: ``scale``, ``causal`` (default True), ``window_left``, ``softcap``, ``sinks``, ``return_lse``.
+        Raises ``ValueError`` when ``H_q`` is not a multiple of the cache's ``num_kv_heads`` (GQA), and every error of
+        ``kvops.paged_attention``.
         """
+        _check_heads("PagedKVCache.attention", "q", q, self.k_caches[layer].shape[2])
         return paged_attention(q, self.k_caches[layer], self.v_caches[layer], step.cu_seqlens_q, step.seq_lens,
                                step.block_table, max(step.max_seqlen_q, 1), k_scale=self.k_scale,
                                v_scale=self.v_scale, **kwargs)
+
+
+def _check_heads(where: str, name: str, x: torch.Tensor, num_kv_heads: int) -> None:
+    """The head count of ``x [N, H, D]`` (``q``: a multiple of ``num_kv_heads``, GQA; ``key``: equal) in the cache's
+    terms. A ``PagedKVCache`` allocates NHD caches itself, so the ops' "may be an HND cache" hint cannot apply (it
+    would suggest a ``kv_layout`` that ``PagedKVCache`` does not take)."""
+    heads = x.shape[1] if x.dim() == 3 else None
+    if heads is None or (heads % num_kv_heads == 0 if name == "q" else heads == num_kv_heads):
+        return
+    if name == "q":
+        need = (f"must be a multiple of the cache's num_kv_heads={num_kv_heads} (GQA). Pass q with a multiple of "
+                f"{num_kv_heads} heads, or build PagedKVCache with a num_kv_heads that divides {heads}.")
+    elif heads < num_kv_heads:
+        need = (f"differ from the cache's num_kv_heads={num_kv_heads}. Pass cache_head_start (0 <= cache_head_start "
+                f"<= {num_kv_heads - heads}) to write this writer's head slice, or build PagedKVCache with "
+                f"num_kv_heads={heads}.")
+    else:
+        need = (f"exceed the cache's num_kv_heads={num_kv_heads}. Pass {name} with {num_kv_heads} heads, or build "
+                f"PagedKVCache with num_kv_heads={heads}.")
+    raise ValueError(f"{where}: {name} of shape {tuple(x.shape)} has {heads} heads, which {need}")

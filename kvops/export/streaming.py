@@ -11,7 +11,8 @@ live cache's cursors while tracing, and its visible window has a data-dependent 
 - ``current_chunk_start``: int64 ``[]`` tensor ``s``;
 - the eviction is branch-free index arithmetic on those tensors; the row positions reach the write/roll ops as
   unbacked SymInts (``.item()``) bounded with ``torch._check``, so one exported program serves appends, rewrites and
-  evicting appends;
+  evicting appends; the position contract is checked first by the op ``kvops::stream_positions``, whose message
+  (argument, values, fix) survives ``torch.export`` (a ``torch._check`` message becomes ``u3 <= 0`` there);
 - the visible window is a boolean row mask ``[S]`` over the whole cache instead of a variable-length view, so every
   shape is static: attend with ``scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask[None, :])`` (the row mask broadcast over queries). The keys are the
   same rows as ``CausalKVCache``'s view (in cache-row order, which attention does not depend on).
@@ -42,11 +43,39 @@ from ..ops.contiguous import cache_roll, cache_write
 _OP = "kvops.export.streaming_update"
 
 
-def _check(cond, text: str) -> None:
-    if torch.compiler.is_compiling():
-        torch._check(cond)
-    else:
-        torch._check(cond, lambda: f"{_OP}: {text}")
+# The position contract of a step, checked before anything is written: one message per margin of the state.
+_POSITION_CHECKS = (
+    "cursors must be (global_end, local_end) with 0 <= local_end <= global_end and local_end <= kv_cache_size. "
+    "Pass the cursors returned by the previous step on these caches (init_cursors() for a new stream)",
+    "current_chunk_start is past cursors[0] (global_end): the tokens in between were never written (a gap). Pass "
+    "current_chunk_start <= global_end (global_end appends the next chunk)",
+    "current_chunk_start is negative or names tokens already evicted (their rows would start before row 0 or land on "
+    "the sink rows). Rewrite only tokens still in the cache, current_chunk_start >= global_end - local_end (plus "
+    "sink_tokens once tokens were evicted, i.e. global_end > local_end), or append at global_end",
+)
+
+
+def _stream_positions(state: torch.Tensor, sink_tokens: int, kv_cache_size: int) -> torch.Tensor:
+    """Kernel of ``kvops::stream_positions`` (CPU and CUDA; one host read): raise the position contract's
+    ``RuntimeError`` naming the argument, the values and the fix for the first negative margin; return a copy."""
+    values = state.tolist()
+    s, g, l = values[:3]
+    for margin, text in zip(values[6:], _POSITION_CHECKS):
+        if margin < 0:
+            raise RuntimeError(
+                f"{_OP}: {text}. Got current_chunk_start={s}, cursors=(global_end={g}, local_end={l}), "
+                f"sink_tokens={sink_tokens}, kv_cache_size={kv_cache_size}."
+            )
+    return state.clone()
+
+
+for _device in ("CPU", "CUDA"):
+    torch.library.impl("kvops::stream_positions", _device)(_stream_positions)
+
+
+@torch.library.register_fake("kvops::stream_positions")
+def _stream_positions_fake(state, sink_tokens, kv_cache_size):
+    return torch.empty_like(state)
 
 
 def init_cursors(device=None) -> torch.Tensor:
@@ -86,9 +115,11 @@ def streaming_update(
     Raises:
         ValueError (when called or traced): ``K + n > S`` (an evicting append would overwrite the sink), ``K >= S``,
             ``W < 1``, and the write op's metadata errors (ranks, dtypes, head counts).
-        RuntimeError (when run; a runtime assertion in exported programs): the write rows leave ``[0, S)`` (e.g.
-            rewriting an already evicted chunk), ``s > G`` (a gap), or a rewrite that would land on the sink rows
-            after tokens were evicted.
+        RuntimeError (when run, before anything is written): cursors that are not ``0 <= L <= min(G, S)``;
+            ``s > G`` (a gap); ``s`` negative or naming tokens already evicted (rows before row 0, or a rewrite onto
+            the sink rows after eviction). The message names the argument, the values and the fix in eager code,
+            exported programs (``torch.export``, saved and loaded) and ``torch.compile``; AOTInductor packages raise
+            their wrapper's ``Expected u5 >= 0 but received -2`` for the same checks (lowering/inductor_checks.py).
     """
     n, cache_size = key.shape[1], k_cache.shape[1]
     window = cache_size if attention_window_size is None else attention_window_size
@@ -114,14 +145,19 @@ def streaming_update(
     ls = l + s - g - evicted
     count = torch.where(evicted > 0, (l - evicted - sink).clamp(min=0), 0)
     src = (evicted + sink).clamp(max=cache_size)
-    bad = ((e <= g) & (ls < sink) & (g > l)) | (s > g)  # a rewrite of an evicted chunk onto the sink; a gap
-
-    ls_i, src_i, count_i, bad_i = ls.item(), src.item(), count.item(), bad.to(torch.int64).item()
-    # Messages only in eager code: strict export (Dynamo) cannot trace the message callables.
-    _check(bad_i == 0, ("the chunk starts past global_end (a gap) or was already evicted (its rows would "
-                                 "land on the sink)"))
-    _check(ls_i >= 0, ("invalid write range: the chunk's rows start before row 0 (already evicted)"))
-    _check(ls_i <= cache_size - n, ("invalid write range: the chunk's rows end past kv_cache_size"))
+    # The checks run in an op, so exported programs (and torch.export.load) raise the message with the values; the
+    # torch._check calls below are the same margins without a message: compiled code (Inductor, AOTInductor: see
+    # lowering/inductor_checks.py) keeps those, and the ops' validators need them as value ranges.
+    margins = (torch.minimum(torch.minimum(l, g - l), cache_size - l),  # cursors: 0 <= L <= min(G, S)
+               g - s,  # no gap
+               torch.where((e <= g) & (g > l), ls - sink, ls))  # rows from row 0; no rewrite onto the sink
+    state = torch.stack([s, g, l, ls, src, count, *margins])
+    host = torch.ops.kvops.stream_positions(state, sink, cache_size).cpu()  # one host copy for the .item() calls
+    ls_i, src_i, count_i, *margins_i = (host[i].item() for i in range(3, 9))
+    for m in margins_i:
+        torch._check(m >= 0)
+    torch._check(ls_i >= 0)
+    torch._check(ls_i <= cache_size - n)
     torch._check(src_i >= sink)
     torch._check(count_i >= 0)
     torch._check(src_i + count_i <= cache_size)

@@ -16,12 +16,23 @@ from ..cache import PagedKVCache, RollingKVCache
 from ..ops import cache_write, paged_cache_write
 
 
+def check_room(cache: str, seen, num_tokens, max_cache_len: int) -> None:
+    """``ValueError`` naming the positions, ``max_cache_len`` and the fix when ``num_tokens`` new tokens after
+    ``seen`` do not fit (raised before anything is written)."""
+    if seen + num_tokens > max_cache_len:
+        raise ValueError(
+            f"{cache}: writing {num_tokens} tokens at positions [{seen}, {seen + num_tokens}) exceeds max_cache_len="
+            f"{max_cache_len}, the tokens each sequence holds (prompt + generated). Allocate the cache with "
+            f"max_cache_len >= {seen + num_tokens} (the prompt length + max_new_tokens)."
+        )
+
+
 class KvopsStaticLayer(CacheLayerMixin):
     """Full-attention layer: contiguous NHD caches ``[B, max_cache_len, H_kv, D]`` written by ``kvops.cache_write``.
 
     ``update`` writes the ``T`` new tokens at rows ``[G, G + T)`` and returns ``[B, H_kv, max_cache_len, D]`` views
     (transposes of the NHD storage, no copy); rows ``>= G + T`` are unfilled and masked by :func:`kvops_mask`.
-    Raises the write-range ``RuntimeError`` of ``kvops.cache_write`` past ``max_cache_len``.
+    Raises ``ValueError`` (naming the positions and ``max_cache_len``, before writing) when ``G + T > max_cache_len``.
     """
 
     is_compileable = True
@@ -44,6 +55,7 @@ class KvopsStaticLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        check_room("KvopsStaticCache", self.seen, key_states.shape[-2], self.max_cache_len)
         cache_write(key_states.transpose(1, 2), value_states.transpose(1, 2), self.k, self.v, self.seen)
         self.seen += key_states.shape[-2]
         return self.keys, self.values
@@ -158,11 +170,7 @@ class KvopsPagedLayer(KvopsStaticLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, _, t, _ = key_states.shape
-        if self.seen + t > self.max_cache_len:
-            raise ValueError(
-                f"KvopsPagedCache: writing {t} tokens after {self.seen} exceeds max_cache_len={self.max_cache_len}; "
-                f"allocate the cache with a larger max_cache_len."
-            )
+        check_room("KvopsPagedCache", self.seen, t, self.max_cache_len)
         bs = self.k.shape[1]
         pos = torch.arange(t, device=self.device) + self.seen
         slots = self.block_table[:, pos // bs].long() * bs + pos % bs  # [B, T]

@@ -1,7 +1,8 @@
 """Native (C++) CPU kernels, built on first use.
 
 ``paged_attention.cpp`` registers ``kvops::_paged_attention_native`` (the CPU kernel behind ``kvops::paged_attention``,
-see the comment at its top). It is compiled by ``torch.utils.cpp_extension.load`` the first time a CPU paged attention
+see the comment at its top) and ``kvops::_paged_attention_values_bad`` (the one-pass value-contract check of eager CPU
+calls, ``kvops/_checks/values.py``). It is compiled by ``torch.utils.cpp_extension.load`` the first time a CPU paged attention
 runs (not at import), with the machine's C++ compiler (the one ``torch.compile`` on CPU needs too), into torch's
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the
 source, the flags and the CPU's instruction-set flags, so later processes load the cached build in well under a
@@ -26,6 +27,11 @@ import warnings
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [
+    SOURCE,  # kvops::_paged_attention_native (and its value check kvops::_paged_attention_values_bad)
+    SOURCE.with_name("packed_attention.cpp"),  # kvops::_packed_attention_native
+    SOURCE.with_name("paged_write.cpp"),  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
+]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
@@ -46,7 +52,7 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     """Extension name: ``kvops_native_<hash of source, flags, CPU flags, torch version>``."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     for part in (*CFLAGS, _cpu_flags(), torch.__version__):
         h.update(part.encode())
     return f"kvops_native_{h.hexdigest()[:16]}"
@@ -67,7 +73,7 @@ def _build(load=None) -> bool:
     try:
         if load is None:
             from torch.utils.cpp_extension import load
-        load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        load(name=build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
         if not hasattr(torch.ops.kvops, "_paged_attention_native"):
             raise RuntimeError(f"the built library does not define {OP_NAME}")

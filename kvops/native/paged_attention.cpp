@@ -17,14 +17,15 @@
 // chunk's end point at a zero buffer), so NaN/inf in unused slots or unreferenced blocks is never read. Caches are
 // addressed through their four strides (joint K|V allocations, interleaved blocks, HND caches viewed as NHD, sliced
 // heads); a last-dim stride != 1 or a head_dim that is not a multiple of 16 goes through a small fp32 staging tile.
-// Rows of the next chunks are software-prefetched (blocks are scattered). Vector code uses GCC/Clang vector
-// extensions (AVX-512 / AVX2 / NEON under -march=native).
+// A KV head's rows go through the math in blocks of 1, 2, 4 (decode with GQA ratio <= 4: no padding to 8) or 8.
+// The K/V rows ~8 KiB ahead are software-prefetched (blocks are scattered), one cache line per inner-loop step
+// (a burst per chunk overflows the miss buffers and is mostly dropped). Vector code uses GCC/Clang vector
+// extensions (AVX-512 / AVX2 / NEON under -march=native). Also here: the one-pass value-contract check of eager CPU
+// calls (paged_attention_values_bad, used by kvops/_checks/values.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
@@ -42,6 +43,11 @@ namespace kvops_native {
 namespace {
 
 constexpr int L = 16;  // vector lanes = tokens per chunk
+#ifndef KVOPS_PREFETCH  // Zen 5 (48 KiB L1d), one thread: 8 KiB as good as or better than 4, 16, 32 KiB; t0 > t1, t2
+#define KVOPS_PREFETCH 8192
+#endif
+constexpr int PREFETCH_BYTES = KVOPS_PREFETCH;  // K/V bytes prefetched ahead of the math
+constexpr int64_t TINY_KV_ROWS = 2048;  // (KV position, KV head) rows below which a call stays on one thread (~50 us)
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
@@ -61,10 +67,14 @@ inline float hmax(vf v) {
   for (int i = 1; i < L; ++i) m = v[i] > m ? v[i] : m;
   return m;
 #else
-  for (int h = 8; h >= 1; h >>= 1) {
-    vi idx;
-    for (int c = 0; c < L; ++c) idx[c] = c ^ h;
-    const vf w = __builtin_shuffle(v, idx);
+  // butterfly over lane distance 8, 4, 2, 1 (constant lane permutations c ^ h)
+  const vi idx[4] = {vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                     vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                     vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                     vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const vf w = __builtin_shuffle(v, idx[k]);
     v = vsel(w > v, w, v);
   }
   return v[0];
@@ -98,38 +108,47 @@ inline vf vtanh(vf x) {
   return vsel(neg, -t, t);
 }
 
-// in-register 16x16 transpose: rows m[0..15] -> columns (swaps bit h of row and lane index for h = 8, 4, 2, 1)
-inline void transpose16(vf* m) {
-  for (int h = 8; h >= 1; h >>= 1) {
-    vi lo, hi;
-    for (int c = 0; c < L; ++c) {
-      lo[c] = (c & h) ? L + c - h : c;
-      hi[c] = (c & h) ? L + c : c + h;
-    }
-    for (int i = 0; i < L; ++i) {
-      if (i & h) continue;
-      vf a = m[i], b = m[i + h];
+// in-register 16x16 transpose: rows m[0..15] -> columns. Stage H swaps bit H of row and lane index: rows i and
+// i + H (bit H clear in i) become shuffle(a, b, lo) and shuffle(a, b, hi) with constant index vectors (indices >= 16
+// pick from b), so each stage is 16 two-source permutes and nothing else.
+template <int H>
+inline void transpose_stage(vf* m, const vi lo, const vi hi) {
+#pragma GCC unroll 16
+  for (int i = 0; i < L; ++i) {
+    if (i & H) continue;
+    const vf a = m[i], b = m[i + H];
 #if defined(__clang__)
-      vf x, y;
-      for (int c = 0; c < L; ++c) {
-        x[c] = lo[c] < L ? a[lo[c]] : b[lo[c] - L];
-        y[c] = hi[c] < L ? a[hi[c]] : b[hi[c] - L];
-      }
-      m[i] = x;
-      m[i + h] = y;
-#else
-      m[i] = __builtin_shuffle(a, b, lo);
-      m[i + h] = __builtin_shuffle(a, b, hi);
-#endif
+    vf x, y;
+    for (int c = 0; c < L; ++c) {
+      x[c] = lo[c] < L ? a[lo[c]] : b[lo[c] - L];
+      y[c] = hi[c] < L ? a[hi[c]] : b[hi[c] - L];
     }
+    m[i] = x;
+    m[i + H] = y;
+#else
+    m[i] = __builtin_shuffle(a, b, lo);
+    m[i + H] = __builtin_shuffle(a, b, hi);
+#endif
   }
+}
+
+inline void transpose16(vf* m) {
+  transpose_stage<8>(m, vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                     vi{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  transpose_stage<4>(m, vi{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                     vi{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  transpose_stage<2>(m, vi{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                     vi{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  transpose_stage<1>(m, vi{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                     vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
 }
 
 // --- loading one row of n elements (element stride st) into n_pad fp32 values (zeros after n) ------------------
 struct Fp8Lut {
   float v[256];
   Fp8Lut() {
-    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    for (int i = 0; i < 256; ++i)
+      v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
   }
 };
 const Fp8Lut& fp8_lut() { static const Fp8Lut lut; return lut; }
@@ -173,6 +192,22 @@ inline void prefetch_line(const char* p) {
 }
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+// rows of a KV head padded to the row block of the math: 1, 2, 4 (decode with GQA ratio <= 4), else a multiple of 8
+inline int pad_rows(int rows) { return rows <= 4 ? (rows <= 1 ? 1 : rows <= 2 ? 2 : 4) : round_up(rows, 8); }
+
+// Cache lines of a later chunk, prefetched one per inner-loop step of the current chunk's math: a burst of hundreds
+// of prefetches overflows the core's miss buffers and most of them are dropped, while one per step keeps memory
+// busy under the arithmetic.
+struct Prefetcher {
+  const char* const* lines;
+  int n, i;
+  inline void step() {
+    if (i < n) prefetch_line(lines[i++]);
+  }
+  inline void rest() {
+    while (i < n) prefetch_line(lines[i++]);
+  }
+};
 
 // --- the arguments of one call -----------------------------------------------------------------------------------
 struct Problem {
@@ -209,6 +244,7 @@ struct Item {
 // Per-thread scratch; rows_pad rows per KV head.
 struct Scratch {
   std::vector<float> qf, ktmp, kt, vtmp, s, p, alpha, zeros;
+  std::vector<const char*> pf;  // lines of one KV head of a later chunk (Prefetcher)
   std::vector<vf> lv;
   std::vector<int> row_lo, row_hi;
   void size(int rows_pad, const Problem& pb) {
@@ -223,6 +259,7 @@ struct Scratch {
     alpha.assign(rows_pad, 1.f);
     row_lo.resize(rows_pad);
     row_hi.resize(rows_pad);
+    pf.resize(static_cast<size_t>(L) * (pb.d_pad + pb.dv_pad) * 4 / 64 + 2 * L);
   }
 };
 
@@ -272,10 +309,10 @@ inline vf load16(const T* p) {
 }
 
 // One chunk of n <= 16 tokens whose K/V rows are kp[t], vp[t] (unit stride, dp / dvp elements readable, tokens
-// t >= n point at zeros): scores, online softmax, accumulation.
-template <typename T>
+// t >= n point at zeros): scores, online softmax, accumulation. Rows go RB at a time (RB = min(rows_pad, 8)).
+template <typename T, int RB>
 inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int n, int j0, int rows, int rows_pad,
-                  Scratch& sc, const float* qf, float* m, vf* lv, float* acc) {
+                  Scratch& sc, const float* qf, float* m, vf* lv, float* acc, Prefetcher& pf) {
   const int dp = pb.d_pad, dvp = pb.dv_pad;
   float* S = sc.s.data();
   float* P = sc.p.data();
@@ -288,15 +325,24 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     transpose16(tile);
     for (int e = 0; e < L; ++e) storeu(kt + static_cast<size_t>(e0 + e) * L, tile[e]);
   }
-  // scores: S[r] = q_r . k_t for the 16 tokens, 8 rows at a time (each kt[e] load feeds 8 FMAs)
-  for (int r0 = 0; r0 < rows_pad; r0 += 8) {
+  // scores: S[r] = q_r . k_t for the 16 tokens, RB rows at a time (each kt[e] load feeds RB FMAs); NA accumulator
+  // sets (dims e = j mod NA) keep 8 FMA chains in flight when RB < 8
+  constexpr int NA = 8 / RB;
+  for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     const float* q0 = qf + static_cast<size_t>(r0) * dp;
-    vf a[8] = {};
-    for (int e = 0; e < dp; ++e) {
-      const vf kv = loadu(kt + static_cast<size_t>(e) * L);
-      for (int i = 0; i < 8; ++i) a[i] += q0[i * dp + e] * kv;
+    vf a[NA][RB] = {};
+    for (int e = 0; e < dp; e += NA) {
+      for (int j = 0; j < NA; ++j) {
+        pf.step();
+        const vf kv = loadu(kt + static_cast<size_t>(e + j) * L);
+        for (int i = 0; i < RB; ++i) a[j][i] += q0[i * dp + e + j] * kv;
+      }
     }
-    for (int i = 0; i < 8; ++i) storeu(S + (r0 + i) * L, a[i]);
+    for (int i = 0; i < RB; ++i) {
+      vf sum = a[0][i];
+      for (int j = 1; j < NA; ++j) sum += a[j][i];
+      storeu(S + (r0 + i) * L, sum);
+    }
   }
   // online softmax per row (softcap before masking)
   vi lane;
@@ -325,24 +371,26 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     storeu(P + r * L, pr);
     lv[r] = lv[r] * alpha[r] + pr;
   }
-  // acc[r] = acc[r] * alpha[r] + sum_t P[r, t] v_t, 8 rows x 16 dims of accumulators at a time
+  // acc[r] = acc[r] * alpha[r] + sum_t P[r, t] v_t, RB rows x 16 dims of accumulators at a time
   for (int e0 = 0; e0 < dvp; e0 += L) {
-    for (int r0 = 0; r0 < rows_pad; r0 += 8) {
-      vf a[8];
-      for (int i = 0; i < 8; ++i) a[i] = loadu(acc + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
+    for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+      vf a[RB];
+      for (int i = 0; i < RB; ++i) a[i] = loadu(acc + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
       for (int t = 0; t < n; ++t) {
+        pf.step();
         const vf vv = load16(vp[t] + e0);
-        for (int i = 0; i < 8; ++i) a[i] += P[(r0 + i) * L + t] * vv;
+        for (int i = 0; i < RB; ++i) a[i] += P[(r0 + i) * L + t] * vv;
       }
-      for (int i = 0; i < 8; ++i) storeu(acc + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
+      for (int i = 0; i < RB; ++i) storeu(acc + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
     }
   }
+  pf.rest();
 }
 
 // Online softmax of rows [0, rows) of every KV head over KV positions [lo, hi) of item `it`. `state` holds, per KV
 // head, m [rows_pad], l [rows_pad], acc [rows_pad, dv_pad] (head_size floats), updated in place. The KV heads of a
 // chunk are processed back to back, so a token's rows of all heads (often one contiguous run) are read together.
-template <typename TK>
+template <typename TK, int RB>
 void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int rows_pad, Scratch& sc, float* state,
             int64_t head_size) {
   const TK* kc = static_cast<const TK*>(pb.k);
@@ -373,31 +421,38 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
       }
     }
   };
-  // software prefetch of the rows PREFETCH chunks ahead: the blocks are scattered, so the hardware prefetcher alone
-  // leaves chunks waiting on memory
-  auto prefetch = [&](int j_begin, int j_end) {
-    const TK* k[L];
-    const TK* v[L];
-    token_bases(j_begin, j_end - j_begin, k, v);
-    for (int t = 0; t < j_end - j_begin; ++t) {
-      for (int h = 0; h < nh; ++h) {
-        const char* kh = reinterpret_cast<const char*>(k[t] + h * pb.sk[2]);
-        const char* vh_ = reinterpret_cast<const char*>(v[t] + h * pb.sv[2]);
-        if (pb.sk[3] == 1)
-          for (int off = 0; off < k_bytes; off += 64) prefetch_line(kh + off);
-        if (pb.sv[3] == 1)
-          for (int off = 0; off < v_bytes; off += 64) prefetch_line(vh_ + off);
-      }
+  // software prefetch (the blocks are scattered, so the hardware prefetcher alone leaves chunks waiting on memory):
+  // work goes in units (chunk, KV head); while unit u is computed, the lines of unit u + ahead are issued one per
+  // inner step of its math (Prefetcher), `ahead` sized so that ~PREFETCH_BYTES of K/V are in flight (within L1)
+  const int unit_bytes = L * (k_bytes + v_bytes);
+  const int ahead = std::max(1, (PREFETCH_BYTES + unit_bytes - 1) / unit_bytes);
+  const TK* fk[L];
+  const TK* fv[L];
+  int fj = -1, fn = 0;  // the chunk whose bases fk/fv hold, its tokens
+  auto list_lines = [&](int j, int h) {
+    if (j >= hi) return Prefetcher{sc.pf.data(), 0, 0};
+    if (j != fj) {
+      fj = j;
+      fn = std::min(L, hi - j);
+      token_bases(j, fn, fk, fv);
     }
+    int c = 0;
+    for (int t = 0; t < fn; ++t) {
+      const char* kh = reinterpret_cast<const char*>(fk[t] + h * pb.sk[2]);
+      const char* vh_ = reinterpret_cast<const char*>(fv[t] + h * pb.sv[2]);
+      if (pb.sk[3] == 1)
+        for (int off = 0; off < k_bytes; off += 64) sc.pf[c++] = kh + off;
+      if (pb.sv[3] == 1)
+        for (int off = 0; off < v_bytes; off += 64) sc.pf[c++] = vh_ + off;
+    }
+    return Prefetcher{sc.pf.data(), c, 0};
   };
-  constexpr int PREFETCH = 4;
-  for (int j = lo; j < std::min(hi, lo + PREFETCH * L); j += L) prefetch(j, std::min(hi, j + L));
+  for (int u = 0; u < ahead; ++u) list_lines(lo + u / nh * L, u % nh).rest();  // the first units: at once
   for (int j0 = lo; j0 < hi; j0 += L) {
     const int n = std::min(L, hi - j0);
-    const int pf0 = j0 + PREFETCH * L;
-    if (pf0 < hi) prefetch(pf0, std::min(hi, pf0 + L));
     token_bases(j0, n, kb, vb);
     for (int h = 0; h < nh; ++h) {
+      Prefetcher pf = list_lines(j0 + (h + ahead) / nh * L, (h + ahead) % nh);
       const float* qf = sc.qf.data() + static_cast<size_t>(h) * rows_pad * dp;
       float* m = state + h * head_size;
       float* acc = m + 2 * rows_pad;
@@ -407,7 +462,7 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
         vp[t] = t < n ? vb[t] + h * pb.sv[2] : zeros;
       }
       if (direct) {
-        chunk<TK>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, m, lv, acc);
+        chunk<TK, RB>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf);
         continue;
       }
       for (int t = 0; t < L; ++t) {
@@ -423,7 +478,7 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
         kps[t] = kr;
         vps[t] = vr;
       }
-      chunk<float>(pb, kps, vps, n, j0, rows, rows_pad, sc, qf, m, lv, acc);
+      chunk<float, RB>(pb, kps, vps, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf);
     }
   }
   for (int h = 0; h < nh; ++h)
@@ -462,14 +517,19 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
          int max_rows_pad, std::vector<float>& partials) {
   const int dvp = pb.dv_pad, nh = pb.num_kv_heads;
   const int64_t head_size = static_cast<int64_t>(max_rows_pad) * (dvp + 2), part_size = nh * head_size;
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch sc;
+  // tiny calls (decode of a few short sequences) run on the calling thread: waking the pool costs more than the work
+  int64_t kv_rows = 0;
+  for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo) * nh;
+  const int64_t grain = kv_rows < TINY_KV_ROWS ? static_cast<int64_t>(work.size()) : 1;
+  at::parallel_for(0, static_cast<int64_t>(work.size()), grain, [&](int64_t begin, int64_t end) {
+    static thread_local Scratch sc;  // reused across calls: no allocation once warm
+    static thread_local std::vector<float> own;
     sc.size(max_rows_pad, pb);
-    std::vector<float> own(part_size);
+    own.resize(part_size);
     for (int64_t w = begin; w < end; ++w) {
       const Item& it = items[work[w].first];
       const int part = work[w].second;
-      const int rows = it.nq * pb.group, rows_pad = round_up(rows, 8);
+      const int rows = it.nq * pb.group, rows_pad = pad_rows(rows);
       float* state = it.parts > 1 ? partials.data() + it.partial + part * part_size : own.data();
       for (int h = 0; h < nh; ++h) {
         std::fill(state + h * head_size, state + h * head_size + rows_pad, NEG_INF);
@@ -480,7 +540,14 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
       load_queries<TQ>(pb, it, rows_pad, sc);
       const int span = it.hi - it.lo, per = (span + it.parts - 1) / it.parts;
       const int lo = it.lo + part * per, hi = std::min(it.hi, lo + per);
-      if (lo < hi) attend<TK>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size);
+      if (lo < hi) {
+        switch (rows_pad) {
+          case 1: attend<TK, 1>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
+          case 2: attend<TK, 2>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
+          case 4: attend<TK, 4>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
+          default: attend<TK, 8>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size);
+        }
+      }
       if (it.parts == 1)
         for (int h = 0; h < nh; ++h) finalize<TQ>(pb, it, h, rows, rows_pad, state + h * head_size);
     }
@@ -494,7 +561,7 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
     for (int64_t sh = begin; sh < end; ++sh) {
       const Item& it = items[split[sh / nh]];
       const int h = static_cast<int>(sh % nh);
-      const int rows = it.nq * pb.group, rows_pad = round_up(rows, 8);
+      const int rows = it.nq * pb.group, rows_pad = pad_rows(rows);
       float* m = merged.data();
       float* l = m + rows_pad;
       float* acc = l + rows_pad;
@@ -538,8 +605,11 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   (void)max_seqlen_q;  // sizes grids on CUDA; the CPU kernel reads the lengths
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), d_v = v_cache.size(3), batch = block_table.size(0);
-  at::Tensor out = at::zeros({num_tokens, num_heads, d_v}, q.options());
-  at::Tensor lse = at::full({num_heads, num_tokens}, NEG_INF, q.options().dtype(at::kFloat));
+  // rows owned by no sequence are 0 / -inf (one memset / fill here: cheaper than two more aten ops per call)
+  at::Tensor out = at::empty({num_tokens, num_heads, d_v}, q.options());
+  at::Tensor lse = at::empty({num_heads, num_tokens}, q.options().dtype(at::kFloat));
+  std::memset(out.data_ptr(), 0, out.nbytes());
+  std::fill_n(lse.data_ptr<float>(), lse.numel(), NEG_INF);
   if (num_tokens == 0 || batch == 0) return {out, lse};
   const at::Tensor cu = cu_seqlens_q.contiguous(), sl = seq_lens.contiguous(), table = block_table.contiguous();
   const at::Tensor sk = sinks ? sinks->contiguous() : at::Tensor();
@@ -583,7 +653,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   // items: (sequence, query tile of ~64 rows per KV head), all KV heads in one item
   const int q_tile = std::max(1, 64 / pb.group);
   std::vector<Item> items;
-  int max_rows_pad = 8;
+  int max_rows_pad = 1;
   for (int b = 0; b < batch; ++b) {
     const int q_len = pb.cu[b + 1] - pb.cu[b], kv_len = pb.seq_lens[b];
     for (int q0 = 0; q0 < q_len; q0 += q_tile) {
@@ -591,13 +661,15 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
       const int64_t first = static_cast<int64_t>(kv_len) - q_len + q0, last = first + nq - 1;
       const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, first - window_left) : 0;
       const int64_t hi = causal ? std::min<int64_t>(kv_len, last + 1) : kv_len;
-      max_rows_pad = std::max(max_rows_pad, round_up(nq * pb.group, 8));
+      max_rows_pad = std::max(max_rows_pad, pad_rows(nq * pb.group));
       items.push_back({b, q0, nq, static_cast<int>(lo), static_cast<int>(std::max(lo, hi)), 1, 0});
     }
   }
   // split-KV when there are fewer items than 2 per thread: parts of >= 256 positions
   const int threads = at::get_num_threads();
-  if (threads > 1 && static_cast<int>(items.size()) < 2 * threads) {
+  int64_t kv_rows = 0;  // (KV position, KV head) rows of the call; tiny calls stay on one thread (run)
+  for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo) * pb.num_kv_heads;
+  if (threads > 1 && static_cast<int>(items.size()) < 2 * threads && kv_rows >= TINY_KV_ROWS) {
     const int want = (2 * threads + static_cast<int>(items.size()) - 1) / static_cast<int>(items.size());
     for (Item& it : items) it.parts = std::max(1, std::min(want, (it.hi - it.lo) / 256));
   }
@@ -624,6 +696,32 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   return {out, lse};
 }
 
+// The value contracts of paged_attention (kvops/_checks/values.py, docs/semantics.md §7) for an eager CPU call, in
+// one pass over the int32 index tensors: true when any is violated (values.py then finds the first and raises its
+// message), so a valid call costs one op instead of a dozen.
+bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                                const at::Tensor& block_table, int64_t num_tokens, int64_t max_seqlen_q,
+                                int64_t num_blocks, int64_t block_size) {
+  const int64_t batch = seq_lens.size(0), width = block_table.size(1);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t s_cu = cu_seqlens_q.stride(0), s_len = seq_lens.stride(0);
+  const int64_t s_b = block_table.stride(0), s_w = block_table.stride(1);
+  if (cu[0] != 0 || cu[batch * s_cu] > num_tokens) return true;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = static_cast<int64_t>(cu[(b + 1) * s_cu]) - cu[b * s_cu];
+    const int64_t len = lens[b * s_len];
+    if (q_len < 0 || q_len > max_seqlen_q || len < 0 || len > width * block_size) return true;
+    const int64_t used = (len + block_size - 1) / block_size;
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t blk = table[b * s_b + j * s_w];
+      if (blk < 0 || blk >= num_blocks) return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 }  // namespace kvops_native
 
@@ -632,6 +730,12 @@ TORCH_LIBRARY_FRAGMENT(kvops, m) {
       "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
       "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
       "Tensor? sinks, Tensor? k_scale, Tensor? v_scale) -> (Tensor, Tensor)");
+  m.def(
+      "_paged_attention_values_bad(Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, int num_tokens, "
+      "int max_seqlen_q, int num_blocks, int block_size) -> bool");
 }
 
-TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("_paged_attention_native", &kvops_native::paged_attention_native); }
+TORCH_LIBRARY_IMPL(kvops, CPU, m) {
+  m.impl("_paged_attention_native", &kvops_native::paged_attention_native);
+  m.impl("_paged_attention_values_bad", &kvops_native::paged_attention_values_bad);
+}

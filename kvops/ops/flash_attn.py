@@ -52,7 +52,10 @@ def flash_attn_with_kvcache(
         q: ``[B, S_q, H_q, D]`` float32/bfloat16/float16.
         k_cache: paged ``[P, block_size, H_kv, D]`` (NHD) when ``block_table`` is given, else contiguous-form
             ``[B, S, H_kv, D]`` (read as ``B`` blocks of ``block_size = S``, one per sequence: a view, no copy). Any
-            strides; mutated in place when ``k`` is given.
+            strides; mutated in place when ``k`` is given. NHD only (as FlashAttention): for an HND cache
+            ``[P, H_kv, block_size, D]`` pass its NHD view ``k_cache.transpose(1, 2)`` (no copy), or use
+            ``kvops.paged_cache_write``/``kvops.paged_attention`` with ``kv_layout="HND"``. An HND cache with
+            ``H_kv == block_size`` cannot be told from an NHD one by its shape and is read as NHD.
         v_cache: like ``k_cache`` with ``D_v``.
         k, v: optional ``[B, S_new, H_kv, D]`` / ``[B, S_new, H_kv, D_v]`` new tokens (together or not at all).
         cache_seqlens: int or ``[B]`` int32 tensor, tokens already in each sequence's cache (before ``k``). ``None``
@@ -87,7 +90,8 @@ def flash_attn_with_kvcache(
             past the capacity ``max_blocks * block_size`` when it is known from shapes and Python ints
             (``S_new > capacity``, or ``cache_seqlens + S_new > capacity`` for an int ``cache_seqlens``). Errors of
             the ops (dtypes, devices, fp8 scales, ``window_left < -1``, ``softcap < 0``) propagate from their
-            validators.
+            validators. When a head count (``H_q``, or ``k``'s) contradicts ``k_cache``'s ``num_kv_heads`` but fits
+            its ``block_size`` dim, the message says the cache may be HND and how to pass an NHD view.
         ValueError (rotary): tables without ``k`` (``"If rotary cos/sin are provided, new key / value to be appended
             to KV cache must also be provided"``), only one table, ``"cos/sin seqlen must be at least the seqlen of KV
             cache"``, ``"rotary_dim must be <= headdim"``, a table dtype other than q's.

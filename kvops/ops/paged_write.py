@@ -1,7 +1,10 @@
 """Paged-cache write: ``kvops::paged_cache_write`` (docs/semantics.md §3; as vLLM's ``reshape_and_cache_flash``).
 
-Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/paged_write.py``. CPU kernel: ``kvops/reference/
-paged_write.py``. CUDA kernel: ``kvops/triton/paged_write.py``.
+Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/paged_write.py``. CPU kernel: native C++
+(``kvops/native/paged_write.cpp``, one call for K and V; built on first use) or, without a compiler, the composite
+``kvops/reference/paged_write.py``. CUDA kernel: ``kvops/triton/paged_write.py``. A plain eager CPU call runs the
+native kernel directly (no custom-op dispatch; memoized validation; the slot check happens as the kernel reads the
+slots, so the default ``"eager"`` value check is free): see ``_fast_eager``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
+from .. import native
 from .._checks.paged_write import as_nhd, check_paged_cache_write
 from ..reference import paged_write as cpu
 from ..triton import HAS_TRITON
@@ -65,6 +69,17 @@ def paged_cache_write(
 
     Duplicate non-negative slots within one call: which token lands is unspecified.
     """
+    if torch.compiler.is_compiling():  # traced: the op (and the async value check); few globals, so few guards
+        if values._mode == "async":  # read directly: one source for the values module, so no aliasing guard
+            slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)
+        torch.ops.kvops.paged_cache_write(
+            key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout
+        )
+        return
+    if _fast_eager(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+        h0 = _validated(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout)
+        _native_write(key, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale, kv_layout, fast_path=True)
+        return
     try:  # value contract, docs/semantics.md §7
         slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)
     except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad slot: it goes first
@@ -74,6 +89,68 @@ def paged_cache_write(
     torch.ops.kvops.paged_cache_write(
         key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout
     )
+
+
+# --- eager fast path -------------------------------------------------------------------------------------------
+# A plain eager CPU call skips the custom-op dispatcher (~10 us) and validates through a memo of the validator's
+# verdict on the arguments' metadata: the native kernel checks the slot values while reading them (no extra pass),
+# so the default value check costs nothing. Anything that must see the op (torch.compile, torch.export, FakeTensor,
+# TorchDispatchMode / TorchFunctionMode, functorch transforms, tensor subclasses, autograd) takes the op path.
+_PLAIN = torch.Tensor
+_memo: dict = {}
+
+
+def _fast_eager(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool:
+    if (type(key) is not _PLAIN or type(value) is not _PLAIN or type(k_cache) is not _PLAIN
+            or type(v_cache) is not _PLAIN or type(slot_mapping) is not _PLAIN):
+        return False
+    if not (k_cache.is_cpu and key.is_cpu and value.is_cpu and v_cache.is_cpu and slot_mapping.is_cpu):
+        return False
+    if k_scale is not None and (type(k_scale) is not _PLAIN or type(v_scale) is not _PLAIN):
+        return False
+    if values.get_value_checks() == "async" or torch.jit.is_tracing():
+        return False
+    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad or k_cache.requires_grad
+                                    or v_cache.requires_grad):
+        return False
+    return native.use_native()
+
+
+def _validated(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout) -> int:
+    """``check_paged_cache_write``'s result (the first cache head written), memoized on everything it reads: shapes,
+    dtypes, the caches' strides (stride-0 check), the scales' shapes and dtypes, ``cache_head_start``, ``kv_layout``
+    (devices: all CPU on the fast path). Errors are raised again on every call, never memoized."""
+    memo_key = (key.shape, key.dtype, value.shape, value.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
+                v_cache.shape, v_cache.stride(), v_cache.dtype, slot_mapping.shape, slot_mapping.dtype,
+                cache_head_start, kv_layout,
+                None if k_scale is None else (k_scale.shape, k_scale.dtype, k_scale.is_cpu),
+                None if v_scale is None else (v_scale.shape, v_scale.dtype, v_scale.is_cpu))
+    h0 = _memo.get(memo_key)
+    if h0 is None:
+        h0 = check_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale,
+                                     kv_layout)
+        if len(_memo) >= 256:
+            _memo.clear()
+        _memo[memo_key] = h0
+    return h0
+
+
+def _native_write(key, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale, kv_layout, fast_path) -> None:
+    """The native CPU kernel on validated arguments; a slot ``>= P * block_size`` writes nothing and raises (on the
+    fast path in the ``"eager"`` value-check mode that mode's ``RuntimeError``, else the kernel's ``IndexError``).
+    On the fast path the caches' version counters are bumped, as an in-place torch op bumps them."""
+    k_nhd, v_nhd = as_nhd(k_cache, v_cache, kv_layout)
+    bad = torch.ops.kvops._paged_write_native(key, value, k_nhd, v_nhd, slot_mapping, h0, k_scale, v_scale)
+    if bad >= 0:
+        num_blocks, block_size = k_nhd.shape[0], k_nhd.shape[1]
+        if fast_path and values.get_value_checks() == "eager":
+            values.raise_bad_slots(slot_mapping, num_blocks, block_size, "kvops.paged_cache_write")
+        raise cpu.slot_error(int(slot_mapping.max()), num_blocks, block_size)
+    if fast_path:
+        torch.autograd.graph.increment_version((k_cache, v_cache))
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_layout: str = "NHD") -> None:
@@ -108,6 +185,9 @@ def _register(device: str, kernels) -> None:
         h0 = check_paged_cache_write(
             key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout
         )
+        if kernels is cpu and native.use_native():
+            _native_write(key, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale, kv_layout, False)
+            return
         k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernels take strides
         kernels.paged_cache_write(key, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale)
 

@@ -43,7 +43,9 @@ def rotary_paged_cache_write(
 
     Args:
         key: ``[N', H_in, D]`` (rows ``>= N`` ignored). value: ``[N', H_in, D_v]``.
-        k_cache, v_cache: ``[P, block_size, H_kv, D]`` / ``D_v`` (any strides); mutated.
+        k_cache, v_cache: ``[P, block_size, H_kv, D]`` / ``D_v`` (any strides); mutated. NHD only: for an HND cache
+            ``[P, H_kv, block_size, D]`` pass its NHD view ``cache.transpose(1, 2)`` (no copy; ambiguous when
+            ``H_kv == block_size``: read as NHD).
         slot_mapping: ``[N]`` int32/int64, ``block * block_size + row`` or negative (skip).
         positions: ``[>= N]`` int32/int64 rotary positions (``0 <= positions[i] < seqlen_ro``; not checked on the
             device: an out-of-range position raises ``IndexError`` on CPU and is undefined on CUDA).
@@ -53,7 +55,8 @@ def rotary_paged_cache_write(
         cache_head_start, k_scale, v_scale: as ``kvops.paged_cache_write``.
 
     Raises:
-        ValueError: every error of ``kvops.paged_cache_write`` (under this op's name); tables not 2-D or of different
+        ValueError: every error of ``kvops.paged_cache_write`` (under this op's name; its "may be an HND cache" hint
+            says this op takes NHD caches only and how to get an NHD view); tables not 2-D or of different
             shapes or dtypes other than key's; ``rotary_dim`` 0 or ``> head_dim`` (``"rotary_dim must be <=
             headdim"``); ``positions`` not 1-D int32/int64 with ``>= N`` entries.
     """

@@ -46,7 +46,9 @@ def paged_kv_gather(
 
     Args:
         k_caches, v_caches: ``L`` caches each, ``[P, block_size, H_kv, D]`` (NHD), any strides (e.g. K/V views of a
-            joint allocation), one shape/dtype/device for all (``D_v == D``).
+            joint allocation), one shape/dtype/device for all (``D_v == D``). NHD only: for HND caches
+            ``[P, H_kv, block_size, D]`` pass their NHD views ``cache.transpose(1, 2)`` (no copy; ambiguous when
+            the misread head count still holds the slice, e.g. ``H_kv == block_size``: read as NHD).
         block_table: ``[num_blocks_of_request]`` int32/int64, the request's physical blocks in order.
         staging: ``[2, L, n, h, D]``, contiguous, the caches' dtype; ``n`` tokens and ``h`` heads come from its shape.
         start: first token position of the request to gather (a grid segment's start). SymInt.
@@ -54,8 +56,9 @@ def paged_kv_gather(
 
     Raises:
         ValueError: bad list lengths, ranks, mismatched caches, ``block_table`` dtype/rank, a staging buffer of the
-            wrong shape/dtype or not contiguous, a head slice outside ``[0, H_kv)``, ``start < 0``, tokens beyond the
-            ``block_table``'s capacity. Raised by the fake rule too (trace time under compile/export).
+            wrong shape/dtype or not contiguous, a head slice outside ``[0, H_kv)`` (the message says when a cache may
+            be HND), ``start < 0``, tokens beyond the ``block_table``'s capacity. Raised by the fake rule too (trace
+            time under compile/export).
         IndexError: (CPU kernel, eager) a used block id outside ``[0, P)``.
     """
     torch.ops.kvops.paged_kv_gather(list(k_caches) + list(v_caches), block_table, staging, start, head_start)

@@ -15,7 +15,8 @@ import torch
 FORMATS = ("int8", "fp8", "int4", "int2")
 GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SCALE_DTYPE = torch.float16  # int8 / int4 / int2 scales and zero points (fp8: one fp32 scale per (batch, head))
+SCALE_DTYPE = torch.float16  # int8 / int4 / int2 scales (fp8: one fp32 scale per (batch, head))
+ZERO_DTYPE = torch.int8  # int4 / int2 zero points, in eighths of the group's scale
 _FIELDS = ("codes", "scales", "zeros", "centroids", "cluster_ids")
 
 
@@ -40,17 +41,24 @@ def packed_layout(
     """The tensors a ``quant``-packed ``[B, T, H, D]`` K or V consists of (``None``: not stored by this format).
 
     - ``"int8"``: symmetric per (token, head). ``codes [B, T, H, D]`` int8 in ``[-127, 127]``, ``scales [B, T, H]``
-      fp16 (``amax / 127``); ``x ≈ codes · scale``.
+      fp16 (``amax / 127``); ``x ≈ codes · scale``. ``D + 2`` bytes per (token, head) (D=128: 0.508 × bf16).
     - ``"fp8"``: e4m3 with per-head scales. ``codes [B, T, H, D]`` float8_e4m3fn, ``scales [B, H]`` fp32 (``amax``
-      over the call's tokens and ``D`` divided by 448); ``x ≈ codes · scale``.
+      over the call's tokens and ``D`` divided by 448); ``x ≈ codes · scale``. ``D + 4 / T`` bytes (0.500 × bf16).
     - ``"int4"``: asymmetric, groups of ``group_size`` along ``D``. ``codes [B, T, H, D/2]`` uint8 (element ``2j`` in
-      the low nibble, ``2j+1`` in the high one), ``scales``/``zeros [B, T, H, D/group_size]`` fp16;
-      ``x ≈ code · scale + zero``.
+      the low nibble, ``2j+1`` in the high one), ``scales [B, T, H, D/group_size]`` fp16 and ``zeros`` (same shape)
+      int8 zero points in eighths of a step (an 8-bit integer zero point, as GPTQ/AWQ store it, with 3 fractional
+      bits); ``x ≈ (code - zero / 8) · scale``. Bytes per (token, head):
+      ``D/2 + 3·D/group_size`` (D=128: 76 / 70 / 67 for groups 32 / 64 / 128, i.e. 0.297 / 0.273 / 0.262 × bf16).
     - ``"int2"``: Quant VideoGen's progressive residual quantization. Per (batch, head) a k-means over the tokens
       gives ``centroids [B, H, C, D]`` fp16 and ``cluster_ids [B, T, H]`` uint8; the residual ``x - centroid`` is
       quantized in ``stages`` 2-bit asymmetric stages, each of the previous stage's residual, with groups of
       ``group_size`` along ``D``: ``codes [B, T, H, stages, D/4]`` uint8 (element ``4j+i`` in bits ``2i..2i+1``),
-      ``scales``/``zeros [B, T, H, stages, D/group_size]`` fp16; ``x ≈ centroid + Σ_s (code_s · scale_s + zero_s)``.
+      ``scales [B, T, H, stages, D/group_size]`` fp16 and ``zeros`` (same shape) int8 zero points in eighths of a
+      step; ``x ≈ centroid + Σ_s (code_s - zero_s / 8) · scale_s``. Bytes per (token, head):
+      ``stages · (D/4 + 3·D/group_size) + 1`` (cluster id) ``+ 2·C·D / T`` (centroids, amortized over the ``T``
+      tokens of the call). At QVG's chunk (T = 3 × 1560), C = 16, D = 128, group 64: 1 stage = 38 + 1 + 0.88 =
+      39.9 B = 0.156 × bf16 (the default, <= 0.18 ×); every further stage adds 38 B (0.148 ×), so 2 stages = 0.304 ×
+      (4 bits per value cannot be <= 0.25 ×).
     """
     b, t, h, d, g = batch, tokens, heads, head_dim, group_size
     out: dict[str, Spec | None] = dict.fromkeys(_FIELDS)
@@ -59,12 +67,12 @@ def packed_layout(
     elif quant == "fp8":
         out.update(codes=Spec((b, t, h, d), torch.float8_e4m3fn), scales=Spec((b, h), torch.float32))
     elif quant == "int4":
-        grouped = Spec((b, t, h, d // g), SCALE_DTYPE)
-        out.update(codes=Spec((b, t, h, d // 2), torch.uint8), scales=grouped, zeros=grouped)
+        out.update(codes=Spec((b, t, h, d // 2), torch.uint8), scales=Spec((b, t, h, d // g), SCALE_DTYPE),
+                   zeros=Spec((b, t, h, d // g), ZERO_DTYPE))
     elif quant == "int2":
-        grouped = Spec((b, t, h, stages, d // g), SCALE_DTYPE)
         out.update(
-            codes=Spec((b, t, h, stages, d // 4), torch.uint8), scales=grouped, zeros=grouped,
+            codes=Spec((b, t, h, stages, d // 4), torch.uint8), scales=Spec((b, t, h, stages, d // g), SCALE_DTYPE),
+            zeros=Spec((b, t, h, stages, d // g), ZERO_DTYPE),
             centroids=Spec((b, h, num_clusters, d), SCALE_DTYPE), cluster_ids=Spec((b, t, h), torch.uint8),
         )
     else:
@@ -167,12 +175,91 @@ def check_dequantize_kv(codes, scales, zeros, centroids, cluster_ids, quant: str
             f"{op}: codes must be {want}-D for quant={quant!r} (see kvops.packed.packed_layout); got shape "
             f"{tuple(codes.shape)}."
         )
+    tensors = dict(codes=codes, scales=scales, zeros=zeros, centroids=centroids, cluster_ids=cluster_ids)
+    return _check_packed(op, tensors, quant)
+
+
+def _check_packed(op: str, tensors: dict, quant: str) -> tuple[int, int, int, int]:
+    """One packed tensor's stored tensors (``codes`` of the format's rank) against its layout: ``(B, T, H, D)``."""
+    codes, scales, centroids = tensors["codes"], tensors["scales"], tensors["centroids"]
     b, t, h = codes.shape[:3]
     d = codes.shape[-1] * {"int8": 1, "fp8": 1, "int4": 2, "int2": 4}[quant]
     group, stages = _grouping(op, quant, d, scales)
     clusters = centroids.shape[2] if quant == "int2" and centroids is not None and centroids.dim() == 4 else 16
     check_format(op, quant, d, group, stages, clusters)
     layout = packed_layout(quant, b, t, h, d, group_size=group, stages=stages, num_clusters=clusters)
-    tensors = dict(codes=codes, scales=scales, zeros=zeros, centroids=centroids, cluster_ids=cluster_ids)
     _check_tensors(op, quant, tensors, layout, codes.device, f"codes of shape {tuple(codes.shape)}, group_size {group}")
     return b, t, h, d
+
+
+SEGMENT_FIELDS = {"int8": 2, "fp8": 2, "int4": 3, "int2": 5}  # stored tensors per packed segment, in _FIELDS order
+
+
+def split_segments(quant: str, flat) -> list[dict]:
+    """A flat list of packed segments' tensors (``kvops::packed_attention``'s ``k_packed``) -> one dict per segment
+    (``_FIELDS`` -> tensor or None)."""
+    n = SEGMENT_FIELDS[quant]
+    return [dict(zip(_FIELDS, list(flat[i : i + n]) + [None] * (5 - n))) for i in range(0, len(flat), n)]
+
+
+def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale) -> tuple[float, int]:
+    """Contract of ``kvops::packed_attention``; returns ``(scale, D_v)`` (scale defaults to ``D ** -0.5``)."""
+    op = "kvops.packed_attention"
+    if q.dim() != 4 or q.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{op}: q must be 4-D [B, T, H_q, D] of {FLOAT_DTYPES}; got {q.dtype} of shape {tuple(q.shape)}."
+        )
+    if len(k_dense) != len(v_dense) or len(k_packed) != len(v_packed):
+        raise ValueError(
+            f"{op}: K and V need the same segments; got {len(k_dense)} dense K and {len(v_dense)} dense V segments, "
+            f"{len(k_packed)} packed K and {len(v_packed)} packed V tensors."
+        )
+    if quant is None and k_packed:
+        raise ValueError(f"{op}: packed segments given without their format; pass quant (one of {FORMATS}).")
+    if quant is not None and quant not in FORMATS:
+        raise ValueError(f"{op}: quant must be one of {FORMATS} (or None), got {quant!r}.")
+    if quant is not None and len(k_packed) % SEGMENT_FIELDS[quant]:
+        raise ValueError(
+            f"{op}: quant={quant!r} stores {SEGMENT_FIELDS[quant]} tensors per segment (see "
+            f"kvops.packed.packed_layout), so k_packed/v_packed need a multiple of {SEGMENT_FIELDS[quant]}; got "
+            f"{len(k_packed)}."
+        )
+    if not k_dense and not k_packed:
+        raise ValueError(f"{op}: need at least one K/V segment (dense or packed), got none.")
+    b, _, hq, d = q.shape
+    shapes = []  # (what, batch, tokens, heads, head_dim, device) of every segment
+    for kind, segs in (("K", k_dense), ("V", v_dense)):
+        for i, x in enumerate(segs):
+            if x.dim() != 4 or x.dtype not in FLOAT_DTYPES:
+                raise ValueError(
+                    f"{op}: dense {kind} segment {i} must be 4-D [B, n, H_kv, D] of {FLOAT_DTYPES}; got {x.dtype} "
+                    f"of shape {tuple(x.shape)}."
+                )
+            shapes.append((f"dense {kind} segment {i}", *x.shape, x.device))
+    for kind, flat in (("K", k_packed), ("V", v_packed)):
+        for i, seg in enumerate(split_segments(quant, flat) if quant else []):
+            where = f"{op} (packed {kind} segment {i})"
+            if seg["codes"].dim() != (5 if quant == "int2" else 4):
+                raise ValueError(f"{where}: codes must be {5 if quant == 'int2' else 4}-D for quant={quant!r}; got "
+                                 f"shape {tuple(seg['codes'].shape)}.")
+            shapes.append((f"packed {kind} segment {i}", *_check_packed(where, seg, quant), seg["codes"].device))
+    hkv = shapes[0][3]
+    if hq % hkv != 0:
+        raise ValueError(f"{op}: query heads ({hq}) must be a multiple of num_kv_heads ({hkv}) (GQA).")
+    d_v = next(s[4] for s in shapes if s[0].split()[1] == "V")
+    for what, sb, _, sh, sd, dev in shapes:
+        want_d = d if what.split()[1] == "K" else d_v
+        if (sb, sh, sd) != (b, hkv, want_d):
+            raise ValueError(
+                f"{op}: {what} has batch {sb}, {sh} KV heads and head_dim {sd}; expected batch {b} (q), "
+                f"num_kv_heads {hkv} and head_dim {want_d} ({'q' if what.split()[1] == 'K' else 'the first V'})."
+            )
+        if dev != q.device:
+            raise ValueError(f"{op}: {what} is on {dev} but q is on {q.device}. Move them to one device.")
+    for kind in ("dense", "packed"):
+        ks = [s for s in shapes if s[0].startswith(kind + " K")]
+        vs = [s for s in shapes if s[0].startswith(kind + " V")]
+        for sk, sv in zip(ks, vs):
+            if sk[2] != sv[2]:
+                raise ValueError(f"{op}: {sk[0]} has {sk[2]} tokens but {sv[0]} has {sv[2]}; K and V must match.")
+    return (d**-0.5 if scale is None else scale), d_v

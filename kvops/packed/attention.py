@@ -1,37 +1,39 @@
-"""Attention over a packed visible window, segment by segment, merged by log-sum-exp.
+"""``kvops::packed_attention``: attention over a packed visible window that reads the packed bytes directly.
 
 :meth:`PackedCausalKVCache.update` returns the window as segments (dense views of the ring and sink rows, packed
-pool slots). :func:`packed_attention` attends to each segment in turn -- a packed one is dequantized on the fly, one
-chunk at a time, in fp32 -- and merges the partial results by their LSE, as FlashAttention merges KV splits. So no
-dense copy of the whole window is ever made: the transient is one chunk, not ``V`` rows, and the bytes read per call
-are the packed bytes. Under ``torch.compile`` Inductor decomposes ``kvops::dequantize_kv`` into elementwise ops
-(``kvops/packed/_lowering.py``), which fuse with the scale and the score computation's inputs.
+pool slots). The op takes them all at once and runs ONE online softmax over every segment, dequantizing each packed
+tile (16 tokens of codes, scales, integer zero points, centroids, cluster ids) into fp32 registers inside its tile
+loop -- so the bytes read per call shrink with the format and no dense copy of any segment is made (the online
+softmax across segments is the LSE merge of FlashAttention's KV splits, done incrementally).
+
+Schema: ``kvops/_library.py``. Validator (shared by the kernels and the fake rule): ``check_packed_attention`` in
+``kvops/packed/_checks.py``. Kernels:
+
+* CPU: native C++ (``kvops/native/packed_attention.cpp``, built on first use with the paged-attention kernel; where it
+  cannot be built -- one warning -- or ``KVOPS_NATIVE=0``, the composite ``kvops.packed.reference.packed_attention``:
+  one segment dequantized at a time, torch's flash SDPA, LSE merge);
+* CUDA: Triton (``kvops/packed/triton_attention.py``; one launch per segment carrying the softmax state).
+
+Under ``torch.compile`` the op is an extern call (its fake rule gives the shapes), so a compiled step never
+materializes the window either.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .ops import PackedKV, dequantize_kv
+from .. import _library  # noqa: F401  (defines the schemas)
+from .. import native
+from ..triton import HAS_TRITON
+from . import reference
+from ._checks import check_packed_attention
+from .ops import PackedKV
 
 
-def _dense(segment, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize_kv(segment, dtype) if isinstance(segment, PackedKV) else segment.to(dtype)
-
-
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Attention of ``q [B, H_kv, M, D]`` to one segment ``k``/``v [B, H_kv, n, D]``: (out fp32, LSE fp32 ``[B, H_kv,
-    M]``). A fused flash kernel where torch has one that returns the LSE (CPU: any float dtype; CUDA: fp16/bf16),
-    else plain fp32 math."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
-        return out.float(), lse
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
-        return out.float(), lse
-    s = torch.einsum("bhmd,bhnd->bhmn", q.float(), k.float()) * scale
-    lse = torch.logsumexp(s, -1)
-    return torch.einsum("bhmn,bhnd->bhmd", torch.exp(s - lse[..., None]), v.float()), lse
+def _split(segments: list) -> tuple[list, list]:
+    dense = [s for s in segments if not isinstance(s, PackedKV)]
+    packed = [t for s in segments if isinstance(s, PackedKV) for t in s.tensors()]
+    return dense, packed
 
 
 def packed_attention(
@@ -40,43 +42,60 @@ def packed_attention(
     """Softmax attention of ``q`` to every row of the segments (no mask: a chunk sees its whole visible window).
 
     Args:
-        q: ``[B, T, H_q, D]`` (fp32/bf16/fp16); ``H_q`` a multiple of the segments' ``H_kv`` (GQA: query head
-            ``h`` reads KV head ``h // (H_q / H_kv)``; the ``H_q / H_kv`` query heads of a KV head are attended as
-            one block of queries, so K/V are never repeated).
-        k_segments, v_segments: the window in token order, as returned by ``PackedCausalKVCache.update`` (``view.k``,
-            ``view.v``): dense ``[B, n, H_kv, D]`` tensors or :class:`PackedKV` of ``n`` rows.
+        q: ``[B, T, H_q, D]`` (fp32/bf16/fp16, any strides); ``H_q`` a multiple of the segments' ``H_kv`` (GQA:
+            query head ``h`` reads KV head ``h // (H_q / H_kv)``; K/V are never repeated).
+        k_segments, v_segments: the window, as returned by ``PackedCausalKVCache.update`` (``view.k``, ``view.v``):
+            dense ``[B, n, H_kv, D]`` tensors (fp32/bf16/fp16, any strides) or :class:`PackedKV` of ``n`` rows, all
+            packed ones of one format; K and V segment ``i`` have the same ``n``. The result does not depend on
+            their order (softmax over the union of the rows).
         scale: score scale (default ``D ** -0.5``).
         return_lse: also return the LSE ``[B, H_q, T]`` (fp32, natural log).
 
     Returns:
-        ``out [B, T, H_q, D_v]`` in ``q.dtype`` (and the LSE). Equal, up to rounding, to softmax attention over the
-        concatenated dequantized window. Each segment is attended with torch's fused flash kernel (CPU, CUDA
-        fp16/bf16) in ``q.dtype`` after dequantizing it to ``q.dtype``; partial outputs are merged in fp32.
+        ``out [B, T, H_q, D_v]`` in ``q.dtype`` (and the LSE): softmax attention over the concatenated dequantized
+        window, computed in fp32 (``kvops::packed_attention``). A window with no rows gives zeros (LSE ``-inf``).
 
     Raises:
-        ValueError: no segments, or ``H_q`` not a multiple of ``H_kv``.
+        ValueError: no segments, different K and V segments, mixed packed formats, ``H_q`` not a multiple of
+            ``H_kv``, a segment whose batch / heads / head_dim / tokens / device / layout does not match (messages
+            name the segment). Raised at trace time too.
     """
-    if not k_segments or len(k_segments) != len(v_segments):
+    formats = {s.quant for s in (*k_segments, *v_segments) if isinstance(s, PackedKV)}
+    if len(formats) > 1:
+        raise ValueError(f"kvops.packed_attention: all packed segments must have one format, got {sorted(formats)}.")
+    if len(k_segments) != len(v_segments):
         raise ValueError(
-            f"packed_attention: need the same non-zero number of K and V segments, got {len(k_segments)} and "
+            f"kvops.packed_attention: need the same number of K and V segments, got {len(k_segments)} and "
             f"{len(v_segments)}."
         )
-    b, t, hq, d = q.shape
-    hkv = k_segments[0].codes.shape[2] if isinstance(k_segments[0], PackedKV) else k_segments[0].shape[2]
-    if hq % hkv != 0:
-        raise ValueError(f"packed_attention: query heads ({hq}) must be a multiple of num_kv_heads ({hkv}) (GQA).")
-    scale = d**-0.5 if scale is None else scale
-    group = hq // hkv
-    qh = q.view(b, t, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * t, d)  # [B, H_kv, G*T, D]
-    out = lse = None
-    for ks, vs in zip(k_segments, v_segments):
-        k, v = _dense(ks, q.dtype), _dense(vs, q.dtype)  # one segment (at most one chunk) at a time
-        o, seg_lse = _partial(qh, k.transpose(1, 2), v.transpose(1, 2), scale)
-        if out is None:
-            out, lse = o, seg_lse
-        else:
-            new = torch.logaddexp(lse, seg_lse)
-            out = out * torch.exp(lse - new)[..., None] + o * torch.exp(seg_lse - new)[..., None]
-            lse = new
-    result = out.view(b, hkv, group, t, -1).permute(0, 3, 1, 2, 4).reshape(b, t, hq, -1).to(q.dtype)
-    return (result, lse.reshape(b, hq, t)) if return_lse else result
+    (k_dense, k_packed), (v_dense, v_packed) = _split(k_segments), _split(v_segments)
+    out, lse = torch.ops.kvops.packed_attention(
+        q, k_dense, v_dense, k_packed, v_packed, formats.pop() if formats else None, scale
+    )
+    return (out, lse) if return_lse else out
+
+
+# --- fake rule and kernels ----------------------------------------------------------------------------------------
+@torch.library.register_fake("kvops::packed_attention")
+def _fake(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None):
+    _, d_v = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale)
+    b, t, hq, _ = q.shape
+    return q.new_empty(b, t, hq, d_v), q.new_empty(b, hq, t, dtype=torch.float32)
+
+
+@torch.library.impl("kvops::packed_attention", "CPU")
+def _cpu(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None):
+    sm_scale, _ = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale)
+    if native.available() and hasattr(torch.ops.kvops, "_packed_attention_native"):
+        return torch.ops.kvops._packed_attention_native(q, k_dense, v_dense, k_packed, v_packed, quant or "", sm_scale)
+    return reference.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale)
+
+
+@torch.library.impl("kvops::packed_attention", "CUDA")
+def _cuda(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None):
+    sm_scale, _ = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale)
+    if not HAS_TRITON:  # pragma: no cover - CUDA builds without triton
+        return reference.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale)
+    from . import triton_attention
+
+    return triton_attention.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale)

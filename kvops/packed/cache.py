@@ -3,13 +3,16 @@
 Storage is chunk-aligned: chunk ``c`` holds global positions ``[c·N, (c+1)·N)`` (``N = chunk_tokens``). The current
 chunk and the newest ``keep_recent_chunks`` completed chunks live in a dense ring (``R`` slots, chunk ``c`` in slot
 ``c % R``); when a chunk leaves the ring it is quantized once into a preallocated packed pool (``P`` slots, chunk
-``c`` in slot ``c % P``) and its dense slot is reused by the next chunk. Sink chunks (those holding positions
-``< sink_tokens``) live in their own dense buffer (or, with ``quantize_sink=True``, go through the ring and a packed
-sink pool). Nothing is allocated after construction: ``nbytes`` is what a stream holds, all of it.
+``c`` in slot ``c % P``; K, V, packed sink chunks, a packed pinned chunk and one scratch slot share one allocation,
+slots being slices of it: kvops/packed/_plan.py) and its dense slot is reused by the next chunk. Sink chunks (those
+holding positions ``< max(sink_tokens, global_sink_tokens)``) live in their own dense buffer (or, with
+``quantize_sink=True``, go through the ring and packed sink slots). A pinned chunk is copied aside (dense, or packed
+with ``quantize_sink``). Nothing is allocated after construction: ``nbytes`` is what a stream holds, all of it.
 
-Bookkeeping is Python ints (``global_end`` and the current chunk's start); every tensor write goes through
-``kvops.cache_write`` / ``kvops.quantize_kv``. The rows reported and shown are exactly those of a dense
-``CausalKVCache`` of the same geometry (its window function, :func:`visible_rows`).
+Bookkeeping is Python ints (``global_end``, the current chunk's start, the pinned chunk's position); every tensor
+write goes through ``kvops.cache_write`` / ``kvops.quantize_kv``. The rows reported and shown are exactly those of a
+dense ``CausalKVCache`` of the same geometry (its window function, :func:`visible_rows`), mapped to positions and
+then to storage rows.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write
 from ..cache.causal import CausalKVView
 from ..ops.contiguous import cache_write
 from ..cache._window import visible_rows
-from .ops import PackedKV, dequantize_kv, empty_packed, quantize_kv
+from ._plan import alloc_pool, dist as _dist, gather_window, pool_slot, row_positions, window_segments
+from .ops import PackedKV, dequantize_kv, quantize_kv
 
-Segment = torch.Tensor | PackedKV  # dense rows [B, n, H_in, D], or packed rows of one chunk
 
 
 class PackedKVView(NamedTuple):
@@ -64,25 +67,33 @@ class PackedCausalKVCache:
         keep_recent_chunks: completed chunks kept dense besides the current one.
         sink_tokens: ``K``, positions never evicted (attention sinks); ``K + N <= S``.
         attention_window_size: ``W``, the whole visible budget in rows (default ``S``), as the dense cache.
-        quantize_sink: store completed sink chunks packed too (default: dense).
+        quantize_sink: store completed sink chunks (and a pinned chunk's copy) packed too (default: dense).
+        global_sink_tokens: rows kept in front of a pinned chunk (``CausalKVCache``'s; the sink without a pin is
+            ``max(sink_tokens, global_sink_tokens)``).
+        pinnable: allocate the pinned chunk's copy (one chunk) so that :meth:`pin_current_chunk` can be used.
         group_size, stages, num_clusters, kmeans_iters: format parameters (int4/int2; see ``quantize_kv``).
         dtype, device: of the dense rows and of the returned K/V.
         name: used in error messages (default ``"PackedCausalKVCache"``).
 
     Under ``torch.compile(fullgraph=True)`` use it as ``CausalKVCache`` (caches passed as an argument of the
     compiled function, built outside it): the cursors become dynamic ``SymInt``s and nothing reads a tensor to decide
-    where to write. The window's segment structure (how many chunks are visible, which are packed) is Python
-    control flow, so each chunk adds an append graph and a rewrite graph until the window is full; then the
-    structure repeats and no graph is added. Bound (tests/test_packed_compile.py): ``2 * (ceil(S / N) + 1)``
-    graphs per stream, more than Dynamo's default ``recompile_limit`` (8) for windows of more than 3 chunks --
-    raise it in the generation loop's setup (kvops changes no config). Errors are raised at trace time (Dynamo
-    reports them as ``torch._dynamo.exc.Unsupported`` carrying the original exception).
+    where to write. :meth:`update_and_get_attention_kv` gathers the visible rows by tensor arithmetic on the cursors
+    (:func:`kvops.packed._plan.gather_window`) and an append and a rewrite run the same graph (a rewrite quantizes
+    into a scratch slot), so a stream compiles a few graphs whatever the window's length (measured on torch 2.13,
+    tests/test_packed_compile.py, windows of 3, 6 and 10 chunks): 3 without a sink, 5 with one, 6 with a packed
+    sink and a recent window or with a sink and a pinned chunk; none per chunk after the first 4 chunks. All within
+    Dynamo's default ``recompile_limit`` (8). With Inductor's on-disk caches (FX graph, AOTAutograd) torch 2.13 may add
+    graphs (see ``CausalKVCache``). :meth:`update` (segments) follows the window's chunk structure and adds graphs
+    until the window is full. Errors are raised at trace time (Dynamo reports them as
+    ``torch._dynamo.exc.Unsupported`` carrying the original exception).
 
-    Known limitation (torch 2.13): with the Inductor backend, a compiled stream of updates writes a quantized chunk
-    into the wrong pool slot (observed: slot ``(c - 1) % P`` instead of ``c % P``, i.e. the slot index evaluated with
-    another cursor's value); Dynamo with the ``"eager"`` and ``"aot_eager"`` backends is exact (tests). Until that is
-    fixed, keep the cache update out of Inductor-compiled regions; ``packed_attention`` and ``dequantize_kv``
-    compile with Inductor (the dequantize fuses into its consumer).
+    Pool slots are slices of one allocation (``narrow`` of dim 1), never ``pool[i]``: Inductor (torch 2.13)
+    regenerates a mutated ``select`` view as ``as_strided(pool, ..., sym_storage_offset(view))`` without a lowering
+    for ``aten.sym_storage_offset`` and wrote every quantized chunk to slot 0 (pytorch/pytorch#198068).
+
+    Pinned chunks (``pinnable=True``; :meth:`pin_current_chunk`, as ``CausalKVCache`` with ``sink_tokens`` the pin's
+    maximum length and ``global_sink_tokens`` the rows kept in front of it): the pinned chunk is copied once more
+    (packed with ``quantize_sink``, else dense) and never evicted.
 
     Raises:
         ValueError: ``S < K + N``, negative sizes, bad format parameters.
@@ -90,48 +101,65 @@ class PackedCausalKVCache:
 
     def __init__(
         self, *, batch_size: int, cache_size: int, num_kv_heads: int, head_dim: int, chunk_tokens: int,
-        quant: str | None, keep_recent_chunks: int = 1, sink_tokens: int = 0, attention_window_size: int | None = None,
-        quantize_sink: bool = False, group_size: int | None = None, stages: int = 1, num_clusters: int = 16,
-        kmeans_iters: int = 4, dtype: torch.dtype | None = None, device=None, name: str = "PackedCausalKVCache",
+        quant: str | None, keep_recent_chunks: int = 1, sink_tokens: int = 0, global_sink_tokens: int = 0,
+        attention_window_size: int | None = None, quantize_sink: bool = False, pinnable: bool = False,
+        group_size: int | None = None, stages: int = 1, num_clusters: int = 16, kmeans_iters: int = 4,
+        dtype: torch.dtype | None = None, device=None, name: str = "PackedCausalKVCache",
     ) -> None:
-        b, s, h, d, n, k = batch_size, cache_size, num_kv_heads, head_dim, chunk_tokens, sink_tokens
-        if n < 1 or k < 0 or keep_recent_chunks < 0:
+        b, s, h, d, n = batch_size, cache_size, num_kv_heads, head_dim, chunk_tokens
+        k, gs = sink_tokens, global_sink_tokens
+        if n < 1 or k < 0 or gs < 0 or keep_recent_chunks < 0:
             raise ValueError(
-                f"{name}: chunk_tokens ({n}) must be >= 1, sink_tokens ({k}) and keep_recent_chunks "
-                f"({keep_recent_chunks}) >= 0."
+                f"{name}: chunk_tokens ({n}) must be >= 1, sink_tokens ({k}), global_sink_tokens ({gs}) and "
+                f"keep_recent_chunks ({keep_recent_chunks}) >= 0."
             )
-        if s < k + n:
+        sink = max(k, gs)  # the effective sink without a pin (docs/semantics.md §1.2)
+        if s < sink + n:
             raise ValueError(
-                f"{name}: cache_size ({s}) must be >= sink_tokens + chunk_tokens ({k} + {n}) so that a chunk fits "
+                f"{name}: cache_size ({s}) must be >= sink_tokens + chunk_tokens ({sink} + {n}) so that a chunk fits "
                 f"after the sink."
             )
         if attention_window_size is not None and attention_window_size < 1:
             raise ValueError(f"{name}: attention_window_size must be >= 1 (or None), got {attention_window_size}.")
         self.name, self.quant, self.chunk_tokens, self.sink_tokens = name, quant, n, k
-        self.cache_size = s
+        self.global_sink_tokens, self.pinnable, self.cache_size = gs, pinnable and k > 0, s
         self.attention_window_size = s if attention_window_size is None else attention_window_size
         self.num_kv_heads, self.head_dim = h, d
         self.kmeans_iters = kmeans_iters
-        fmt = dict(group_size=group_size, stages=stages, num_clusters=num_clusters, device=device)
-        self.sink_chunks = _cdiv(k, n)
+        fmt = dict(group_size=group_size, stages=stages, num_clusters=num_clusters)
+        self.sink_chunks = _cdiv(sink, n)
         self.quantize_sink = quantize_sink and quant is not None and self.sink_chunks > 0
-        retained = _cdiv(s - k, n)  # non-sink chunks a full window touches (the current one included)
+        # non-sink chunks a full window touches (the current one included); with a pin the rows after the global
+        # sink are contiguous positions (the pinned chunk's copy is kept apart)
+        retained = _cdiv(s - (gs if self.pinnable else sink), n)
         self.ring_chunks = retained if quant is None else min(keep_recent_chunks + 1, retained)
         self.pool_chunks = retained - self.ring_chunks
-        self.k_ring = torch.zeros(b, self.ring_chunks * n, h, d, dtype=dtype, device=device)
-        self.v_ring = torch.zeros_like(self.k_ring)
+        dense = lambda rows: torch.zeros(b, rows, h, d, dtype=dtype, device=device)  # noqa: E731
+        pool = lambda slots: alloc_pool(quant, slots, b, n, h, d, device=device, **fmt)  # noqa: E731
+        self.k_ring, self.v_ring = dense(self.ring_chunks * n), dense(self.ring_chunks * n)
         dense_sink = 0 if self.quantize_sink else self.sink_chunks * n
-        self.k_sink = torch.zeros(b, dense_sink, h, d, dtype=dtype, device=device)
-        self.v_sink = torch.zeros_like(self.k_sink)
-        self.k_pool = self.v_pool = self.k_sink_pool = self.v_sink_pool = None
-        if quant is not None:
-            pool = lambda slots: empty_packed(quant, b, n, h, d, leading=(slots,), **fmt)  # noqa: E731
-            self.k_pool, self.v_pool = pool(self.pool_chunks), pool(self.pool_chunks)
-            if self.quantize_sink:
-                self.k_sink_pool, self.v_sink_pool = pool(self.sink_chunks), pool(self.sink_chunks)
+        self.k_sink, self.v_sink = dense(dense_sink), dense(dense_sink)
+        # One packed pool for K and V: slots [K chunks (P)][V chunks (P)][K, V sink chunks][K, V pinned][scratch]
+        # (the scratch slot takes the quantization a rewrite runs, so that appends and rewrites are one graph).
+        sink_slots = self.sink_chunks if self.quantize_sink else 0
+        pin_slots = 1 if self.pinnable and self.quantize_sink else 0
+        self._slot_base = {"pool": (0, self.pool_chunks), "sink": (2 * self.pool_chunks, sink_slots),
+                           "pin": (2 * (self.pool_chunks + sink_slots), pin_slots)}
+        self._slots = 2 * (self.pool_chunks + sink_slots + pin_slots) + 1
+        self.pool = None if quant is None else pool(self._slots)
+        # whether every stored tensor is token-indexed (int8, int4): then the pool dequantizes in one call
+        self._per_token = quant is not None and all(
+            x is None or x.shape[1] != y.shape[1] for x, y in zip(
+                alloc_pool(quant, 1, b, n, h, d, device="meta", **fmt)[1:],
+                alloc_pool(quant, 1, b, n + 1, h, d, device="meta", **fmt)[1:]))
+        self.k_pin = self.v_pin = None
+        if self.pinnable:  # the pinned chunk's copy once it leaves the ring: packed or dense as the sink
+            self.k_pin, self.v_pin = (self._slot("pin", 0, 0), self._slot("pin", 1, 0)) if pin_slots else (
+                dense(n), dense(n))
         self._fmt = fmt
         self.global_end = 0  # G, tokens generated so far
         self.current_start = -1  # first position of the current chunk (-1: none yet)
+        self.pinned_position, self.pinned_len = -1, 0  # the pinned chunk: first position and length (0: none)
 
     @classmethod
     def allocate(
@@ -149,55 +177,135 @@ class PackedCausalKVCache:
     # --- accounting and cursors ---------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes resident for K and V: dense ring and sink rows, packed pools (codes, scales, zero points,
-        centroids, cluster ids), all included. Constant over a stream (everything is preallocated)."""
-        total = sum(t.numel() * t.element_size() for t in (self.k_ring, self.v_ring, self.k_sink, self.v_sink))
-        for pool in (self.k_pool, self.v_pool, self.k_sink_pool, self.v_sink_pool):
-            total += 0 if pool is None else pool.nbytes
+        """Bytes resident for K and V: dense ring and sink rows, the packed pool (codes, scales, zero points,
+        centroids, cluster ids; with the scratch slot, one packed chunk), the pinned chunk's copy, all included.
+        Constant over a stream (everything is preallocated)."""
+        total = 0
+        dense_pin = () if isinstance(self.k_pin, PackedKV) else (self.k_pin, self.v_pin)
+        for t in (self.k_ring, self.v_ring, self.k_sink, self.v_sink, self.pool) + dense_pin:
+            total += 0 if t is None else t.nbytes if isinstance(t, PackedKV) else t.numel() * t.element_size()
         return total
+
+    def _slot(self, part: str, kv: int, i: int) -> PackedKV:
+        """Packed slot ``i`` (an int or a SymInt) of ``part`` (``"pool"``, ``"sink"``, ``"pin"``) for K (``kv=0``)
+        or V; ``part=None`` is the scratch slot."""
+        if part is None:
+            return pool_slot(self.pool, self._slots - 1, self._slots)
+        base, count = self._slot_base[part]
+        return pool_slot(self.pool, base + kv * count + i, self._slots)
+
+    def packed_slots(self, part: str, kv: int) -> PackedKV:
+        """Every slot of ``part`` for K (``kv=0``) or V as one :class:`PackedKV` of views, slots in order (a
+        token-indexed format reads as ``count * N`` tokens)."""
+        base, count = self._slot_base[part]
+        first, slots = base + kv * count, self._slots
+        return PackedKV(self.pool.quant, *(
+            None if t is None else t.narrow(1, first * (t.shape[1] // slots), count * (t.shape[1] // slots))
+            for t in self.pool[1:]
+        ))
 
     @property
     def local_end(self) -> int:
         """``L``: rows in use in the equivalent dense cache, ``min(G, S)``."""
         return min(self.global_end, self.cache_size)
 
+    @property
+    def pinned_chunk(self) -> int:
+        """Index of the pinned chunk (-1 without a pin)."""
+        return self.pinned_position // self.chunk_tokens if self.pinned_len > 0 else -1
+
     def reset_indices(self) -> None:
-        """Start a new stream at position 0 (the buffers are not touched)."""
-        self.global_end, self.current_start = 0, -1
+        """Start a new stream at position 0 and forget the pin (the buffers are not touched)."""
+        self.global_end, self.current_start, self.pinned_position, self.pinned_len = 0, -1, -1, 0
 
     def can_direct_current_attention(self, num_new_tokens: int) -> bool:
         """True when ``K == 0`` and ``S == W == num_new_tokens`` (as ``CausalKVCache``)."""
         n = num_new_tokens
         return self.sink_tokens == 0 and self.cache_size == n and self.attention_window_size == n
 
-    # --- where chunk c lives ------------------------------------------------------------------------------------
-    def _in_ring(self, c: int, cur: int) -> bool:
-        return c > cur - self.ring_chunks and (c >= self.sink_chunks or self.quantize_sink)
+    def pin_current_chunk(self, num_tokens: int) -> None:
+        """Pin the chunk just written (its last ``num_tokens`` tokens) as a "shot" sink of ``min(K, n)`` tokens, as
+        :meth:`kvops.CausalKVCache.pin_current_chunk` (docs/semantics.md §1.2, §1.7): the pinned tokens are never
+        evicted; they follow the rows after the global sink until they sit right after it. When the pinned chunk
+        leaves the dense ring it is copied once (packed with ``quantize_sink=True``, else dense) and read from the
+        copy. ``K == 0`` or ``num_tokens <= 0`` clears the pin.
 
-    def _chunk(self, c: int, cur: int, packed_ok: bool = True):
+        Raises:
+            ValueError: the cache was built without ``pinnable=True``; ``num_tokens`` larger than the current
+                chunk; the pinned rows would start inside the global sink (the wording of ``CausalKVCache``).
+            NotImplementedError: a pin after tokens were evicted while rows after the global sink do not hold
+                consecutive positions (an old sink ``sink_tokens > global_sink_tokens`` or a settled older pin).
+        """
+        name, g, l, gs = self.name, self.global_end, self.local_end, self.global_sink_tokens
+        if self.sink_tokens <= 0 or num_tokens <= 0:
+            self.pinned_position, self.pinned_len = -1, 0
+            return
+        if not self.pinnable:
+            raise ValueError(
+                f"{name}.pin_current_chunk: build the cache with pinnable=True (it preallocates one chunk for the "
+                f"pinned copy)."
+            )
+        if self.current_start < 0 or num_tokens > g - self.current_start:
+            raise ValueError(
+                f"{name}.pin_current_chunk({num_tokens}): only tokens of the current chunk can be pinned (it holds "
+                f"{max(0, g - self.current_start)} tokens); the packed cache stores chunk-aligned segments."
+            )
+        start = l - num_tokens
+        if start < gs or start < 0:
+            raise ValueError(
+                f"{name}.pin_current_chunk({num_tokens}): the chunk would start at row {start} "
+                f"(local_end={l} minus {num_tokens}), which is before row 0 or inside the global sink "
+                f"[0, {gs}). Pin a chunk right after appending it past the global sink."
+            )
+        settled_pin = self.pinned_len > 0 and self.pinned_position - (g - l) <= gs
+        if g > l and (settled_pin or (self.pinned_len == 0 and self.sink_tokens > gs)):
+            raise NotImplementedError(
+                f"{name}.pin_current_chunk: tokens were evicted and rows [{gs}, ...) after the global sink hold "
+                f"{'a settled pinned chunk' if settled_pin else f'the sink [0, {self.sink_tokens})'}, not consecutive "
+                f"positions; the packed cache pins before the first eviction, or with global_sink_tokens >= "
+                f"sink_tokens."
+            )
+        self.pinned_position, self.pinned_len = g - num_tokens, min(self.sink_tokens, num_tokens)
+        cur = self.current_start // self.chunk_tokens
+        if cur >= self.sink_chunks:  # (a sink chunk is kept anyway)
+            self._keep_pinned(*self._chunk(cur, cur))
+
+    # --- where chunk c lives ------------------------------------------------------------------------------------
+    def _chunk(self, c: int, cur: int):
         """Storage of chunk ``c`` while ``cur`` is the current chunk: ``(k, v)`` dense ``[B, N, H, D]`` views or
         :class:`PackedKV` slots."""
         n = self.chunk_tokens
-        if self._in_ring(c, cur):
+        if c < self.sink_chunks and not self.quantize_sink:
+            return self.k_sink.narrow(1, c * n, n), self.v_sink.narrow(1, c * n, n)
+        if c > cur - self.ring_chunks:
             row = (c % self.ring_chunks) * n
             return self.k_ring.narrow(1, row, n), self.v_ring.narrow(1, row, n)
         if c < self.sink_chunks:
-            if not self.quantize_sink:
-                return self.k_sink.narrow(1, c * n, n), self.v_sink.narrow(1, c * n, n)
-            return _slot(self.k_sink_pool, c), _slot(self.v_sink_pool, c)
+            return self._slot("sink", 0, c), self._slot("sink", 1, c)
+        if self.pinnable and self.pinned_len > 0 and c == self.pinned_chunk:
+            return self.k_pin, self.v_pin
         slot = c % self.pool_chunks
-        return _slot(self.k_pool, slot), _slot(self.v_pool, slot)
+        return self._slot("pool", 0, slot), self._slot("pool", 1, slot)
+
+    def _storage(self, kv: int) -> list:
+        """K (``kv = 0``) or V storage in the row order of :func:`gather_window`: ``[(part, [rows, ...]), ...]``."""
+        pick = lambda pair: pair[kv]  # noqa: E731
+        parts = []
+        if self.sink_chunks:
+            parts.append(("sink", [self._slot("sink", kv, i) for i in range(self.sink_chunks)]
+                          if self.quantize_sink else [pick((self.k_sink, self.v_sink))]))
+        if self.pool_chunks:
+            pool = self.packed_slots("pool", kv)
+            slots = [pool] if self._per_token else [self._slot("pool", kv, i) for i in range(self.pool_chunks)]
+            parts.append(("pool", slots))
+        parts.append(("ring", [pick((self.k_ring, self.v_ring))]))
+        if self.pinnable:
+            parts.append(("pin", [pick((self.k_pin, self.v_pin))]))
+        return parts
 
     # --- the update ---------------------------------------------------------------------------------------------
-    def update(
-        self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int, cache_head_start: int | None = None,
-        recent_window_tokens: int | None = None,
-    ) -> PackedKVView:
-        """Write a chunk and return the visible window as segments (dense views and packed slots).
-
-        The contract is :meth:`update_and_get_attention_kv`'s; use this with :func:`kvops.packed.packed_attention`
-        to attend without materializing the window densely.
-        """
+    def _write(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
+        """Validate, advance (quantize the chunk leaving the ring) and write; returns ``(h0, h1, cur, G, L, ls)``."""
         name = self.name
         if recent_window_tokens is not None and recent_window_tokens < 0:
             raise ValueError("recent_window_tokens must be non-negative or None")
@@ -208,64 +316,97 @@ class PackedCausalKVCache:
         h0 = check_cache_write(
             key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k_ring, self.v_ring, 0, cache_head_start, op=name
         )
-        h1 = h0 + key.shape[2]
-        n, s, g, cur_start, size = key.shape[1], current_chunk_start, self.global_end, self.current_start, self.chunk_tokens
-        # Equalities are tested as ``max(a - b, b - a) > 0``: under torch.compile a guard ``Eq(a, b)`` would merge the
-        # two symbols, and Inductor (torch 2.13) then binds one of them but uses the other ("name 's72' is not
-        # defined"); a Max inequality guards the same fact without merging them.
-        if cur_start >= 0 and g - s > 0:  # s < G: the current chunk again (a denoising step, the context pass)
-            if torch.sym_max(s - cur_start, cur_start - s) > 0:
-                self._raise_non_sequential(s, g, cur_start)
-            if torch.sym_max(s + n - g, g - s - n) > 0:
-                raise NotImplementedError(f"{name}: current-chunk rewrite size changed")
-        elif torch.sym_max(s - g, g - s) > 0:
+        n, s, size = key.shape[1], current_chunk_start, self.chunk_tokens
+        g, cur_start = self.global_end, self.current_start
+        # One graph for appends and rewrites under torch.compile: each check is one comparison of a min/max of the
+        # cursors (an equality guard ``Eq(a, b)`` would also merge the two symbols, and Inductor (torch 2.13) then
+        # binds one of them but uses the other: "name 's72' is not defined").
+        if torch.sym_min(_dist(s, cur_start), _dist(s, g)) > 0:  # neither the current chunk nor the global end
             self._raise_non_sequential(s, g, cur_start)
-        else:  # s == G: the next chunk
-            if n != size:
-                raise ValueError(
-                    f"{name}: an appended chunk must have chunk_tokens={size} tokens, got {n} (key shape "
-                    f"{tuple(key.shape)}); the packed cache stores chunk-aligned segments."
-                )
-            self._advance(s // size)
+        if n != size:  # an append is exactly one chunk, so a rewrite (s == current start) of another size differs
+            if g - s > 0:
+                raise NotImplementedError(f"{name}: current-chunk rewrite size changed")
+            raise ValueError(
+                f"{name}: an appended chunk must have chunk_tokens={size} tokens, got {n} (key shape "
+                f"{tuple(key.shape)}); the packed cache stores chunk-aligned segments."
+            )
+        self._advance(s // size, torch.sym_max(0, 1 + s - g))  # 1 for an append (s == G), 0 for a rewrite
         cur = s // size
         k_rows, v_rows = self._chunk(cur, cur)
         cache_write(key, value, k_rows, v_rows, 0, None if cache_head_start is None else h0)
+        pinned = self.pinned_chunk
+        if pinned >= self.sink_chunks and not _dist(cur, pinned) > 0:  # a rewrite of the pinned chunk
+            self._keep_pinned(k_rows, v_rows)
         self.global_end, self.current_start = s + n, s
         g = s + n
         local_end = torch.sym_min(g, self.cache_size)
-        ls = local_end - n
-        rows = visible_rows(local_end, self.attention_window_size, self.sink_tokens, chunk_start=ls,
-                            recent_window_tokens=recent_window_tokens)
-        ks, vs = [], []
-        for p0, p1 in _positions(rows, self.sink_tokens, g - local_end):
-            for i in range((p1 - 1) // size - p0 // size + 1):
-                c = p0 // size + i
-                a = _static(torch.sym_max(p0, c * size) - c * size, 0)
-                rows = _static(torch.sym_min(p1, (c + 1) * size) - c * size - a, size)
-                kc, vc = self._chunk(c, cur)
-                ks.append(_segment(kc, a, rows, h0, h1))
-                vs.append(_segment(vc, a, rows, h0, h1))
+        return h0, h0 + key.shape[2], cur, g, local_end, local_end - n
+
+    def _window(self, local_end: int, ls: int, g: int, recent: int | None):
+        """Visible dense-cache rows (:func:`visible_rows`) and their position map ``(sink, shift, pin)`` (see
+        :func:`row_positions`)."""
+        shift, gs = g - local_end, self.global_sink_tokens
+        if self.pinned_len > 0:
+            pinned_row = torch.sym_max(gs, self.pinned_position - shift)
+            settled = self.pinned_position - shift <= gs  # the pin sits right after the global sink
+            sink = gs + self.pinned_len if settled else gs
+            rows = visible_rows(local_end, self.attention_window_size, sink, pinned_row, self.pinned_len, ls, recent)
+            return rows, gs, shift, (gs, self.pinned_position, self.pinned_len) if settled else None
+        sink = max(gs, self.sink_tokens)
+        return visible_rows(local_end, self.attention_window_size, sink, chunk_start=ls,
+                            recent_window_tokens=recent), sink, shift, None
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int, cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+    ) -> PackedKVView:
+        """Write a chunk and return the visible window as segments (dense views and packed slots).
+
+        The contract is :meth:`update_and_get_attention_kv`'s; use this with :func:`kvops.packed.packed_attention`
+        to attend without materializing the window densely. The segment list follows the window's chunk structure
+        (Python control flow): under ``torch.compile`` it adds graphs until the window is full; use
+        :meth:`update_and_get_attention_kv` for a bounded graph count.
+        """
+        h0, h1, cur, g, local_end, ls = self._write(key, value, current_chunk_start, cache_head_start,
+                                                   recent_window_tokens)
+        rows, sink, shift, pin = self._window(local_end, ls, g, recent_window_tokens)
+        ks, vs = window_segments(self, rows, sink, shift, pin, cur, h0, h1)
         return PackedKVView(ks, vs, ls, local_end, local_end, g)
 
     def _raise_non_sequential(self, s: int, g: int, cur_start: int) -> None:
         cur = None if cur_start < 0 else cur_start
         raise NotImplementedError(f"{self.name}: non-sequential write current_start={s} global_end={g} cur={cur}")
 
-    def _advance(self, new: int) -> None:
-        """Chunk ``new`` becomes current: the chunk leaving the ring is quantized into its pool slot if it is still
-        retained (its rows after ``new`` is appended include positions the dense cache keeps)."""
+    def _advance(self, new: int, append: int) -> None:
+        """Chunk ``new`` is written (``append``: 1 when it just became current, else 0): the chunk that left the ring
+        is quantized into its pool slot (whose older chunk is out of the window by then; with no pool, the chunk
+        leaving the ring is). A rewrite quantizes the ring slot into the pool's scratch slot instead, so that appends
+        and rewrites run one graph under torch.compile; the branches here flip once per stream."""
         old = new - self.ring_chunks
-        if self.quant is None or old < 0 or not self._in_ring(old, new - 1):
+        if self.quant is None or old < 0:
             return
-        g = (new + 1) * self.chunk_tokens
-        first_kept = self.sink_tokens + g - torch.sym_min(g, self.cache_size)  # first retained non-sink position
-        if old >= self.sink_chunks and (old + 1) * self.chunk_tokens <= first_kept:
-            return  # already evicted from the window: nothing to keep
+        if old < self.sink_chunks:
+            if not self.quantize_sink:
+                return  # a dense sink chunk never enters the ring
+            part, slot = "sink", old
+        else:
+            if self.pool_chunks == 0:
+                return
+            part, slot = "pool", old % self.pool_chunks
+        base, count = self._slot_base[part]
         k_rows, v_rows = self._chunk(old, new - 1)
-        k_out, v_out = self._chunk(old, new)
         q = dict(group_size=self._fmt["group_size"], stages=self._fmt["stages"], kmeans_iters=self.kmeans_iters)
-        quantize_kv(k_rows, self.quant, out=k_out, **q)
-        quantize_kv(v_rows, self.quant, out=v_out, **q)
+        for kv, rows in ((0, k_rows), (1, v_rows)):
+            i = append * (base + kv * count + slot) + (1 - append) * (self._slots - 1)  # a rewrite: the scratch
+            quantize_kv(rows, self.quant, out=pool_slot(self.pool, i, self._slots), **q)
+
+    def _keep_pinned(self, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+        if isinstance(self.k_pin, PackedKV):
+            q = dict(group_size=self._fmt["group_size"], stages=self._fmt["stages"], kmeans_iters=self.kmeans_iters)
+            quantize_kv(k_rows, self.quant, out=self.k_pin, **q)
+            quantize_kv(v_rows, self.quant, out=self.v_pin, **q)
+        else:
+            cache_write(k_rows, v_rows, self.k_pin, self.v_pin, 0)
 
     def update_and_get_attention_kv(
         self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int, cache_head_start: int | None = None,
@@ -283,8 +424,9 @@ class PackedCausalKVCache:
             recent_window_tokens: ``r``: the sink rows and the ``r`` rows before the chunk, then the chunk.
 
         Returns:
-            :class:`CausalKVView`: ``k``/``v`` ``[B, V, H_in, D]`` in the cache dtype (a view when the window is one
-            dense segment, else a new tensor with packed segments dequantized) and the dense cache's indices.
+            :class:`CausalKVView`: ``k``/``v`` ``[B, V, H_in, D]`` in the cache dtype (a new tensor: the visible rows
+            gathered from the dense ring, the dequantized pool slots, the sink and the pinned copy) and the dense
+            cache's indices.
 
         Raises (before anything is written):
             ValueError: ``"recent_window_tokens must be non-negative or None"``;
@@ -294,41 +436,12 @@ class PackedCausalKVCache:
             NotImplementedError: ``"{name}: current-chunk rewrite size changed"``;
                 ``"{name}: non-sequential write current_start={s} global_end={G} cur={cur_start}"``.
         """
-        view = self.update(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
-        dtype = self.k_ring.dtype
-        k, v = materialize(view.k, dtype), materialize(view.v, dtype)
-        return CausalKVView(k, v, *view[2:])
-
-
-def _static(n: int, value: int) -> int:
-    """``value`` (a plain int) when ``n == value``, else ``n``. Under torch.compile this is one guard, stable once the
-    window is full, and makes whole-chunk segments static shapes instead of nested Min/Max size expressions of the
-    cursors (which Inductor then need not evaluate)."""
-    return value if n == value else n
-
-
-def _slot(pool: PackedKV, i: int) -> PackedKV:
-    return PackedKV(pool.quant, *(None if t is None else t[i] for t in pool[1:]))
-
-
-def _segment(chunk, start: int, rows: int, h0: int, h1: int) -> Segment:
-    if isinstance(chunk, PackedKV):
-        return chunk.rows(start, rows).heads(h0, h1)
-    return chunk.narrow(1, start, rows)[:, :, h0:h1]
-
-
-def _positions(rows: list[tuple[int, int]], sink: int, shift: int) -> list[tuple[int, int]]:
-    """Dense-cache row ranges -> global position ranges: row ``i < sink`` holds position ``i``, row ``i >= sink``
-    position ``i + shift`` (``shift = G - L``)."""
-    out = []
-    for a, b in rows:
-        if a < sink < b and shift != 0:
-            out += [(a, sink), (sink + shift, b + shift)]
-        elif a >= sink:
-            out.append((a + shift, b + shift))
-        else:
-            out.append((a, b))
-    return out
+        h0, h1, cur, g, local_end, ls = self._write(key, value, current_chunk_start, cache_head_start,
+                                                   recent_window_tokens)
+        rows, sink, shift, pin = self._window(local_end, ls, g, recent_window_tokens)
+        k, v = gather_window(self, rows, lambda r: row_positions(r, sink, shift, pin), cur, h0, h1,
+                             h1 - h0 != self.num_kv_heads)
+        return CausalKVView(k, v, ls, local_end, local_end, g)
 
 
 def materialize(segments: list, dtype: torch.dtype) -> torch.Tensor:

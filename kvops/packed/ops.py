@@ -2,7 +2,8 @@
 
 Schema: ``kvops/_library.py``. Validators and layouts: ``kvops/packed/_checks.py``. CPU kernels:
 ``kvops/packed/reference.py``. CUDA: Triton kernels (``kvops/packed/triton_quant.py``) for int8/fp8/int4 and the
-int2 dequantize; the int2 k-means runs as torch ops on CUDA.
+int2 dequantize; the int2 k-means runs as torch ops on CUDA. Attention over packed segments (reads the packed bytes
+directly): ``kvops/packed/attention.py``.
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ def quantize_kv(
             the wrong shape/dtype/device (messages name the expected layout). Raised at trace time too.
 
     Semantics: KIVI-style group quantization for int4; Quant VideoGen (arXiv 2602.02958) for int2. Rounding is
-    round-half-to-even; scales and zero points are stored in fp16 (clamped to its normal range), codes are computed
-    with the stored values so that ``dequantize_kv`` reproduces exactly what was rounded.
+    round-half-to-even; scales are stored in fp16 (clamped to its normal range), int4/int2 zero points as int8 in
+    eighths of a step (``x ≈ (code - zero / 8) · scale``, GPTQ/AWQ-style integer zero points with 3 fractional bits);
+    codes are computed with the stored values so that ``dequantize_kv`` reproduces exactly what was rounded.
     """
     if out is None:
         b, t, h, d = x.shape if x.dim() == 4 else (0, 0, 0, 0)

@@ -35,20 +35,31 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.flatten(-2)
 
 
+ZERO_MIN, ZERO_MAX = -128, 127  # zero points are stored as int8 ...
+ZERO_STEPS = 8  # ... in units of scale / 8 (fixed point with 3 fractional bits)
+
+
 def _affine(x: torch.Tensor, group: int, levels: int):
-    """Asymmetric min/max quantization of ``x [..., D]`` in groups of ``group`` along D: (codes, scale, zero), with
-    scale and zero rounded to fp16 (the stored values), codes in ``[0, levels]``."""
+    """Asymmetric min/max quantization of ``x [..., D]`` in groups of ``group`` along D with an 8-bit integer zero
+    point (as GPTQ/AWQ store it, here in units of ``scale / 8``): ``x ≈ (code - zero / 8) · scale``. Returns (codes
+    in ``[0, levels]``, scale rounded to its stored fp16 value, zero as an integer-valued fp32 in ``[-128, 127]``).
+
+    ``scale = max((max - min) / levels, |min| / 15.875)`` (the second term keeps ``zero = round(-8 · min / scale)``
+    inside int8; it binds only for a group whose values all lie on one side of zero, farther from it than the
+    group's range), ``code = round(x / scale + zero / 8)``. Every value is within half a step of its code's value,
+    and the group's minimum within 1/16 of a step (a zero in whole steps, as GPTQ's, would lose the near-exact
+    minimum: with one outlier channel per group, as in K, that costs ~2x attention error at int4 g32)."""
     g = x.unflatten(-1, (-1, group))
     lo, hi = g.amin(-1), g.amax(-1)
-    zero = lo.to(torch.float16).float()
-    scale = _fp16_scale((hi - zero) / levels)
-    q = torch.round((g - zero[..., None]) / scale[..., None]).clamp(0, levels)
+    scale = _fp16_scale(torch.maximum((hi - lo) / levels, lo.abs() / (ZERO_MAX / ZERO_STEPS)))
+    zero = torch.round(-lo / scale * ZERO_STEPS).clamp(ZERO_MIN, ZERO_MAX)
+    q = torch.round(g / scale[..., None] + zero[..., None] / ZERO_STEPS).clamp(0, levels)
     return q.flatten(-2), scale, zero
 
 
 def _ungroup(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     g = q.float().unflatten(-1, (scale.shape[-1], -1))
-    return (g * scale[..., None] + zero[..., None]).flatten(-2)
+    return ((g - zero[..., None] / ZERO_STEPS) * scale[..., None]).flatten(-2)
 
 
 def kmeans(x: torch.Tensor, num_clusters: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,3 +139,55 @@ def dequantize(codes, scales, zeros, centroids, cluster_ids, quant: str, dtype: 
         for s in range(codes.shape[3]):
             x = x + _ungroup(_unpack(codes[:, :, :, s], 2), scales[:, :, :, s].float(), zeros[:, :, :, s].float())
     return x.to(dtype).contiguous()  # the fake rule promises a contiguous output
+
+
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Attention of ``q [B, H_kv, M, D]`` to one segment ``k``/``v [B, H_kv, n, D]`` (``n >= 1``): (out fp32, LSE fp32
+    ``[B, H_kv, M]``). A fused flash kernel where torch has one that returns the LSE (CPU: any float dtype; CUDA:
+    fp16/bf16; both need ``D_v == D``), else plain fp32 math."""
+    flash = q.shape[-1] == v.shape[-1]
+    if flash and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
+        return out.float(), lse
+    if flash and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+        return out.float(), lse
+    s = torch.einsum("bhmd,bhnd->bhmn", q.float(), k.float()) * scale
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhmn,bhnd->bhmd", torch.exp(s - lse[..., None]), v.float()), lse
+
+
+def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: float):
+    """Composite kernel of ``kvops::packed_attention`` (CPU without the native build, and the "dequantize + SDPA"
+    baseline of ``benchmarks/packed_cache.py``): each segment in turn -- a packed one dequantized to ``q.dtype``, one
+    segment (at most a chunk) at a time -- attended with torch's flash SDPA, partial results merged by their LSE in
+    fp32. ``(out [B, T, H_q, D_v] q.dtype, lse [B, H_q, T] fp32)``; no rows at all: zeros and ``-inf``."""
+    from ._checks import split_segments
+
+    b, t, hq, d = q.shape
+    segments = list(zip(k_dense, v_dense))
+    if quant is not None:
+        segments += list(zip(split_segments(quant, k_packed), split_segments(quant, v_packed)))
+    first_v = segments[0][1]
+    hkv = first_v.shape[2] if isinstance(first_v, torch.Tensor) else first_v["codes"].shape[2]
+    d_v = first_v.shape[3] if isinstance(first_v, torch.Tensor) else None
+    group = hq // hkv
+    qh = q.reshape(b, t, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * t, d)  # [B, H_kv, G*T, D]
+    out = lse = None
+    for ks, vs in segments:
+        k = ks if isinstance(ks, torch.Tensor) else dequantize(*ks.values(), quant, q.dtype)
+        v = vs if isinstance(vs, torch.Tensor) else dequantize(*vs.values(), quant, q.dtype)
+        d_v = v.shape[3]
+        if k.shape[1] == 0:
+            continue
+        o, seg_lse = _partial(qh, k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2), scale)
+        if out is None:
+            out, lse = o, seg_lse
+        else:
+            new = torch.logaddexp(lse, seg_lse)
+            out = out * torch.exp(lse - new)[..., None] + o * torch.exp(seg_lse - new)[..., None]
+            lse = new
+    if out is None:
+        return q.new_zeros(b, t, hq, d_v), q.new_full((b, hq, t), float("-inf"), dtype=torch.float32)
+    result = out.view(b, hkv, group, t, -1).permute(0, 3, 1, 2, 4).reshape(b, t, hq, -1).to(q.dtype)
+    return result, lse.reshape(b, hq, t)

@@ -3,7 +3,8 @@
 One program per (batch, token, head) row of ``D`` values. Covered: int8 and int4 quantize and dequantize, int2
 dequantize (centroid gather + every residual stage in one pass). The fp8 quantize (a per-head amax over all tokens)
 and the int2 quantize (k-means) run as torch ops on the GPU (``kvops/packed/reference.py``). The arithmetic follows
-the reference exactly (IEEE division ``div_rn``, round-half-to-even, fp16-rounded scales), so the codes are equal.
+the reference exactly (IEEE division ``div_rn``, round-half-to-even, fp16-rounded scales, int8 zero points in
+eighths of a step: ``x ≈ (code - zero / 8) · scale``), so the codes are equal.
 """
 
 from __future__ import annotations
@@ -75,16 +76,16 @@ def _int4_quant_kernel(x_ptr, c_ptr, s_ptr, z_ptr, T, H, G, xb, xt, xh, xd, cb, 
     odd = tl.load(base + (g * 2 * HALF + 2 * j + 1) * xd, mask=mask, other=0.0).to(tl.float32)
     lo = tl.minimum(tl.min(tl.where(mask, even, float("inf")), 1), tl.min(tl.where(mask, odd, float("inf")), 1))
     hi = tl.maximum(tl.max(tl.where(mask, even, -float("inf")), 1), tl.max(tl.where(mask, odd, -float("inf")), 1))
-    zero = lo.to(tl.float16).to(tl.float32)
-    scale = _fp16_scale(tl.math.div_rn(hi - zero, 15.0), SMIN, SMAX)
-    qe = tl.minimum(tl.maximum(_rint(tl.math.div_rn(even - zero[:, None], scale[:, None])), 0.0), 15.0)
-    qo = tl.minimum(tl.maximum(_rint(tl.math.div_rn(odd - zero[:, None], scale[:, None])), 0.0), 15.0)
+    scale = _fp16_scale(tl.maximum(tl.math.div_rn(hi - lo, 15.0), tl.math.div_rn(tl.abs(lo), 15.875)), SMIN, SMAX)
+    zero = tl.minimum(tl.maximum(_rint(tl.math.div_rn(-lo, scale) * 8.0), -128.0), 127.0)  # int8, units of scale / 8
+    qe = tl.minimum(tl.maximum(_rint(tl.math.div_rn(even, scale[:, None]) + zero[:, None] / 8.0), 0.0), 15.0)
+    qo = tl.minimum(tl.maximum(_rint(tl.math.div_rn(odd, scale[:, None]) + zero[:, None] / 8.0), 0.0), 15.0)
     byte = qe.to(tl.int32) | (qo.to(tl.int32) << 4)
     tl.store(c_ptr + _row(pid, T, H, cb, ct, ch) + (g * HALF + j) * cd, byte.to(tl.uint8), mask=mask)
     gs = tl.arange(0, BLOCK_G)
     srow = _row(pid, T, H, sb, st, sh) + gs * sg
     tl.store(s_ptr + srow, scale.to(tl.float16), mask=gs < G)
-    tl.store(z_ptr + srow, zero.to(tl.float16), mask=gs < G)
+    tl.store(z_ptr + srow, zero.to(tl.int8), mask=gs < G)
 
 
 @triton.jit
@@ -100,7 +101,7 @@ def _grouped_dequant(c_ptr, s_ptr, z_ptr, crow, srow, G, cd, sg, BITS: tl.conste
     q = ((byte >> ((e % per_byte) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
     s = tl.load(s_ptr + srow + tl.arange(0, BLOCK_G) * sg, mask=tl.arange(0, BLOCK_G) < G, other=0).to(tl.float32)
     z = tl.load(z_ptr + srow + tl.arange(0, BLOCK_G) * sg, mask=tl.arange(0, BLOCK_G) < G, other=0).to(tl.float32)
-    return q * s[:, None] + z[:, None], e, mask
+    return (q - z[:, None] / 8.0) * s[:, None], e, mask
 
 
 @triton.jit

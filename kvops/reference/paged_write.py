@@ -46,6 +46,16 @@ def scatter_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, h0: 
         cache.index_put_((slots // block_size, slots % block_size), x)
 
 
+def slot_error(top: int, num_blocks: int, block_size: int) -> IndexError:
+    """The CPU kernels' own error for a slot ``top >= num_blocks * block_size`` (raised whatever the value-check
+    mode: reading the slots is free on CPU)."""
+    num_slots = num_blocks * block_size
+    return IndexError(
+        f"kvops.paged_cache_write: slot_mapping holds slot {top} but the cache has only {num_slots} slots "
+        f"({num_blocks} blocks x block_size {block_size}); valid slots are [0, {num_slots}) or negative (skip)."
+    )
+
+
 def paged_cache_write(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -75,13 +85,8 @@ def paged_cache_write(
         slots, key, value = slots[keep], key[keep], value[keep]
         if slots.numel() == 0:
             return
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if top >= num_slots:
-        raise IndexError(
-            f"kvops.paged_cache_write: slot_mapping holds slot {top} but the cache has only {num_slots} slots "
-            f"({k_cache.shape[0]} blocks x block_size {k_cache.shape[1]}); valid slots are [0, {num_slots}) or "
-            f"negative (skip)."
-        )
+    if top >= k_cache.shape[0] * k_cache.shape[1]:
+        raise slot_error(top, k_cache.shape[0], k_cache.shape[1])
     if k_scale is not None:
         key = quantize_fp8(key, k_scale, h0, k_cache.dtype)
         value = quantize_fp8(value, v_scale, h0, v_cache.dtype)

@@ -1,0 +1,372 @@
+// Native CPU kernel for kvops::packed_attention (docs/semantics.md §2), registered as
+// kvops::_packed_attention_native.
+//
+// Built on first use together with paged_attention.cpp (one extension, kvops/native/__init__.py); the Python op
+// kvops::packed_attention calls it for CPU tensors after its validator ran (kvops/packed/_checks.py), so this file
+// trusts the arguments' metadata (dtypes, ranks, shapes) and reads values only.
+//
+// Semantics: softmax attention of q [B, T, H_q, D] to every row of every segment (no mask), GQA query head h reading
+// KV head h / (H_q / H_kv); out [B, T, H_q, D_v] in q's dtype, lse [B, H_q, T] fp32 (natural log). Segments are dense
+// [B, n, H_kv, D] tensors (fp32/bf16/fp16) or packed ones (layouts: kvops.packed.packed_layout): their stored tensors
+// are read directly -- codes, scales, integer zero points, centroids and cluster ids -- and dequantized into a 16-token
+// fp32 tile in registers/L1 inside the tile loop, so the bytes read per call are the packed bytes and no dense copy of
+// the window exists. One online softmax (running max m, sum l, accumulator acc, fp32) runs across all segments, which
+// is the LSE merge of per-segment results done incrementally.
+//
+// Work: one item per (batch, KV head, tile of <= 128 query rows), row r = query i * G + group head g, under
+// at::parallel_for. Every tensor is addressed through its strides (pool slots, head slices, narrowed rows).
+// Vector code uses GCC/Clang vector extensions (AVX-512 / AVX2 / NEON under -march=native).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace kvops_packed_native {
+namespace {
+
+constexpr int BN = 16;  // tokens per tile = vector lanes
+constexpr int ROWS = 128;  // query rows per item (per KV head)
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < BN; ++i) m = v[i] > m ? v[i] : m; return m; }
+inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < BN; ++i) s += v[i]; return s; }
+
+// exp with exact 0 for x < -87 (incl. -inf); Cephes expf polynomial, ~1 ulp
+inline vf vexp(vf x) {
+  const vi under = x < splat(-87.0f);
+  x = vsel(under, splat(-87.0f), x);
+  x = vsel(x > splat(88.0f), splat(88.0f), x);
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  vf r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return vsel(under, splat(0.0f), p * (vf)e);
+}
+
+struct Fp8Lut {
+  float v[256];
+  Fp8Lut() {
+    for (int i = 0; i < 256; ++i)
+      v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const Fp8Lut& fp8_lut() { static const Fp8Lut lut; return lut; }
+
+inline float h2f(const void* p, int64_t i) { return static_cast<float>(static_cast<const c10::Half*>(p)[i]); }
+
+// --- one K or V segment, as stored ---------------------------------------------------------------------------------
+enum Kind { F32, BF16, F16, INT8, FP8, INT4, INT2 };
+
+struct Field {
+  const void* p = nullptr;
+  int64_t st[5] = {0, 0, 0, 0, 0};
+  void set(const at::Tensor& t) {
+    p = t.data_ptr();
+    for (int i = 0; i < t.dim(); ++i) st[i] = t.stride(i);
+  }
+};
+
+struct Seg {
+  Kind kind;
+  int n, d;  // tokens, values per row
+  int group = 0, stages = 0;  // int4 / int2
+  Field codes, scales, zeros, centroids, ids;
+
+  // n_rows rows of this segment, from token t0 of (batch b, KV head h), as fp32: value e of row j goes to
+  // dst[j * rs + e * cs]. Only the bytes of those rows (and their scales, zero points, centroids) are read.
+  void load(int b, int h, int t0, int n_rows, float* dst, int rs, int cs) const {
+    const int64_t* c = codes.st;
+    for (int j = 0; j < n_rows; ++j) {
+      const int64_t t = t0 + j;
+      float* o = dst + static_cast<int64_t>(j) * rs;
+      switch (kind) {
+        case F32: case BF16: case F16: {
+          const int64_t base = b * c[0] + t * c[1] + h * c[2];
+          if (kind == F32) {
+            const float* x = static_cast<const float*>(codes.p) + base;
+            for (int e = 0; e < d; ++e) o[e * cs] = x[e * c[3]];
+          } else if (kind == BF16) {
+            const uint16_t* x = static_cast<const uint16_t*>(codes.p) + base;
+            for (int e = 0; e < d; ++e) {
+              const uint32_t bits = static_cast<uint32_t>(x[e * c[3]]) << 16;
+              float f;
+              std::memcpy(&f, &bits, 4);
+              o[e * cs] = f;
+            }
+          } else {
+            for (int e = 0; e < d; ++e) o[e * cs] = h2f(codes.p, base + e * c[3]);
+          }
+          break;
+        }
+        case INT8: {
+          const int8_t* x = static_cast<const int8_t*>(codes.p) + b * c[0] + t * c[1] + h * c[2];
+          const float s = h2f(scales.p, b * scales.st[0] + t * scales.st[1] + h * scales.st[2]);
+          for (int e = 0; e < d; ++e) o[e * cs] = static_cast<float>(x[e * c[3]]) * s;
+          break;
+        }
+        case FP8: {
+          const uint8_t* x = static_cast<const uint8_t*>(codes.p) + b * c[0] + t * c[1] + h * c[2];
+          const float s = static_cast<const float*>(scales.p)[b * scales.st[0] + h * scales.st[1]];
+          const float* lut = fp8_lut().v;
+          for (int e = 0; e < d; ++e) o[e * cs] = lut[x[e * c[3]]] * s;
+          break;
+        }
+        case INT4: {  // two codes per byte (element 2i low nibble), (code - zero / 8) * scale per group
+          const uint8_t* x = static_cast<const uint8_t*>(codes.p) + b * c[0] + t * c[1] + h * c[2];
+          const int64_t srow = b * scales.st[0] + t * scales.st[1] + h * scales.st[2];
+          const int64_t zrow = b * zeros.st[0] + t * zeros.st[1] + h * zeros.st[2];
+          const int8_t* z = static_cast<const int8_t*>(zeros.p);
+          for (int g = 0; g < d / group; ++g) {
+            const float s = h2f(scales.p, srow + g * scales.st[3]);
+            const float zf = static_cast<float>(z[zrow + g * zeros.st[3]]) * 0.125f;  // zero point in eighths
+            for (int e = g * group; e < (g + 1) * group; e += 2) {
+              const int byte = x[(e >> 1) * c[3]];
+              o[e * cs] = (static_cast<float>(byte & 15) - zf) * s;
+              o[(e + 1) * cs] = (static_cast<float>(byte >> 4) - zf) * s;
+            }
+          }
+          break;
+        }
+        case INT2: {  // centroid of the token's cluster + every stage's (code - zero / 8) * scale, 4 codes per byte
+          const int cid = static_cast<const uint8_t*>(ids.p)[b * ids.st[0] + t * ids.st[1] + h * ids.st[2]];
+          const int64_t mrow = b * centroids.st[0] + h * centroids.st[1] + cid * centroids.st[2];
+          for (int e = 0; e < d; ++e) o[e * cs] = h2f(centroids.p, mrow + e * centroids.st[3]);
+          const uint8_t* x0 = static_cast<const uint8_t*>(codes.p) + b * c[0] + t * c[1] + h * c[2];
+          const int8_t* z = static_cast<const int8_t*>(zeros.p);
+          for (int st = 0; st < stages; ++st) {
+            const uint8_t* x = x0 + st * c[3];
+            const int64_t srow = b * scales.st[0] + t * scales.st[1] + h * scales.st[2] + st * scales.st[3];
+            const int64_t zrow = b * zeros.st[0] + t * zeros.st[1] + h * zeros.st[2] + st * zeros.st[3];
+            for (int g = 0; g < d / group; ++g) {
+              const float s = h2f(scales.p, srow + g * scales.st[4]);
+              const float zf = static_cast<float>(z[zrow + g * zeros.st[4]]) * 0.125f;
+              for (int e = g * group; e < (g + 1) * group; e += 4) {
+                const int byte = x[(e >> 2) * c[4]];
+                for (int i = 0; i < 4; ++i) o[(e + i) * cs] += (static_cast<float>((byte >> (2 * i)) & 3) - zf) * s;
+              }
+            }
+          }
+          break;
+        }
+      }
+    }
+  }
+};
+
+Seg dense_seg(const at::Tensor& x) {
+  Seg s;
+  s.kind = x.scalar_type() == at::kFloat ? F32 : x.scalar_type() == at::kBFloat16 ? BF16 : F16;
+  s.n = static_cast<int>(x.size(1));
+  s.d = static_cast<int>(x.size(3));
+  s.codes.set(x);
+  return s;
+}
+
+// fields of one packed segment in kvops.packed.packed_layout's order: codes, scales[, zeros[, centroids, ids]]
+Seg packed_seg(const std::string& quant, const std::vector<at::Tensor>& f, size_t i) {
+  Seg s;
+  s.codes.set(f[i]);
+  s.scales.set(f[i + 1]);
+  s.n = static_cast<int>(f[i].size(1));
+  if (quant == "int8" || quant == "fp8") {
+    s.kind = quant == "int8" ? INT8 : FP8;
+    s.d = static_cast<int>(f[i].size(3));
+  } else if (quant == "int4") {
+    s.kind = INT4;
+    s.d = static_cast<int>(f[i].size(3)) * 2;
+    s.group = s.d / static_cast<int>(f[i + 1].size(3));
+    s.zeros.set(f[i + 2]);
+  } else {
+    s.kind = INT2;
+    s.d = static_cast<int>(f[i].size(4)) * 4;
+    s.stages = static_cast<int>(f[i].size(3));
+    s.group = s.d / static_cast<int>(f[i + 1].size(4));
+    s.zeros.set(f[i + 2]);
+    s.centroids.set(f[i + 3]);
+    s.ids.set(f[i + 4]);
+  }
+  return s;
+}
+
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+struct Problem {
+  const void* q;
+  int64_t sq[4];
+  int batch, tokens, num_heads, num_kv_heads, group, d, d_v, dp, dvp;
+  float scale;
+  std::vector<Seg> ks, vs;
+  void* out;  // [B, T, H_q, D_v] contiguous
+  float* lse;  // [B, H_q, T] contiguous
+};
+
+struct Item { int b, h, r0, rows; };
+
+template <typename TQ>
+void run(const Problem& pb, const std::vector<Item>& items) {
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    const int dp = pb.dp, dvp = pb.dvp;
+    std::vector<float> qf(static_cast<size_t>(ROWS) * dp), acc(static_cast<size_t>(ROWS) * dvp);
+    std::vector<float> kt(static_cast<size_t>(dp) * BN, 0.f), vt(static_cast<size_t>(BN) * dvp, 0.f);
+    std::vector<vf> p(ROWS);
+    float m[ROWS], alpha[ROWS];
+    vf lv[ROWS];
+    for (int64_t w = begin; w < end; ++w) {
+      const Item& it = items[w];
+      const int rows_pad = round_up(it.rows, 8);
+      std::fill(qf.begin(), qf.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int r = 0; r < ROWS; ++r) { m[r] = NEG_INF; lv[r] = vf{}; p[r] = vf{}; alpha[r] = 1.f; }
+      for (int r = 0; r < it.rows; ++r) {  // row r = query i * G + g
+        const int row = it.r0 + r, i = row / pb.group, hq = it.h * pb.group + row % pb.group;
+        const TQ* src = static_cast<const TQ*>(pb.q) + it.b * pb.sq[0] + i * pb.sq[1] + hq * pb.sq[2];
+        float* dst = qf.data() + static_cast<size_t>(r) * dp;
+        for (int e = 0; e < pb.d; ++e) dst[e] = static_cast<float>(src[e * pb.sq[3]]) * pb.scale;
+      }
+      for (size_t si = 0; si < pb.ks.size(); ++si) {
+        const Seg& ks = pb.ks[si];
+        const Seg& vs = pb.vs[si];
+        for (int t0 = 0; t0 < ks.n; t0 += BN) {
+          const int nt = std::min(BN, ks.n - t0);
+          if (nt < BN) {  // rows past the segment's end: zeros (masked below)
+            std::fill(kt.begin(), kt.end(), 0.f);
+            std::fill(vt.begin(), vt.end(), 0.f);
+          }
+          ks.load(it.b, it.h, t0, nt, kt.data(), 1, BN);  // K transposed: kt[e * BN + j]
+          // scores of 8 rows at a time: each K column vector feeds 8 FMAs
+          for (int r0 = 0; r0 < rows_pad; r0 += 8) {
+            const float* q0 = qf.data() + static_cast<size_t>(r0) * dp;
+            vf a[8] = {};
+            for (int e = 0; e < pb.d; ++e) {
+              const vf kv = loadu(kt.data() + static_cast<size_t>(e) * BN);
+              for (int i = 0; i < 8; ++i) a[i] += q0[i * dp + e] * kv;
+            }
+            for (int i = 0; i < 8; ++i) p[r0 + i] = a[i];
+          }
+          vi lane;
+          for (int c = 0; c < BN; ++c) lane[c] = c;
+          const vi valid = lane < (vi{} + nt);
+          for (int r = 0; r < it.rows; ++r) {
+            vf s = nt < BN ? vsel(valid, p[r], splat(NEG_INF)) : p[r];
+            const float mc = hmax(s);
+            if (mc <= m[r]) {
+              alpha[r] = 1.f;
+            } else {
+              alpha[r] = std::exp(m[r] - mc);  // 0 when m was -inf
+              m[r] = mc;
+            }
+            p[r] = vexp(s - m[r]);
+            lv[r] = lv[r] * alpha[r] + p[r];
+          }
+          vs.load(it.b, it.h, t0, nt, vt.data(), dvp, 1);  // V row-major: vt[j * dvp + e]
+          for (int e0 = 0; e0 < dvp; e0 += BN) {
+            for (int r0 = 0; r0 < rows_pad; r0 += 8) {
+              vf a[8];
+              for (int i = 0; i < 8; ++i)
+                a[i] = loadu(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
+              for (int j = 0; j < nt; ++j) {
+                const vf vv = loadu(vt.data() + static_cast<size_t>(j) * dvp + e0);
+                for (int i = 0; i < 8; ++i) a[i] += p[r0 + i][j] * vv;
+              }
+              for (int i = 0; i < 8; ++i) storeu(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
+            }
+          }
+        }
+      }
+      TQ* out = static_cast<TQ*>(pb.out);
+      for (int r = 0; r < it.rows; ++r) {
+        const int row = it.r0 + r, i = row / pb.group, hq = it.h * pb.group + row % pb.group;
+        const float l = hsum(lv[r]);
+        const float w = l > 0.f ? 1.f / l : 0.f;
+        TQ* o = out + ((static_cast<int64_t>(it.b) * pb.tokens + i) * pb.num_heads + hq) * pb.d_v;
+        for (int e = 0; e < pb.d_v; ++e) o[e] = static_cast<TQ>(acc[static_cast<size_t>(r) * dvp + e] * w);
+        const int64_t at = (static_cast<int64_t>(it.b) * pb.num_heads + hq) * pb.tokens + i;
+        pb.lse[at] = l > 0.f ? m[r] + std::log(l) : NEG_INF;
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> packed_attention_native(
+    const at::Tensor& q, const std::vector<at::Tensor>& k_dense, const std::vector<at::Tensor>& v_dense,
+    const std::vector<at::Tensor>& k_packed, const std::vector<at::Tensor>& v_packed, const std::string& quant,
+    double scale) {
+  Problem pb{};
+  pb.batch = static_cast<int>(q.size(0));
+  pb.tokens = static_cast<int>(q.size(1));
+  pb.num_heads = static_cast<int>(q.size(2));
+  pb.d = static_cast<int>(q.size(3));
+  for (size_t i = 0; i < k_dense.size(); ++i) {
+    pb.ks.push_back(dense_seg(k_dense[i]));
+    pb.vs.push_back(dense_seg(v_dense[i]));
+  }
+  const size_t fields = quant == "int2" ? 5 : quant == "int4" ? 3 : 2;
+  for (size_t i = 0; i < k_packed.size(); i += fields) {
+    pb.ks.push_back(packed_seg(quant, k_packed, i));
+    pb.vs.push_back(packed_seg(quant, v_packed, i));
+  }
+  const at::Tensor& k0 = !k_dense.empty() ? k_dense[0] : k_packed[0];
+  pb.num_kv_heads = static_cast<int>(k0.size(2));
+  pb.d_v = pb.vs[0].d;
+  at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2), pb.d_v}, q.options());
+  at::Tensor lse = at::full({q.size(0), q.size(2), q.size(1)}, NEG_INF, q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {out, lse};
+  pb.q = q.data_ptr();
+  for (int i = 0; i < 4; ++i) pb.sq[i] = q.stride(i);
+  pb.group = pb.num_heads / pb.num_kv_heads;
+  pb.dp = round_up(pb.d, BN);
+  pb.dvp = round_up(pb.d_v, BN);
+  pb.scale = static_cast<float>(scale);
+  pb.out = out.data_ptr();
+  pb.lse = lse.data_ptr<float>();
+  std::vector<Item> items;
+  const int rows = pb.tokens * pb.group;
+  for (int b = 0; b < pb.batch; ++b)
+    for (int h = 0; h < pb.num_kv_heads; ++h)
+      for (int r0 = 0; r0 < rows; r0 += ROWS) items.push_back({b, h, r0, std::min(ROWS, rows - r0)});
+  switch (q.scalar_type()) {
+    case at::kFloat: run<float>(pb, items); break;
+    case at::kBFloat16: run<c10::BFloat16>(pb, items); break;
+    case at::kHalf: run<c10::Half>(pb, items); break;
+    default: TORCH_CHECK(false, "kvops::_packed_attention_native: unsupported q dtype ", q.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace kvops_packed_native
+
+TORCH_LIBRARY_FRAGMENT(kvops, m) {
+  m.def(
+      "_packed_attention_native(Tensor q, Tensor[] k_dense, Tensor[] v_dense, Tensor[] k_packed, Tensor[] v_packed, "
+      "str quant, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("_packed_attention_native", &kvops_packed_native::packed_attention_native); }

@@ -1,0 +1,124 @@
+// Native CPU kernel for kvops::paged_cache_write (docs/semantics.md §3), registered as kvops::_paged_write_native.
+//
+// Built with paged_attention.cpp into one extension by kvops/native/__init__.py. Called by kvops.paged_cache_write
+// on CPU after the op's validator ran (kvops/_checks/paged_write.py), so this file trusts its arguments' metadata
+// (ranks, shapes, dtypes, devices, head slice) and only reads slot values: caches are NHD views
+// [P, block_size, H_kv, D] with any strides (an HND cache arrives as its transpose(1, 2) view), key/value
+// [N', H_in, D] with any strides, slot_mapping [N] int32/int64.
+//
+// One call writes both caches, as vLLM's CPU reshape_and_cache does: slots are read once to check them all (a slot
+// >= P * block_size returns its index and nothing is written, so a batch is never left partly written), then each
+// token with a slot >= 0 is routed once and its K and V rows are copied: one memcpy per token and cache when the
+// heads of a row are contiguous in both source and cache, one per head when only the head_dim is, elementwise
+// otherwise. For float8_e4m3fn caches the first N key/value rows are first quantized with the composite kernel's
+// vectorized torch ops (clamp(x / scale, +-448) in fp32, round to nearest even; scale [1] or [H_kv], input head h
+// uses scale[h0 + h]), then their bytes are copied the same way. Tokens run under at::parallel_for. Duplicate
+// slots: which token lands is unspecified.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace kvops_native {
+namespace {
+
+constexpr float FP8_MAX = 448.f;
+
+struct Rows {  // one cache and its source rows
+  const char* src;
+  int64_t s0, s1, s2;  // source strides (elements) of token, head, dim
+  char* dst;
+  int64_t d0, d1, d2, d3;  // cache strides (elements) of block, row, head, dim
+  int64_t heads, dim, src_size, dst_size;
+};
+
+// x[:n] / scale in fp32, saturated to +-448, to float8_e4m3fn (round to nearest even): the composite kernel's ops
+at::Tensor quantize(const at::Tensor& x, const at::Tensor& scale, int64_t h0, int64_t n) {
+  const at::Tensor s = scale.size(0) == 1 ? scale : scale.narrow(0, h0, x.size(1));
+  return x.narrow(0, 0, n).to(at::kFloat).div(s.view({1, -1, 1})).clamp_(-FP8_MAX, FP8_MAX).to(at::kFloat8_e4m3fn);
+}
+
+Rows rows_of(const at::Tensor& src, const at::Tensor& cache, int64_t h0) {
+  Rows r;
+  r.src = static_cast<const char*>(src.data_ptr());
+  r.s0 = src.stride(0); r.s1 = src.stride(1); r.s2 = src.stride(2);
+  r.dst = static_cast<char*>(cache.data_ptr()) + h0 * cache.stride(2) * cache.element_size();
+  r.d0 = cache.stride(0); r.d1 = cache.stride(1); r.d2 = cache.stride(2); r.d3 = cache.stride(3);
+  r.heads = src.size(1); r.dim = src.size(2);
+  r.src_size = src.element_size(); r.dst_size = cache.element_size();
+  return r;
+}
+
+// same dtype: bytes
+inline void copy_row(const Rows& r, int64_t token, int64_t block, int64_t row) {
+  const char* s = r.src + token * r.s0 * r.src_size;
+  char* d = r.dst + (block * r.d0 + row * r.d1) * r.dst_size;
+  const int64_t e = r.dst_size;
+  if (r.s2 == 1 && r.d3 == 1) {
+    if (r.s1 == r.dim && r.d2 == r.dim) {
+      std::memcpy(d, s, r.heads * r.dim * e);
+      return;
+    }
+    for (int64_t h = 0; h < r.heads; ++h) std::memcpy(d + h * r.d2 * e, s + h * r.s1 * e, r.dim * e);
+    return;
+  }
+  for (int64_t h = 0; h < r.heads; ++h)
+    for (int64_t x = 0; x < r.dim; ++x) std::memcpy(d + (h * r.d2 + x * r.d3) * e, s + (h * r.s1 + x * r.s2) * e, e);
+}
+
+template <typename I>
+int64_t write_all(const I* slots, int64_t stride, int64_t n, int64_t capacity, int64_t block_size, const Rows& k,
+                  const Rows& v) {
+  for (int64_t i = 0; i < n; ++i)
+    if (static_cast<int64_t>(slots[i * stride]) >= capacity) return i;  // nothing written
+  const int64_t bytes = k.heads * (k.dim + v.dim) * k.dst_size;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(bytes, 1));
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t slot = static_cast<int64_t>(slots[i * stride]);
+      if (slot < 0) continue;  // padding
+      const int64_t block = slot / block_size, row = slot - block * block_size;
+      copy_row(k, i, block, row);
+      copy_row(v, i, block, row);
+    }
+  });
+  return -1;
+}
+
+int64_t paged_write_native(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, int64_t h0, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
+  const int64_t n = slot_mapping.size(0);
+  if (n == 0) return -1;
+  at::Tensor k_src = key, v_src = value;
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "kvops::_paged_write_native: fp8 caches need scales");
+    k_src = quantize(key, *k_scale, h0, n);
+    v_src = quantize(value, *v_scale, h0, n);
+  }
+  const Rows k = rows_of(k_src, k_cache, h0), v = rows_of(v_src, v_cache, h0);
+  const int64_t block_size = k_cache.size(1), capacity = k_cache.size(0) * block_size;
+  const int64_t stride = slot_mapping.stride(0);
+  if (slot_mapping.scalar_type() == at::kInt)
+    return write_all(slot_mapping.data_ptr<int32_t>(), stride, n, capacity, block_size, k, v);
+  return write_all(slot_mapping.data_ptr<int64_t>(), stride, n, capacity, block_size, k, v);
+}
+
+}  // namespace
+}  // namespace kvops_native
+
+TORCH_LIBRARY_FRAGMENT(kvops, m) {
+  m.def(
+      "_paged_write_native(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+      "int h0, Tensor? k_scale, Tensor? v_scale) -> int");
+}
+
+TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("_paged_write_native", &kvops_native::paged_write_native); }
