@@ -27,8 +27,6 @@ import time
 
 import torch
 import torch._dynamo
-import torch._functorch.config
-import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
@@ -141,12 +139,6 @@ def main() -> None:
         f"(model: 30), FFN {args.ffn} (model: 8960), {tpf} tokens/frame (model: 1560 at 480x832), {args.chunks} chunks, "
         f"{args.steps} denoising steps + 1 context pass per chunk"
     )
-    # Inductor's on-disk caches store the symbolic guards of each compiled graph; on a cache hit torch 2.13 re-evaluates
-    # them and specializes the Max/Min terms of the cache's branch-free cursor arithmetic, which doubles the number of
-    # graphs (a warm cache hit the default recompile limit of 8 under fullgraph=True). Compile without them here so the
-    # printed compile count is the same on every run; see CausalKVCache's docstring.
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
     compiled = torch.compile(model, fullgraph=True)
     # compiled matmuls/RMSNorm may round differently from eager; the cache data movement itself is bit-exact (tests)
     tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]

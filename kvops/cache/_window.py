@@ -3,15 +3,13 @@
 One pure function, shared by every cache with the §1 contract (``CausalKVCache``, the packed cache): it maps the
 cursors after an update to the row ranges of the view. It reads no tensor, so under ``torch.compile`` its ints may be
 ``SymInt``s: the comparisons below are the only guards it adds (whether the window starts past row 0, whether a sink
-or a pinned chunk is shown, whether ranges are empty or touch), and the arithmetic uses ``torch.sym_max``/``sym_min``,
-which are plain ``max``/``min`` on Python ints.
+or a pinned chunk is shown, whether ranges are empty or touch), and the clamps are those of
+:mod:`kvops.cache._clamp` (no ``Max``/``Min`` terms under ``torch.compile``; plain ``max``/``min`` on Python ints).
 """
 
 from __future__ import annotations
 
-import torch
-
-_max, _min = torch.sym_max, torch.sym_min
+from ._clamp import relu, smax, smin
 
 __all__ = ["visible_rows"]
 
@@ -56,24 +54,34 @@ def visible_rows(
     pin = pinned_len > 0 and pinned_start >= sink
     if recent_window_tokens is None:
         if sink == 0 and not pin:  # one range without a guard on the window's start under torch.compile
-            return [(_max(0, local_end - window), local_end)]
+            return [(relu(local_end - window), local_end)]
         start = local_end - window
         if start <= 0:
             return [(0, local_end)]
-        sink_end = _min(sink, local_end)
+        # local_end > window here, so with sink <= window the sink is whole and, without a pin shown, the newest rows
+        # are the last window - sink: no clamp (each one grows Inductor's sympy work, kvops.cache._clamp). The sink
+        # and the window are ints of the configuration (a SymInt sink only with a settled pin: a linear guard).
+        whole_sink = sink <= window
+        sink_end = sink if whole_sink else smin(sink, local_end)
         ranges = [(0, sink_end)]
         shown = 0
         if pin and pinned_start < start:
-            pin_end = _min(pinned_start + pinned_len, local_end)
+            pin_end = smin(pinned_start + pinned_len, local_end)
             ranges.append((pinned_start, pin_end))
             shown = pin_end - pinned_start
-        ranges.append((_max(sink, local_end - _max(0, window - sink - shown)), local_end))
+        if whole_sink and len(ranges) == 1:  # no pin shown
+            ranges.append((local_end - (window - sink), local_end))
+        else:
+            ranges.append((smax(sink, local_end - relu(window - sink - shown)), local_end))
         return _merge(ranges)
-    sink_end = _min(sink, local_end)
-    start = _max(sink_end, chunk_start - recent_window_tokens)
+    if sink <= local_end:  # a guard, no clamp (false only while the first chunks fill the sink)
+        sink_end = sink
+        start = sink + relu(chunk_start - recent_window_tokens - sink)
+    else:  # chunk_start - r <= chunk_start < local_end: nothing is shown after the (partial) sink
+        sink_end = start = local_end
     ranges = [(0, sink_end)]
     if pin:
-        pinned = (pinned_start, _min(pinned_start + pinned_len, local_end))
+        pinned = (pinned_start, smin(pinned_start + pinned_len, local_end))
         ranges += [pinned, (start, local_end)] if pinned[0] < start else [(start, local_end), pinned]
     else:
         ranges.append((start, local_end))
@@ -87,7 +95,7 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if b <= a:
             continue
         if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], _max(merged[-1][1], b))
+            merged[-1] = (merged[-1][0], smax(merged[-1][1], b))
         else:
             merged.append((a, b))
     return merged or [(0, 0)]

@@ -5,47 +5,16 @@ Bookkeeping is plain Python ints; every tensor write and move goes through ``kvo
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .._checks.common import require_ndim
 from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write, check_caches
 from ..ops.contiguous import cache_roll, cache_write
+from ._clamp import smax
+from ._plan import CausalKVView, _Cursors, eviction_moves, eviction_moves_with_pin, plan_rows, raise_write_range
 from ._window import visible_rows
 
-
-class CausalKVView(NamedTuple):
-    """What :meth:`CausalKVCache.update_and_get_attention_kv` returns.
-
-    ``k``/``v`` are the visible rows ``[B, V, H_in, D]`` / ``[B, V, H_in, D_v]`` in row order (a view of the cache
-    when they are one contiguous row range, else a ``torch.cat`` of the ranges of
-    :func:`kvops.cache._window.visible_rows`: sink rows, a pinned chunk, the newest rows; docs/semantics.md §1.6). The four ints are cache rows
-    (``local_*``) and token positions (``*_global_*``): the chunk was written at rows
-    ``[local_start_index, local_end_index)``; ``visible_local_end`` is the cache's local end after the update (``L'``)
-    and ``visible_global_end`` its global end (``G'``).
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    local_start_index: int
-    local_end_index: int
-    visible_local_end: int
-    visible_global_end: int
-
-
-class _Cursors:
-    """Cursors of one head slice: ``global_end`` (G), ``local_end`` (L), the pinned chunk (rows) and the ring
-    offset (used by :class:`kvops.cache.ring.RingCausalKVCache` only; always 0 here)."""
-
-    __slots__ = ("global_end", "local_end", "pinned_start", "pinned_len", "ring_offset")
-
-    def __init__(self) -> None:
-        self.global_end = 0
-        self.local_end = 0
-        self.pinned_start = -1
-        self.pinned_len = 0
-        self.ring_offset = 0
+__all__ = ["CausalKVCache", "CausalKVView"]
 
 
 class CausalKVCache:
@@ -90,7 +59,7 @@ class CausalKVCache:
     build them outside it. Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
     recompile they become dynamic ``SymInt``s. (A cache can also be built and used inside a compiled or exported
     function, e.g. an exported step that wraps given buffers; its cursors are then trace-time constants of that
-    graph.) The bookkeeping is branch-free (``torch.sym_max``/``sym_min``), so
+    graph.) The bookkeeping is branch-free (``kvops.cache._plan``: clamps built from ``abs`` and ``//``), so
     appends, rewrites and evictions run the same graph; the loop compiles a small fixed set of graphs during the
     first chunks and none after (measured on torch 2.13, tests/test_causal_compile.py):
 
@@ -101,12 +70,12 @@ class CausalKVCache:
     - +1 per growth (the buffers change shape); +1 when head-sliced writers create their cursors on the first call;
     - +1 with Inductor, which guards on whether the eviction move has zero rows.
 
-    With warm on-disk Inductor caches (FX graph cache, AOTAutograd cache), torch 2.13 re-evaluates the guards stored
-    with a cached graph on a hit, which specializes the ``Max``/``Min`` terms of the cursor arithmetic: the same loop
-    compiled twice as many graphs (4 -> 8), reaching the default ``torch._dynamo.config.recompile_limit`` (8) under
-    ``fullgraph=True``. Generation loops should compile without those caches
-    (``torch._inductor.config.fx_graph_cache = False``, ``torch._functorch.config.enable_autograd_cache = False``, as
-    ``examples/streaming_video.py`` does) or raise the recompile limit, in their own setup; kvops changes no config.
+    The same holds with torch's default configuration in a later process on warm on-disk caches (FX graph cache,
+    AOTAutograd cache, one ``TORCHINDUCTOR_CACHE_DIR``): it compiles no more graphs than the first (tested in
+    tests/test_warm_cache.py). The cursor clamps hold no ``Max``/``Min`` terms because torch 2.13 re-evaluates the
+    guards stored with a cached graph as Python code, where ``max``/``min`` compare their arguments and specialize
+    the graph (kvops/cache/_clamp.py); with ``sym_max``/``sym_min`` clamps a warm sink stream compiled 8 graphs instead
+    of 3, and a pinned stream hit ``FailOnRecompileLimitHit``.
 
     Do **not** store the caches as attributes of an ``nn.Module``: Dynamo treats int attributes reached through a
     module as constants, so the advancing cursors recompile every call until the recompile limit, a hard
@@ -362,31 +331,31 @@ class CausalKVCache:
                 would land on the sink rows (``sink + n > S``), or when ``s > G`` (an append that would leave
                 positions ``[G, s)`` unwritten).
         """
-        plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
-        h0, h1, c, n, ls, le, added, evicted, capacity = plan
+        h0, h1, c, plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
         g, l = c.global_end, c.local_end
         unsettled_pin = c.pinned_len > 0 and c.pinned_start != self.global_sink_tokens
-        sink = self._effective_sink(c)
-        if capacity != self.cache_size:
-            self._grow(capacity)
+        if plan.capacity != self.cache_size:
+            self._grow(plan.capacity)
         if unsettled_pin:
-            moves, pinned_start = _moves_with_pin(l, evicted, capacity, self.global_sink_tokens, c)
+            moves, pinned_start = eviction_moves_with_pin(
+                plan, l, self.global_sink_tokens, c.pinned_start, c.pinned_len
+            )
         else:
-            moves, pinned_start = [_move(sink + evicted, sink, l - evicted - sink, evicted, capacity)], c.pinned_start
+            moves, pinned_start = eviction_moves(plan, l, self._effective_sink(c)), c.pinned_start
         for src, dst, count in moves:
             if torch.compiler.is_compiling() or count > 0:  # count is 0 unless rows are evicted
                 cache_roll(self.k, self.v, src, dst, count, h0, h1 - h0)
         head_start = None if cache_head_start is None else h0
-        cache_write(key, value, self.k, self.v, ls, head_start)
-        c.global_end, c.local_end, c.pinned_start = g + added, l + added - evicted, pinned_start
+        cache_write(key, value, self.k, self.v, plan.ls, head_start)
+        c.global_end, c.local_end, c.pinned_start = g + plan.added, l + plan.added - plan.evicted, pinned_start
 
-        k, v = self._visible(c, ls, c.local_end, recent_window_tokens, h0, h1, head_start is not None)
-        return CausalKVView(k, v, ls, le, c.local_end, c.global_end)
+        k, v = self._visible(c, plan.ls, c.local_end, recent_window_tokens, h0, h1, head_start is not None)
+        return CausalKVView(k, v, plan.ls, plan.le, c.local_end, c.global_end)
 
     def _plan(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
-        """Validate one update (nothing is written) and return ``(h0, h1, cursors, n, ls, le, added, evicted,
-        capacity)``: the head slice, the chunk's rows ``[ls, le)`` after the update, the tokens appended and
-        evicted, and the capacity after a planned growth. Shared with :class:`kvops.cache.ring.RingCausalKVCache`.
+        """Validate one update (nothing is written) and return ``(h0, h1, cursors, plan)``: the head slice, its
+        cursors and the :class:`kvops.cache._plan.Plan` (the chunk's rows after the update, the tokens appended and
+        rows evicted, the capacity after a planned growth). Shared with :class:`kvops.cache.ring.RingCausalKVCache`.
         """
         name = self.name
         if recent_window_tokens is not None and recent_window_tokens < 0:
@@ -397,60 +366,23 @@ class CausalKVCache:
         h0 = check_cache_write(key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k, self.v, 0, cache_head_start, op=name)
         h1 = h0 + key.shape[2]
         c = self._slice_cursors(h0, h1)
-
-        # The arithmetic below is branch-free (sym_max/sym_min): under torch.compile a rewrite, an append and an
-        # append that evicts run the same graph; only the pin's state (none/unsettled/settled) and the shape of the
-        # visible window (a view or a cat) are Python branches.
-        n = key.shape[1]
-        s = current_chunk_start
-        e = s + n
-        g, l = c.global_end, c.local_end
-        capacity = self.cache_size
-        added = _max(0, e - g)  # tokens appended (0 for a rewrite)
-        if self.allow_growth and l + added > capacity:
-            capacity = max(l + added, 2 * capacity)
-        evicted = _max(0, l + added - capacity)
-        ls = l + s - g - evicted  # = s - (G - L) for a rewrite, L + a - n or S - n for an append
-        le = ls + n
-        pinned = c.pinned_len > 0
-        sink = self._effective_sink(c)
-        protected = self.global_sink_tokens if pinned else sink  # rows that never follow position = G - L + row
-        # Each check is one comparison of a min (a single guard under torch.compile; a compound SymBool trips
-        # torch 2.13's guard builder): rows inside [0, S) and no gap after G; and not a rewrite (e <= G) landing on
-        # the sink rows [0, protected) after tokens were evicted (G > L), i.e. a rewrite of an evicted chunk.
-        # An append that evicts must land after the sink: rows [0, protected) are never overwritten.
-        if (
-            _min(_min(ls, capacity - le), g - s) < 0
-            or _min(_min(g - e, ls), _min(protected - 1 - ls, g - l - 1)) >= 0
-            or _min(evicted - 1, protected - 1 - ls) >= 0
-        ):
-            self._raise_write_range(ls, le, g, l, capacity, n, s, e, protected)
-
-        return h0, h1, c, n, ls, le, added, evicted, capacity
-
-    def _raise_write_range(self, ls, le, g, l, capacity, n, s, e, protected) -> None:
-        ls, le, g, l, capacity, s, e = (int(x) for x in (ls, le, g, l, capacity, s, e))  # concrete values
-        reason = ""
-        if ls >= 0 and le <= capacity:
-            if s > g:
-                reason = f" (current_start is past global_end: positions [{g}, {s}) would never be written)"
-            elif e > g:
-                reason = (
-                    f" (the chunk does not fit after the sink rows [0, {protected}): sink + num_new_tokens must be "
-                    f"<= kv_cache_size; use a larger cache or smaller chunks)"
-                )
-            else:
-                reason = f" (rows [0, {protected}) hold the sink; the chunk was already evicted)"
-        raise RuntimeError(
-            f"Invalid {self.name} write range: local=[{ls}, {le}), global_end={g}, prev_local_end={l}, "
-            f"kv_cache_size={capacity}, num_new_tokens={n}, current_start={s}, current_end={e}{reason}"
-        )
+        # Branch-free (kvops.cache._plan): a rewrite, an append and an append that evicts run the same graph; only
+        # the pin's state (none/unsettled/settled) and the shape of the visible window (a view or a cat) are Python
+        # branches. Rows [0, protected) never follow position = G - L + row.
+        protected = self.global_sink_tokens if c.pinned_len > 0 else self._effective_sink(c)
+        s, g, l = current_chunk_start, c.global_end, c.local_end
+        plan, ok = plan_rows(key.shape[1], s, g, l, self.cache_size, self.allow_growth, protected)
+        if not ok:
+            raise_write_range(name, plan, s, g, l, protected)
+        return h0, h1, c, plan
 
     def _grow(self, new_size: int) -> None:
         """Reallocate the buffers with ``new_size`` rows, copying the rows in use (all heads) through the write op."""
         k, v = self.k, self.v
         old_size = k.shape[1]
-        rows = max(c.local_end for c in self._cursors.values())
+        rows = 0
+        for c in self._cursors.values():
+            rows = smax(rows, c.local_end)  # no Max term under torch.compile (kvops.cache._clamp)
         b, _, h, d = k.shape
         if self._fused_kv:
             kv = k.new_zeros(b, new_size, 2, h, d)
@@ -469,9 +401,12 @@ class CausalKVCache:
         def rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
             return t[:, a:b, h0:h1] if sliced else t[:, a:b]
 
-        ranges = visible_rows(
-            end, self.attention_window_size, self._effective_sink(c), c.pinned_start, c.pinned_len, ls, recent
-        )
+        if recent is None and self.attention_window_size >= self.cache_size:
+            ranges = [(0, end)]  # the window holds every row (L' <= S <= W): no clamp, no guard
+        else:
+            ranges = visible_rows(
+                end, self.attention_window_size, self._effective_sink(c), c.pinned_start, c.pinned_len, ls, recent
+            )
         if len(ranges) == 1:
             (a, b), = ranges
             return rows(self.k, a, b), rows(self.v, a, b)
@@ -492,26 +427,3 @@ def _share_storage(k: torch.Tensor, v: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return k._base is not None and k._base is v._base
     return k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-
-
-_max, _min = torch.sym_max, torch.sym_min  # plain max/min on ints; no guard on SymInts under torch.compile
-
-
-def _move(src, dst, count, evicted, capacity):
-    """A row move ``(src, dst, count)`` that is empty unless rows are evicted, with in-range rows either way."""
-    return _min(src, capacity), _min(dst, capacity), _min(_max(0, count), evicted * capacity)
-
-
-def _moves_with_pin(l, evicted, capacity, global_sink, c: _Cursors):
-    """Eviction moves when a pinned chunk sits past the global sink, and the pin's new start.
-
-    The rows between the global sink and the pin are evicted first (the pin moves down with the rows after it); once
-    the pin sits right after the global sink, the remaining rows are evicted after the pin. The pin is never evicted.
-    """
-    pin_start, pin_end = c.pinned_start, c.pinned_start + c.pinned_len
-    before = _min(evicted, pin_start - global_sink)  # evicted between the sink and the pin
-    after = evicted - before  # evicted after the pin
-    return [
-        _move(global_sink + before, global_sink, pin_end - global_sink - before, before, capacity),
-        _move(pin_end + after, pin_end - before, l - pin_end - after, evicted, capacity),
-    ], pin_start - before

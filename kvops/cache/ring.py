@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ..ops.contiguous import cache_write
+from ._clamp import smin
 from ._window import visible_rows
 from .causal import CausalKVCache, _Cursors
 
@@ -132,9 +133,8 @@ class RingCausalKVCache(CausalKVCache):
         :meth:`CausalKVCache.update_and_get_attention_kv`; the chunk's logical rows ``[ls, le)`` are written at
         their physical ring rows, after the ring offset advanced by the evicted rows. Returns a :class:`RingKVView`.
         """
-        h0, h1, c, n, ls, le, added, evicted, _ = self._plan(
-            key, value, current_chunk_start, cache_head_start, recent_window_tokens
-        )
+        h0, h1, c, plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+        ls, le, added, evicted = plan.ls, plan.le, plan.added, plan.evicted
         sink = self._effective_sink(c)
         ring = self.cache_size - sink
         c.ring_offset = (c.ring_offset + evicted) % ring
@@ -185,13 +185,13 @@ class RingCausalKVCache(CausalKVCache):
         """The physical row runs ``[(start, count), ...]`` holding logical rows ``[a, b)``, in logical order."""
         out = []
         if a < sink:
-            end = min(b, sink)
+            end = smin(b, sink)
             out.append((a, end - a))
             a = end
         if a < b:
             size = self.cache_size
             p = sink + (c.ring_offset + a - sink) % (size - sink)
-            head = min(b - a, size - p)
+            head = smin(b - a, size - p)
             out.append((p, head))
             if head < b - a:
                 out.append((sink, b - a - head))

@@ -1,0 +1,64 @@
+"""Streaming loops compile the same graphs in a second process on warm on-disk caches (issue 6 §5).
+
+Two subprocesses share one fresh ``TORCHINDUCTOR_CACHE_DIR`` and run, with torch's default configuration (FX graph
+cache, AOTAutograd cache and automatic dynamic shapes on), the block-causal loop of tests/test_causal_compile.py under
+``torch.compile(fullgraph=True)`` with Inductor: a sink stream, and a pinned stream with a window smaller than the
+cache. The first process compiles cold; the second finds every graph in the FX graph cache. Before the fix the second
+compiled more graphs (sink: 3 -> 8, at the default ``recompile_limit``; pinned: past it, ``FailOnRecompileLimitHit``),
+because on a hit torch 2.13 re-evaluates the stored guards and their ``Max``/``Min`` terms specialized (see
+kvops/cache/_clamp.py). The outputs of both processes must also be bit-equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys
+import torch, torch._dynamo
+from torch._dynamo.utils import counters
+from tests.test_causal_compile import forward, make_caches, stream
+
+KINDS = {  # name: (cache kwargs, stream kwargs); chunks of 2 tokens, past eviction
+    "sink": (dict(layers=1, sink_tokens=1), dict(chunks=4, steps=1)),
+    "pinned+window": (dict(layers=1, size=8, sink_tokens=2, global_sink_tokens=2, attention_window_size=6),
+                      dict(chunks=5, steps=1, pin_after=(2,))),
+}
+out = {}
+for name, (cache_kwargs, stream_kwargs) in KINDS.items():
+    torch._dynamo.reset()
+    counters.clear()
+    outs = stream(torch.compile(forward, fullgraph=True), make_caches(**cache_kwargs), **stream_kwargs)
+    out[name] = dict(graphs=counters["stats"]["unique_graphs"], hits=counters["inductor"]["fxgraph_cache_hit"],
+                     checksum=[float(o.double().sum()) for o in outs])
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run_child(cache_dir: Path) -> dict:
+    # torch's defaults: drop any cache/compile switches of the calling environment, keep only our cache dir.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE", "TORCHDYNAMO"))}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_second_process_compiles_no_more_graphs(tmp_path):
+    cold = _run_child(tmp_path)
+    warm = _run_child(tmp_path)
+    for name in cold:
+        assert cold[name]["hits"] == 0, (name, cold[name])  # a fresh cache dir: everything compiled
+        assert warm[name]["hits"] > 0, (name, warm[name])  # the second process did use the warm FX graph cache
+        assert warm[name]["graphs"] <= cold[name]["graphs"], (name, cold[name]["graphs"], warm[name]["graphs"])
+        assert warm[name]["checksum"] == cold[name]["checksum"], name
