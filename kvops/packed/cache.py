@@ -299,7 +299,8 @@ class PackedCausalKVCache:
         return self._slot("pool", 0, slot), self._slot("pool", 1, slot)
 
     def _storage(self, kv: int) -> list:
-        """K (``kv = 0``) or V storage in the row order of :func:`gather_window`: ``[(part, [rows, ...]), ...]``."""
+        """K (``kv = 0``) or V storage in row order (:func:`kvops.packed._plan.storage_segments`): ``[(part, [rows,
+        ...]), ...]``."""
         pick = lambda pair: pair[kv]  # noqa: E731
         parts = []
         if self.sink_chunks:
@@ -371,14 +372,20 @@ class PackedCausalKVCache:
         self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int, cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
     ) -> PackedKVView:
-        """Write a chunk and return the visible window as segments (dense views and packed slots).
+        """Write a chunk and return the visible window as the storage + a row mask (no dense copy).
 
-        The contract is :meth:`update_and_get_attention_kv`'s; use this with :func:`kvops.packed.packed_attention`
-        to attend without materializing the window densely. The K/V segments are the cache's whole storage (every
-        dense and packed slot, a fixed list) and ``row_counts`` marks the visible rows, computed by the tensor
-        arithmetic of :meth:`update_and_get_attention_kv` -- so under ``torch.compile`` it compiles the same few
-        graphs whatever the window's length (tests/test_packed_compile.py) and the attention reads only the
-        visible rows' bytes (``kvops::packed_attention`` skips tiles with no visible row).
+        The contract (arguments, indices, errors) is :meth:`update_and_get_attention_kv`'s; use this with
+        :func:`kvops.packed.packed_attention` (``packed_attention(q, view.k, view.v)``) to attend without
+        materializing the window densely.
+
+        Returns:
+            :class:`PackedKVView`: ``k``/``v`` are :class:`PackedSegments`: the cache's whole storage (every dense
+            and packed slot, heads ``[h0, h0 + H_in)``; the same list on every call) and ``row_counts`` int32 ``[sum
+            of the segments' rows]``, 1 for the visible rows and 0 elsewhere, computed by the tensor arithmetic of
+            :meth:`update_and_get_attention_kv` -- so under ``torch.compile`` a stream compiles the same few graphs
+            whatever the window's length (tests/test_packed_compile.py), and ``kvops::packed_attention`` reads only
+            the 16-row tiles that hold a visible row. Attention over it equals attention over
+            :meth:`update_and_get_attention_kv`'s rows (the same rows, in storage order; tests/test_packed_cache.py).
         """
         h0, h1, cur, g, local_end, ls = self._write(key, value, current_chunk_start, cache_head_start,
                                                    recent_window_tokens)
