@@ -97,11 +97,10 @@ class TestCompileCount(unittest.TestCase):
     def test_segments_stream_with_inductor(self):
         """``update()`` + ``packed_attention`` under the default Inductor backend: 6 graphs for a stream over a
         6-chunk window with a sink (measured, as ``update_and_get_attention_kv``: Inductor adds one), results equal
-        to eager. Cold Inductor caches: warm on-disk FX/AOTAutograd caches re-evaluate stored guards (slot offsets,
-        append vs rewrite) and add up to 2 graphs on torch 2.13 (see ``CausalKVCache``)."""
-        with fresh_inductor_cache():
-            frames = self.run_stream(6, sink=2, quant="int4", keep_recent_chunks=1, backend="inductor", extra=3,
-                                     fn=forward_segments, exact=False)
+        to eager, on whatever on-disk caches the run finds (a warm FX graph cache compiles the same graphs:
+        tests/test_warm_cache.py)."""
+        frames = self.run_stream(6, sink=2, quant="int4", keep_recent_chunks=1, backend="inductor", extra=3,
+                                 fn=forward_segments, exact=False)
         self.assertLessEqual(frames[-1], 6, frames)
         self.assertEqual(len(set(frames[4:])), 1, frames)
 

@@ -119,7 +119,3 @@ def window_counts(cache, ranges, positions_of, cur: int, h0: int, h1: int, slice
     counts = counts.index_add(0, idx, torch.ones_like(idx, dtype=torch.int32))
     return ks, vs, counts
 
-
-def dist(a: int, b: int) -> int:
-    """``|a - b|`` as a max (one guard-free SymInt under torch.compile)."""
-    return torch.sym_max(a - b, b - a)

@@ -23,10 +23,11 @@ import torch
 
 from .._checks.common import require_ndim
 from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write
+from ..cache._clamp import relu, smin
 from ..cache.causal import CausalKVView
 from ..ops.contiguous import cache_write
 from ..cache._window import visible_rows
-from ._plan import alloc_pool, dist as _dist, gather_window, pool_slot, row_positions, window_counts
+from ._plan import alloc_pool, gather_window, pool_slot, row_positions, window_counts
 from .ops import PackedKV, dequantize_kv, quantize_kv
 
 
@@ -93,9 +94,11 @@ class PackedCausalKVCache:
     into a scratch slot), so a stream compiles a few graphs whatever the window's length (measured on torch 2.13,
     tests/test_packed_compile.py, windows of 3, 6 and 10 chunks): 3 without a sink, 5 with one, 6 with a packed
     sink and a recent window or with a sink and a pinned chunk; none per chunk after the first 4 chunks. All within
-    Dynamo's default ``recompile_limit`` (8). With Inductor's on-disk caches (FX graph, AOTAutograd) torch 2.13 may add
-    graphs (see ``CausalKVCache``). :meth:`update` (the storage as a fixed segment list + a row mask from the same
-    arithmetic) compiles the same few graphs (tests/test_packed_compile.py). Errors are raised at trace time (Dynamo
+    Dynamo's default ``recompile_limit`` (8). A second process on the same warm on-disk caches (FX graph, AOTAutograd)
+    compiles no more graphs: the cursor clamps have no ``Min``/``Max`` term (kvops/cache/_clamp.py; with
+    ``torch.sym_min``/``sym_max`` an int8 stream compiled 5 graphs cold and 7 warm, tests/test_warm_cache.py).
+    :meth:`update` (the storage as a fixed segment list + a row mask from the same arithmetic) compiles the same few
+    graphs (tests/test_packed_compile.py). Errors are raised at trace time (Dynamo
     reports them as ``torch._dynamo.exc.Unsupported`` carrying the original exception).
 
     Pool slots are slices of one allocation (``narrow`` of dim 1), never ``pool[i]``: Inductor (torch 2.13)
@@ -218,7 +221,7 @@ class PackedCausalKVCache:
     @property
     def local_end(self) -> int:
         """``L``: rows in use in the equivalent dense cache, ``min(G, S)``."""
-        return min(self.global_end, self.cache_size)
+        return smin(self.global_end, self.cache_size)  # no Min term under torch.compile (kvops.cache._clamp)
 
     @property
     def pinned_chunk(self) -> int:
@@ -330,10 +333,11 @@ class PackedCausalKVCache:
         )
         n, s, size = key.shape[1], current_chunk_start, self.chunk_tokens
         g, cur_start = self.global_end, self.current_start
-        # One graph for appends and rewrites under torch.compile: each check is one comparison of a min/max of the
-        # cursors (an equality guard ``Eq(a, b)`` would also merge the two symbols, and Inductor (torch 2.13) then
-        # binds one of them but uses the other: "name 's72' is not defined").
-        if torch.sym_min(_dist(s, cur_start), _dist(s, g)) > 0:  # neither the current chunk nor the global end
+        # One graph for appends and rewrites under torch.compile: each check is one comparison, of a product of
+        # distances (an equality guard ``Eq(a, b)`` would also merge the two symbols, and Inductor (torch 2.13) then
+        # binds one of them but uses the other: "name 's72' is not defined"; a ``Min``/``Max`` re-specializes a warm
+        # FX graph cache hit, kvops/cache/_clamp.py).
+        if abs(s - cur_start) * abs(s - g) > 0:  # neither the current chunk nor the global end
             self._raise_non_sequential(s, g, cur_start)
         if n != size:  # an append is exactly one chunk, so a rewrite (s == current start) of another size differs
             if g - s > 0:
@@ -342,16 +346,16 @@ class PackedCausalKVCache:
                 f"{name}: an appended chunk must have chunk_tokens={size} tokens, got {n} (key shape "
                 f"{tuple(key.shape)}); the packed cache stores chunk-aligned segments."
             )
-        self._advance(s // size, torch.sym_max(0, 1 + s - g))  # 1 for an append (s == G), 0 for a rewrite
+        self._advance(s // size, relu(1 + s - g))  # 1 for an append (s == G), 0 for a rewrite
         cur = s // size
         k_rows, v_rows = self._chunk(cur, cur)
         cache_write(key, value, k_rows, v_rows, 0, None if cache_head_start is None else h0)
         pinned = self.pinned_chunk
-        if pinned >= self.sink_chunks and not _dist(cur, pinned) > 0:  # a rewrite of the pinned chunk
+        if pinned >= self.sink_chunks and not abs(cur - pinned) > 0:  # a rewrite of the pinned chunk
             self._keep_pinned(k_rows, v_rows)
         self.global_end, self.current_start = s + n, s
         g = s + n
-        local_end = torch.sym_min(g, self.cache_size)
+        local_end = smin(g, self.cache_size)
         return h0, h0 + key.shape[2], cur, g, local_end, local_end - n
 
     def _window(self, local_end: int, ls: int, g: int, recent: int | None):
@@ -359,8 +363,8 @@ class PackedCausalKVCache:
         :func:`row_positions`)."""
         shift, gs = g - local_end, self.global_sink_tokens
         if self.pinned_len > 0:
-            pinned_row = torch.sym_max(gs, self.pinned_position - shift)
             settled = self.pinned_position - shift <= gs  # the pin sits right after the global sink
+            pinned_row = gs if settled else self.pinned_position - shift  # max(gs, ...) on the guard already taken
             sink = gs + self.pinned_len if settled else gs
             rows = visible_rows(local_end, self.attention_window_size, sink, pinned_row, self.pinned_len, ls, recent)
             return rows, gs, shift, (gs, self.pinned_position, self.pinned_len) if settled else None
