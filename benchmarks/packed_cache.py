@@ -256,7 +256,7 @@ def table_update(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, 
     print(f"{'dense bf16':<20}{cell(up['dense']):>26}{1:>9.2f}")
     for name in caches:
         print(f"{name:<20}{cell(up[name]):>26}{ratio(up, name):>9.2f}{ratio(up, name + ' (mat)'):>9.2f}")
-    print("   update: packed cache's update() (returns segments) / dense; (mat): update_and_get_attention_kv, which "
+    print("   update: packed cache's update() (storage + visible-row counts, no dense copy) / dense; (mat): update_and_get_attention_kv, which "
           "also materializes the window densely.")
 
 
