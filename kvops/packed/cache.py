@@ -405,11 +405,14 @@ class PackedCausalKVCache:
     def _advance(self, new: int, append: int) -> None:
         """Chunk ``new`` is written (``append``: 1 when it just became current, else 0): the chunk that left the ring
         is quantized into its pool slot (whose older chunk is out of the window by then; with no pool, the chunk
-        leaving the ring is). A rewrite quantizes the ring slot into the pool's scratch slot instead, so that appends
-        and rewrites run one graph under torch.compile; the branches here flip once per stream."""
+        leaving the ring is). Under torch.compile a rewrite quantizes the ring slot into the pool's scratch slot instead
+        (never read), so that appends and rewrites run one graph; in eager a rewrite quantizes nothing. The other
+        branches here flip once per stream."""
         old = new - self.ring_chunks
         if self.quant is None or old < 0:
             return
+        if not torch.compiler.is_compiling() and append == 0:  # (is_compiling first: no guard on append)
+            return  # eager: nothing to quantize (the scratch write of a rewrite only keeps one graph when compiled)
         if old < self.sink_chunks:
             if not self.quantize_sink:
                 return  # a dense sink chunk never enters the ring
