@@ -35,7 +35,7 @@ CHUNK = 8  # chunked_prefill_size -> staging grid of 8 tokens (2 pages)
 LENGTHS = {101: 21, 102: 8, 103: 0, 104: 5}  # request id -> tokens: 3 grid segments, exactly 1, none, a partial one
 # (configuration i uses request ids 1000 * i + 101 ..., so its messages carry tags of their own)
 SENTINEL = 7.0
-FAULT_TIMEOUT_S = 1.5
+FAULT_TIMEOUT_S = 4.0  # the receiver's deadline in the fault phases; tighter ones failed handshakes on a busy 2-core machine
 TEST_TIMEOUT_S = 150
 
 
@@ -350,7 +350,7 @@ class TestDistributedTransfer(unittest.TestCase):
 
     def test_stalled_prefill_rank(self):
         res = self.result(2)
-        self.assertIn("prefill rank 1 (global rank 1) sent no data for tokens [8, 16): no message within 1.5 s",
+        self.assertIn("prefill rank 1 (global rank 1) sent no data for tokens [8, 16): no message within 4 s",
                       res["error"])
         self.assertIn("Its blocks were released and it is not ready", res["error"])
         self.assertLess(res["elapsed"], FAULT_TIMEOUT_S + 3)
@@ -372,7 +372,7 @@ class TestDistributedTransfer(unittest.TestCase):
 
     def test_decode_ranks_agree_on_failure(self):
         for rank, why in ((8, "another decode rank of the group failed to receive its part"),
-                          (9, "prefill rank 1 (global rank 7) sent no data for tokens [0, 5): no message within 1.5 s"),
+                          (9, "prefill rank 1 (global rank 7) sent no data for tokens [0, 5): no message within 4 s"),
                           ):
             res = self.result(rank)
             self.assertIn(f"KV transfer of request 10005 failed on decode rank {rank - 8}: {why}",
