@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch._dynamo
+import torch.utils._python_dispatch
 
 
 class _Wrap(torch.nn.Module):
@@ -58,3 +59,16 @@ def raises_everywhere(
         text = str(cm.exception)
         test.assertIn(f"{exc_type.__name__}({message!r})", text)
     return message
+
+
+class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that records the name of every op it sees (``ops``): shows that a fast path still lets modes
+    see the op."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

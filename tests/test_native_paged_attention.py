@@ -23,6 +23,7 @@ import torch._dynamo.testing
 import kvops
 import kvops.native as native
 import kvops.reference.paged_attention as composite
+from tests.contract import OpLog
 from tests.test_paged_attention import FP8, check_close, make_inputs, ref_kwargs, reference
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
@@ -146,8 +147,6 @@ class TestNativeKernel(unittest.TestCase):
                     self.assertEqual(native_bad, not name.startswith("valid"))
 
     def test_eager_calls_skip_the_dispatcher_only_when_nothing_watches(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         op_module = importlib.import_module("kvops.ops.paged_attention")  # (the package re-exports the function)
 
         inputs = make_inputs(30, [50, 3], [1, 2], block_size=16, h_q=4, h_kv=2, d=16, sinks=True)
@@ -158,16 +157,7 @@ class TestNativeKernel(unittest.TestCase):
                                                      9, 0.0, inputs["sinks"], None, None, "NHD")
         self.assertTrue(torch.equal(direct[0], dispatched[0]) and torch.equal(direct[1], dispatched[1]))
 
-        class Seen(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.ops = []
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.ops.append(str(func))
-                return func(*args, **(kwargs or {}))
-
-        with Seen() as seen:  # a dispatch mode sees the op itself
+        with OpLog() as seen:  # a dispatch mode sees the op itself
             kvops.paged_attention(**inputs)
         self.assertIn("kvops.paged_attention.default", seen.ops)
         q = inputs["q"].clone().requires_grad_()

@@ -9,7 +9,7 @@ import torch
 
 import kvops
 import kvops.ops.paged_write as paged_write_ops
-from tests.contract import raises_everywhere
+from tests.contract import OpLog, raises_everywhere
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
@@ -229,20 +229,9 @@ class TestNativeKernel(expecttest.TestCase):
     def test_modes_and_transforms_still_see_the_op(self):
         """The fast path is for plain eager CPU calls only: a TorchDispatchMode sees kvops.paged_cache_write, and a
         plain call bumps the caches' version counters as an in-place op."""
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Log(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.ops = []
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.ops.append(str(func))
-                return func(*args, **(kwargs or {}))
-
         k_cache, v_cache = make_paged_caches(2, 4, 2, 8)
         key, slots = torch.randn(3, 2, 8), torch.tensor([0, 5, -1])
-        with Log() as log:
+        with OpLog() as log:
             kvops.paged_cache_write(key, key, k_cache, v_cache, slots)
         self.assertIn("kvops.paged_cache_write.default", log.ops)
         before = (k_cache._version, v_cache._version)
