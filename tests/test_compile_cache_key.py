@@ -18,15 +18,16 @@ import kvops
 from kvops import lowering
 
 
-def test_tag_is_set_and_keeps_the_users_tag(monkeypatch):
+def test_tag_is_set_and_keeps_the_users_tag():
     tag = lowering.cache_key_tag()
     assert tag.startswith("kvops-lowering-") and len(tag) == len("kvops-lowering-") + 16
     assert tag in torch.compiler.config.cache_key_tag.split("+")
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
-    lowering._tag_compile_caches()
-    assert torch.compiler.config.cache_key_tag == f"mine+{tag}"
-    lowering._tag_compile_caches()  # idempotent
-    assert torch.compiler.config.cache_key_tag == f"mine+{tag}"
+    with torch.compiler.config.patch(cache_key_tag="mine"):  # (config.patch, not monkeypatch: it restores the entry)
+        lowering._tag_compile_caches()
+        assert torch.compiler.config.cache_key_tag == f"mine+{tag}"
+        lowering._tag_compile_caches()  # idempotent
+        assert torch.compiler.config.cache_key_tag == f"mine+{tag}"
+    assert tag in torch.compiler.config.cache_key_tag.split("+")
 
 
 def test_tag_follows_the_lowering_sources(tmp_path):
@@ -55,9 +56,9 @@ def _compile_once():
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
-def test_another_tag_misses_the_warm_cache(monkeypatch):
+def test_another_tag_misses_the_warm_cache():
     with fresh_inductor_cache():
         assert _compile_once() == (0, 1)  # cold
         assert _compile_once() == (1, 0)  # warm, same lowering sources: a hit
-        monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "kvops-lowering-0000000000000000")
-        assert _compile_once() == (0, 1)  # as after a change of the lowerings: compiled anew, never the old code
+        with torch.compiler.config.patch(cache_key_tag="kvops-lowering-0000000000000000"):
+            assert _compile_once() == (0, 1)  # as after a change of the lowerings: compiled anew, never the old code
