@@ -32,6 +32,7 @@ SOURCES = [
     SOURCE.with_name("packed_attention.cpp"),  # kvops::_packed_attention_native
     SOURCE.with_name("paged_write.cpp"),  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
 ]
+HEADERS = [SOURCE.with_name("vec.h")]  # included by the sources: part of the build hash
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
@@ -52,7 +53,7 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     """Extension name: ``kvops_native_<hash of source, flags, CPU flags, torch version>``."""
-    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
     for part in (*CFLAGS, _cpu_flags(), torch.__version__):
         h.update(part.encode())
     return f"kvops_native_{h.hexdigest()[:16]}"

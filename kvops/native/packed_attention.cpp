@@ -38,46 +38,11 @@
 namespace kvops_packed_native {
 namespace {
 
-constexpr int BN = 16;  // tokens per tile = vector lanes
+#include "vec.h"  // L = 16 lanes, vf/vi, loadu/storeu/splat/vsel/hsum, vexp, fp8_lut
+constexpr int BN = L;  // tokens per tile = vector lanes
 constexpr int ROWS = 128;  // query rows per item (per KV head)
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
-inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < BN; ++i) m = v[i] > m ? v[i] : m; return m; }
-inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < BN; ++i) s += v[i]; return s; }
-
-// exp with exact 0 for x < -87 (incl. -inf); Cephes expf polynomial, ~1 ulp
-inline vf vexp(vf x) {
-  const vi under = x < splat(-87.0f);
-  x = vsel(under, splat(-87.0f), x);
-  x = vsel(x > splat(88.0f), splat(88.0f), x);
-  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  vf r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return vsel(under, splat(0.0f), p * (vf)e);
-}
-
-struct Fp8Lut {
-  float v[256];
-  Fp8Lut() {
-    for (int i = 0; i < 256; ++i)
-      v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-  }
-};
-const Fp8Lut& fp8_lut() { static const Fp8Lut lut; return lut; }
 
 inline float h2f(const void* p, int64_t i) { return static_cast<float>(static_cast<const c10::Half*>(p)[i]); }
 

@@ -38,29 +38,19 @@
 #include <limits>
 #include <vector>
 
-
 namespace kvops_native {
 namespace {
 
-constexpr int L = 16;  // vector lanes = tokens per chunk
+#include "vec.h"  // L = 16 lanes (= tokens per chunk), vf/vi, loadu/storeu/splat/vsel/hsum, vexp, fp8_lut
 #ifndef KVOPS_PREFETCH  // Zen 5 (48 KiB L1d), one thread: 8 KiB as good as or better than 4, 16, 32 KiB; t0 > t1, t2
 #define KVOPS_PREFETCH 8192
 #endif
 constexpr int PREFETCH_BYTES = KVOPS_PREFETCH;  // K/V bytes prefetched ahead of the math
 constexpr int64_t TINY_KV_ROWS = 2048;  // (KV position, KV head) rows below which a call stays on one thread (~50 us)
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
 inline vi splati(int32_t x) { return vi{} + x; }
-inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < L; ++i) s += v[i]; return s; }
 inline float hmax(vf v) {
 #if defined(__clang__)
   float m = v[0];
@@ -79,25 +69,6 @@ inline float hmax(vf v) {
   }
   return v[0];
 #endif
-}
-
-// exp with exact 0 for x < -87 (incl. -inf); Cephes expf polynomial, ~1 ulp.
-inline vf vexp(vf x) {
-  vi under = x < splat(-87.0f);
-  x = vsel(under, splat(-87.0f), x);
-  x = vsel(x > splat(88.0f), splat(88.0f), x);
-  vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  vf r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return vsel(under, splat(0.0f), p * (vf)e);
 }
 
 inline vf vtanh(vf x) {
@@ -144,14 +115,6 @@ inline void transpose16(vf* m) {
 }
 
 // --- loading one row of n elements (element stride st) into n_pad fp32 values (zeros after n) ------------------
-struct Fp8Lut {
-  float v[256];
-  Fp8Lut() {
-    for (int i = 0; i < 256; ++i)
-      v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-  }
-};
-const Fp8Lut& fp8_lut() { static const Fp8Lut lut; return lut; }
 
 template <typename T>
 inline float to_f(const T& x) { return static_cast<float>(x); }
