@@ -13,6 +13,10 @@ from .._checks.contiguous import check_cache_roll, check_cache_write
 from ..reference import contiguous as cpu
 from ..triton import HAS_TRITON
 
+# One module global per op: every global a traced wrapper reads is a Dynamo guard evaluated on each call of the
+# compiled function, one per link of an attribute chain such as ``torch.ops.kvops.cache_write``.
+_cache_write = torch.ops.kvops.cache_write.default
+
 
 def cache_write(
     key: torch.Tensor,
@@ -46,7 +50,7 @@ def cache_write(
     sglang's causal video-diffusion KV cache (docs/semantics.md §1); a cache with a stride-0 dim (an ``expand``ed view)
     cannot be written in place and raises ``ValueError``.
     """
-    torch.ops.kvops.cache_write(key, value, k_cache, v_cache, start, cache_head_start)
+    _cache_write(key, value, k_cache, v_cache, start, cache_head_start)
 
 
 def cache_roll(

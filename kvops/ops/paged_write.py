@@ -18,6 +18,12 @@ from .._checks.paged_write import as_nhd, check_paged_cache_write
 from ..reference import paged_write as cpu
 from ..triton import HAS_TRITON
 
+# Traced calls read these two module globals: each global a traced function reads becomes a Dynamo guard evaluated on
+# every call of the compiled function, and an attribute chain (``torch.ops.kvops.paged_cache_write``) one guard per
+# link, so the compiled-write benchmark (benchmarks/cache_write.py) pays for every name the traced path touches.
+_traced = torch.compiler.is_compiling
+_op = torch.ops.kvops.paged_cache_write.default
+
 
 def paged_cache_write(
     key: torch.Tensor,
@@ -69,12 +75,10 @@ def paged_cache_write(
 
     Duplicate non-negative slots within one call: which token lands is unspecified.
     """
-    if torch.compiler.is_compiling():  # traced: the op (and the async value check); few globals, so few guards
+    if _traced():  # traced: the op (and the async value check), through few globals (few guards, see above)
         if values._mode == "async":  # read directly: one source for the values module, so no aliasing guard
             slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)
-        torch.ops.kvops.paged_cache_write(
-            key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout
-        )
+        _op(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout)
         return
     if _fast_eager(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
         h0 = _validated(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout)
