@@ -18,7 +18,15 @@ stores its own value into slot 0, i.e. cache row (block 0, row 0) of its heads, 
   token writes that row (the duplicate of its own store), else the row's saved bytes back.
 
 The final cache is exact (a bit copy: NaN payloads included); while the kernel runs, row (0, 0) may transiently hold a
-skipped token's value (visible only to a reader running concurrently with this op).
+skipped token's value (visible only to a reader running concurrently with this op). For the same reason two
+compiled writes into one cache must not run concurrently (e.g. on two CUDA streams): each restores row (0, 0) from
+its own copy, so one may undo the other's write of slot 0 (docs/semantics.md §7).
+
+Why two scratch buffers and not none (measured by ``benchmarks/cache_write.py``, the §6 ratio's remaining gap at
+small ``N``): the whole-batch skip needs one value computed from every slot before any store, and Inductor's CPU
+code keeps a reduction's result in a buffer the wrapper allocates (about 0.35 us per buffer per call with its free);
+a select between the producer's value and the cache's own bits would skip the restore, but Inductor computes a
+bf16/fp16 select in fp32 (two conversions per element, NaN payloads lost) and does not vectorize a bit-cast select.
 
 **Vectorized over the head dim, no select.** The store loop is Inductor's own ``index_put_`` loop: per token it
 loads the slot, computes ``(src, dst)`` with a few scalar ops (as ``index_put_`` computes its wrapped index; the
