@@ -251,5 +251,79 @@ class TestFallback(unittest.TestCase):
             self.assertFalse(native._build())
 
 
+
+# --- memory safety of the native kernel (issue 6): any index values, whatever the value-check mode ----------------
+def _bad_index_cases():
+    """(name, cu_seqlens_q, seq_lens, block_table, expected message) for a cache of P = 4 blocks of block_size 4 and a
+    block table of 2 columns (capacity 8 tokens), one query row. Each case read (or wrote) out of bounds before the
+    fix: a segfault (capacity, 1e8, cu_seqlens_q) or garbage (99, -5)."""
+    return [
+        ("seq_len past capacity", [0, 1], [9], [[0, 1]], "seq_lens[0] = 9 is outside [0, 8], the capacity of block_table"),
+        ("block id 1e8", [0, 1], [8], [[0, 100_000_000]],
+         "block_table[0, 1] = 100000000 is not a block of the cache: block ids must be in [0, 4) (P = 4 blocks)"),
+        ("block id >= P", [0, 1], [8], [[0, 99]], "block_table[0, 1] = 99 is not a block of the cache"),
+        ("negative block id", [0, 1], [5], [[-5, 1]], "block_table[0, 0] = -5 is not a block of the cache"),
+        ("cu_seqlens_q past T_q", [0, 1000], [8], [[0, 1]],
+         "cu_seqlens_q = [0, 1000] must be non-decreasing from 0 to at most q's 1 rows (T_q)"),
+        ("negative seq_len", [0, 1], [-3], [[0, 1]], "seq_lens[0] = -3 is outside [0, 8]"),
+    ]
+
+
+@unittest.skipUnless(HAS_COMPILER, "no C++ compiler on this machine: the composite fallback is what runs")
+class TestNativeMemorySafety(unittest.TestCase):
+    """The native kernel checks the index values it addresses memory with (block ids in use, seq_lens, cu_seqlens_q)
+    before any parallel region and raises the value-contract error of docs/semantics.md §7, also where no value check
+    runs: value_checks("off") and compiled graphs in the default "eager" mode (which emits no checks in traced code)."""
+
+    def setUp(self):
+        self.assertTrue(native.available())
+        g = torch.Generator().manual_seed(0)
+        self.k = torch.randn(4, 4, 2, 8, generator=g)  # P = 4 blocks of block_size 4, 2 KV heads, head_dim 8
+        self.v = torch.randn(4, 4, 2, 8, generator=g)
+        self.q = torch.randn(1, 2, 8, generator=g)
+
+    def _cases(self):
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+        for name, cu, lens, table, message in _bad_index_cases():
+            yield name, i32(cu), i32(lens), i32(table), message
+
+    def test_eager_with_checks_off_raises(self):
+        with kvops.value_checks("off"):
+            for name, cu, lens, table, message in self._cases():
+                with self.subTest(case=name), self.assertRaises(RuntimeError) as ctx:
+                    kvops.paged_attention(self.q, self.k, self.v, cu, lens, table, max_seqlen_q=1)
+                self.assertIn(message, str(ctx.exception))
+            i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+            good = kvops.paged_attention(self.q, self.k, self.v, i32([0, 1]), i32([7]), i32([[3, 0]]), max_seqlen_q=1)
+        want = kvops.paged_attention(self.q, self.k, self.v, i32([0, 1]), i32([7]), i32([[3, 0]]), max_seqlen_q=1)
+        self.assertTrue(torch.equal(good, want))
+
+    def test_compiled_default_mode_raises(self):
+        torch._dynamo.reset()
+        self.assertEqual(kvops.get_value_checks(), "eager")  # which emits no checks inside traced code
+        f = torch.compile(lambda *a: kvops.paged_attention(*a, max_seqlen_q=1), fullgraph=True)
+        for name, cu, lens, table, message in self._cases():
+            with self.subTest(case=name), self.assertRaises(RuntimeError) as ctx:
+                f(self.q, self.k, self.v, cu, lens, table)
+            self.assertIn(message, str(ctx.exception))
+
+    def test_flash_attn_with_kvcache_block_ids(self):
+        # its seq_lens clamp keeps positions inside the table; the block ids are what the kernel checks
+        q = self.q.view(1, 1, 2, 8)
+        lens = torch.tensor([8], dtype=torch.int32)
+        f = torch.compile(kvops.flash_attn_with_kvcache, fullgraph=True)
+        torch._dynamo.reset()
+        for block_id in (100_000_000, 99, -5):
+            table = torch.tensor([[0, block_id]], dtype=torch.int32)
+            for how in ("off", "compiled"):
+                with self.subTest(block_id=block_id, how=how), self.assertRaisesRegex(
+                        RuntimeError, rf"block_table\[0, 1\] = {block_id} is not a block of the cache"):
+                    if how == "off":
+                        with kvops.value_checks("off"):
+                            kvops.flash_attn_with_kvcache(q, self.k, self.v, cache_seqlens=lens, block_table=table)
+                    else:
+                        f(q, self.k, self.v, cache_seqlens=lens, block_table=table)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -98,3 +98,38 @@ def test_packed_second_process_compiles_no_more_graphs(tmp_path):
         assert warm[name]["hits"] > cold[name]["hits"], (name, cold[name], warm[name])
         assert warm[name]["graphs"] <= cold[name]["graphs"], (name, cold[name]["graphs"], warm[name]["graphs"])
         assert warm[name]["checksum"] == cold[name]["checksum"], name
+
+
+NATIVE_CHILD = r"""
+import json
+import torch
+from torch._dynamo.utils import counters
+import kvops
+from tests.test_paged_attention import make_inputs
+
+inputs = make_inputs(3, [37, 5, 0], [2, 1, 1], block_size=16, h_q=4, h_kv=2, d=16)
+args = [inputs[k] for k in ("q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_table")]
+f = torch.compile(lambda *a: kvops.paged_attention(*a, 2, window_left=20, return_lse=True), fullgraph=True)
+out, lse = f(*args)
+print("RESULT " + json.dumps(dict(hits=counters["inductor"]["fxgraph_cache_hit"], native=kvops.native.available(),
+                                  out=out.double().flatten().tolist(), lse=lse.double().flatten().tolist())))
+"""
+
+
+def test_graph_cached_with_the_native_kernel_runs_without_it(tmp_path):
+    """A graph compiled (and stored in the on-disk FX graph cache) while the native CPU kernel was available calls
+    ``kvops::_paged_attention_native``; a later process with ``KVOPS_NATIVE=0`` (or no C++ compiler) loads that graph.
+    Before the fix the op did not exist there (``AttributeError: '_OpNamespace' 'kvops' object has no attribute
+    '_paged_attention_native'``); now its schema is always defined and runs the composite kernel without the build."""
+    import math
+    from unittest import mock
+
+    with_native = _run_child(tmp_path, NATIVE_CHILD)
+    with mock.patch.dict(os.environ, {"KVOPS_NATIVE": "0"}):
+        without = _run_child(tmp_path, NATIVE_CHILD)
+    assert with_native["native"] and not without["native"]
+    assert without["hits"] > 0, without["hits"]  # the second process did reuse the graph with the native call
+    for name in ("out", "lse"):  # two kernels, one attention (fp32 accumulation in both)
+        for a, b in zip(with_native[name], without[name], strict=True):
+            assert a == b or abs(a - b) <= 1e-5 + 1e-5 * abs(b), (name, a, b)
+    assert any(math.isinf(x) for x in with_native["lse"])  # (the empty sequence's row: -inf in both)

@@ -59,12 +59,41 @@ def build_name() -> str:
     return f"kvops_native_{h.hexdigest()[:16]}"
 
 
-def _register_fake() -> None:
-    @torch.library.register_fake(OP_NAME)
-    def _fake(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
-              softcap, sinks, k_scale, v_scale):
-        return (q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3]),
-                q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
+# --- kvops::_paged_attention_native: always defined ---------------------------------------------------------------
+# The schema lives here, not in the C++ source, so every graph or program that calls it (an Inductor graph from the
+# on-disk FX graph cache, a torch.export'ed program) loads in any process that imports kvops, including one with
+# KVOPS_NATIVE=0 or no C++ compiler. The build registers the CPU kernel; elsewhere the CompositeExplicitAutograd
+# kernel below runs: it builds the extension on first use and re-dispatches to it, or runs the composite torch kernel
+# (kvops/reference/paged_attention.py: the same attention, fp32 accumulation, only slower).
+_lib = torch.library.Library("kvops", "FRAGMENT")
+_lib.define(
+    "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
+    "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
+    "Tensor? sinks, Tensor? k_scale, Tensor? v_scale) -> (Tensor, Tensor)"
+)
+
+
+def _has_cpu_kernel() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(OP_NAME, "CPU")
+
+
+@torch.library.impl(_lib, "_paged_attention_native", "CompositeExplicitAutograd")
+def _without_build(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
+                   window_left, softcap, sinks, k_scale, v_scale):
+    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
+            softcap, sinks, k_scale, v_scale)
+    if q.is_cpu and available() and _has_cpu_kernel():  # built just now (first kvops call of this process)
+        return torch.ops.kvops._paged_attention_native.default(*args)
+    from ..reference.paged_attention import paged_attention as composite
+
+    return composite(*args)
+
+
+@torch.library.register_fake(OP_NAME)
+def _fake(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
+          softcap, sinks, k_scale, v_scale):
+    return (q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3]),
+            q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
 
 
 def _build(load=None) -> bool:
@@ -76,8 +105,8 @@ def _build(load=None) -> bool:
             from torch.utils.cpp_extension import load
         load(name=build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
-        if not hasattr(torch.ops.kvops, "_paged_attention_native"):
-            raise RuntimeError(f"the built library does not define {OP_NAME}")
+        if not _has_cpu_kernel():
+            raise RuntimeError(f"the built library does not register the CPU kernel of {OP_NAME}")
     except Exception as e:  # any build/load failure: fall back, never crash
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         warnings.warn(
@@ -87,7 +116,6 @@ def _build(load=None) -> bool:
             RuntimeWarning, stacklevel=3,
         )
         return False
-    _register_fake()
     return True
 
 

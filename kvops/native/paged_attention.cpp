@@ -2,7 +2,9 @@
 //
 // Built on first use by kvops/native/__init__.py (torch.utils.cpp_extension.load); the Python op
 // kvops::paged_attention calls it for CPU tensors after its validator ran, so this file trusts its arguments'
-// metadata (dtypes, ranks, shapes) and only reads the index tensors' values.
+// metadata (dtypes, ranks, shapes). It does not trust the index tensors' values: before any parallel region it checks
+// every value it addresses memory with (the value contracts of docs/semantics.md §7: cu_seqlens_q, seq_lens, the
+// block ids in use) and raises the contract's RuntimeError, whatever the value-check mode (values_bad/raise_values).
 //
 // Work: one item per (sequence, tile of ~64 query rows per KV head) covering every KV head, optionally split along
 // the KV range (split-KV, merged afterwards) when there are fewer than two items per thread; items run under
@@ -36,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace kvops_native {
@@ -560,14 +563,96 @@ void run_cache(const Problem& pb, c10::ScalarType cache_dtype, const std::vector
     run<TQ, TQ>(pb, items, work, max_rows_pad, partials);
 }
 
+// The value contracts of paged_attention (kvops/_checks/values.py, docs/semantics.md §7) over the int32 index
+// tensors (any strides), in one pass: true when any is violated. What the kernel addresses memory with is all here:
+// 0 = cu[0] <= cu[1] <= ... <= cu[B] <= T_q (query rows read and output rows written), 0 <= seq_lens[b] <=
+// max_blocks * block_size (block_table entries read), and the block ids of the first ceil(seq_len / block_size)
+// entries of each row in [0, P) (cache blocks read); plus q_len <= max_seqlen_q (what sizes CUDA grids).
+struct Index {
+  const int32_t* cu;
+  const int32_t* lens;
+  const int32_t* table;
+  int64_t s_cu, s_len, s_b, s_w, batch, width, num_tokens, max_seqlen_q, num_blocks, block_size;
+  int64_t cu_at(int64_t b) const { return cu[b * s_cu]; }
+  int64_t len_at(int64_t b) const { return lens[b * s_len]; }
+  int64_t block_at(int64_t b, int64_t j) const { return table[b * s_b + j * s_w]; }
+  int64_t used(int64_t b) const { return (len_at(b) + block_size - 1) / block_size; }
+};
+
+Index index_of(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
+               int64_t num_tokens, int64_t max_seqlen_q, int64_t num_blocks, int64_t block_size) {
+  return {cu_seqlens_q.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
+          cu_seqlens_q.stride(0), seq_lens.stride(0), block_table.stride(0), block_table.stride(1),
+          seq_lens.size(0), block_table.size(1), num_tokens, max_seqlen_q, num_blocks, block_size};
+}
+
+bool values_bad(const Index& x) {
+  if (x.cu_at(0) != 0 || x.cu_at(x.batch) > x.num_tokens) return true;
+  for (int64_t b = 0; b < x.batch; ++b) {
+    const int64_t q_len = x.cu_at(b + 1) - x.cu_at(b), len = x.len_at(b);
+    if (q_len < 0 || q_len > x.max_seqlen_q || len < 0 || len > x.width * x.block_size) return true;
+    const int64_t used = x.used(b);
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t blk = x.block_at(b, j);
+      if (blk < 0 || blk >= x.num_blocks) return true;
+    }
+  }
+  return false;
+}
+
+// The message of the first violated contract, in values.py's order and words (_raise_attention); only on failure.
+[[noreturn]] void raise_values(const Index& x) {
+  const char* op = "kvops.paged_attention";
+  const int64_t capacity = x.width * x.block_size;
+  bool cu_bad = x.cu_at(0) != 0 || x.cu_at(x.batch) > x.num_tokens;
+  for (int64_t b = 0; b < x.batch; ++b) cu_bad |= x.cu_at(b + 1) < x.cu_at(b);
+  if (cu_bad) {
+    std::string cu = "[";
+    for (int64_t b = 0; b <= x.batch; ++b) cu += (b ? ", " : "") + std::to_string(x.cu_at(b));
+    TORCH_CHECK(false, op, ": cu_seqlens_q = ", cu, "] must be non-decreasing from 0 to at most q's ", x.num_tokens,
+                " rows (T_q); sequence b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]). Pass the cumulative "
+                "query lengths.");
+  }
+  int64_t longest = 0;
+  for (int64_t b = 0; b < x.batch; ++b) longest = std::max(longest, x.cu_at(b + 1) - x.cu_at(b));
+  for (int64_t b = 0; b < x.batch; ++b)
+    TORCH_CHECK(x.cu_at(b + 1) - x.cu_at(b) <= x.max_seqlen_q, op, ": sequence ", b, " has q_len ",
+                x.cu_at(b + 1) - x.cu_at(b), " (cu_seqlens_q[", b + 1, "] - cu_seqlens_q[", b, "]) but max_seqlen_q=",
+                x.max_seqlen_q, "; pass max_seqlen_q >= ", longest, ", the longest query length in the batch.");
+  for (int64_t b = 0; b < x.batch; ++b)
+    TORCH_CHECK(x.len_at(b) >= 0 && x.len_at(b) <= capacity, op, ": seq_lens[", b, "] = ", x.len_at(b),
+                " is outside [0, ", capacity, "], the capacity of block_table: ", x.width,
+                " blocks per sequence x block_size ", x.block_size, ". Give block_table more columns (max_blocks >= "
+                "ceil(seq_len / block_size)) or pass the sequence's real KV length.");
+  for (int64_t b = 0; b < x.batch; ++b)
+    for (int64_t j = 0; j < x.used(b); ++j)
+      TORCH_CHECK(x.block_at(b, j) >= 0 && x.block_at(b, j) < x.num_blocks, op, ": block_table[", b, ", ", j, "] = ",
+                  x.block_at(b, j), " is not a block of the cache: block ids must be in [0, ", x.num_blocks, ") (P = ",
+                  x.num_blocks, " blocks). Sequence ", b, " (seq_len ", x.len_at(b), ") uses its first ", x.used(b),
+                  " entries; entries past those are never read and may hold any value (e.g. -1).");
+  TORCH_CHECK(false, op, ": invalid index values");  // (unreachable: values_bad and the checks above agree)
+}
+
+// Eager CPU calls' value check (kvops/_checks/values.py): true when a contract is violated (values.py then raises).
+bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                                const at::Tensor& block_table, int64_t num_tokens, int64_t max_seqlen_q,
+                                int64_t num_blocks, int64_t block_size) {
+  return values_bad(index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, max_seqlen_q, num_blocks, block_size));
+}
+
 std::tuple<at::Tensor, at::Tensor> paged_attention_native(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
     const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t max_seqlen_q, double scale, bool causal,
     int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  (void)max_seqlen_q;  // sizes grids on CUDA; the CPU kernel reads the lengths
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), d_v = v_cache.size(3), batch = block_table.size(0);
+  // memory safety for any index values (value checks "off", or compiled code, which the "eager" mode leaves
+  // unchecked): the contracts the kernel addresses memory with, checked before any parallel region (an exception
+  // thrown inside one terminates the process); a few ns per sequence and block id in use
+  const Index index = index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, max_seqlen_q, k_cache.size(0),
+                               k_cache.size(1));
+  if (values_bad(index)) raise_values(index);
   // rows owned by no sequence are 0 / -inf (one memset / fill here: cheaper than two more aten ops per call)
   at::Tensor out = at::empty({num_tokens, num_heads, d_v}, q.options());
   at::Tensor lse = at::empty({num_heads, num_tokens}, q.options().dtype(at::kFloat));
@@ -659,40 +744,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   return {out, lse};
 }
 
-// The value contracts of paged_attention (kvops/_checks/values.py, docs/semantics.md §7) for an eager CPU call, in
-// one pass over the int32 index tensors: true when any is violated (values.py then finds the first and raises its
-// message), so a valid call costs one op instead of a dozen.
-bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                                const at::Tensor& block_table, int64_t num_tokens, int64_t max_seqlen_q,
-                                int64_t num_blocks, int64_t block_size) {
-  const int64_t batch = seq_lens.size(0), width = block_table.size(1);
-  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t s_cu = cu_seqlens_q.stride(0), s_len = seq_lens.stride(0);
-  const int64_t s_b = block_table.stride(0), s_w = block_table.stride(1);
-  if (cu[0] != 0 || cu[batch * s_cu] > num_tokens) return true;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t q_len = static_cast<int64_t>(cu[(b + 1) * s_cu]) - cu[b * s_cu];
-    const int64_t len = lens[b * s_len];
-    if (q_len < 0 || q_len > max_seqlen_q || len < 0 || len > width * block_size) return true;
-    const int64_t used = (len + block_size - 1) / block_size;
-    for (int64_t j = 0; j < used; ++j) {
-      const int32_t blk = table[b * s_b + j * s_w];
-      if (blk < 0 || blk >= num_blocks) return true;
-    }
-  }
-  return false;
-}
-
 }  // namespace
 }  // namespace kvops_native
 
+// The schema of kvops::_paged_attention_native is defined by kvops/native/__init__.py at import (with the composite
+// kernel as its CompositeExplicitAutograd fallback), so graphs calling it load in processes without this build;
+// this file gives it its CPU kernel.
 TORCH_LIBRARY_FRAGMENT(kvops, m) {
-  m.def(
-      "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
-      "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
-      "Tensor? sinks, Tensor? k_scale, Tensor? v_scale) -> (Tensor, Tensor)");
   m.def(
       "_paged_attention_values_bad(Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, int num_tokens, "
       "int max_seqlen_q, int num_blocks, int block_size) -> bool");
