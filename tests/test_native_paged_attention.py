@@ -325,5 +325,25 @@ class TestNativeMemorySafety(unittest.TestCase):
                         f(q, self.k, self.v, cache_seqlens=lens, block_table=table)
 
 
+    def test_packed_int2_cluster_ids_past_the_centroids_raise(self):
+        # kvops.packed.PackedKV is a public tuple: int2 cluster ids (uint8) index the segment's C centroids
+        from kvops.packed import PackedKV, packed_attention, quantize_kv
+
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(1, 32, 2, 64, generator=g)
+        k, v = (quantize_kv(t, "int2", num_clusters=4) for t in (x, x.flip(1)))
+        q = torch.randn(1, 1, 4, 64, generator=g)
+        good = packed_attention(q, [k], [v])
+        for bad_id in (4, 255):
+            ids = k.cluster_ids.clone()
+            ids[0, 17, 1] = bad_id
+            with self.subTest(bad_id=bad_id), self.assertRaisesRegex(
+                    RuntimeError, rf"kvops.packed_attention: cluster_ids\[0, 17, 1\] = {bad_id} is not a centroid of "
+                                  r"its segment: cluster ids must be in \[0, 4\)"):
+                packed_attention(q, [k._replace(cluster_ids=ids)], [v])
+        self.assertTrue(torch.equal(packed_attention(q, [k], [v]), good))
+        self.assertIsInstance(k, PackedKV)
+
+
 if __name__ == "__main__":
     unittest.main()

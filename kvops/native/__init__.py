@@ -8,6 +8,15 @@ extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions`
 source, the flags and the CPU's instruction-set flags, so later processes load the cached build in well under a
 second, and differing sources or machines never share a binary.
 
+The schema of ``kvops::_paged_attention_native`` is defined here at import, not by the build, with the composite
+kernel as its ``CompositeExplicitAutograd`` fallback: a graph that calls it (an Inductor graph reloaded from the
+on-disk FX graph cache, a ``torch.export``'ed program) runs in any process that imports kvops, also one with
+``KVOPS_NATIVE=0`` or without a compiler. The build adds its CPU kernel. (``kvops::_paged_write_native`` and
+``kvops::_packed_attention_native`` are only called inside the CPU kernels of ``kvops::paged_cache_write`` and
+``kvops::packed_attention``, after asking ``use_native()``/``available()`` in the running process: no graph names
+them.) The native kernels check the index values they address memory with (block ids, sequence lengths, slots,
+cluster ids) and raise instead of reading or writing out of bounds, whatever the value-check mode.
+
 ``use_native()`` is what ``kvops.paged_attention`` asks: ``available()``, except under AOTInductor compilation, whose
 packages must load without kvops and so get the composite traced into aten ops. ``available()`` says whether the
 kernel is usable. When the build fails (no compiler, missing headers) it returns

@@ -3,7 +3,9 @@
 //
 // Built on first use together with paged_attention.cpp (one extension, kvops/native/__init__.py); the Python op
 // kvops::packed_attention calls it for CPU tensors after its validator ran (kvops/packed/_checks.py), so this file
-// trusts the arguments' metadata (dtypes, ranks, shapes) and reads values only.
+// trusts the arguments' metadata (dtypes, ranks, shapes) and reads values only. The one index among those values,
+// int2 cluster ids, is checked against the number of centroids before any work (check_cluster_ids); row_counts are
+// weights (their length is metadata), never addresses.
 //
 // Semantics: softmax attention of q [B, T, H_q, D] to every row of every segment (no mask), GQA query head h reading
 // KV head h / (H_q / H_kv); out [B, T, H_q, D_v] in q's dtype, lse [B, H_q, T] fp32 (natural log). Segments are dense
@@ -156,6 +158,21 @@ Seg dense_seg(const at::Tensor& x) {
 }
 
 // fields of one packed segment in kvops.packed.packed_layout's order: codes, scales[, zeros[, centroids, ids]]
+// int2 cluster ids [B, T, H] (uint8, any strides) index the segment's C centroids: a PackedKV is a public tuple, so
+// they are checked (before any parallel region) rather than trusted; one pass over a byte per (token, head).
+void check_cluster_ids(const at::Tensor& ids, int64_t clusters) {
+  if (clusters >= 256) return;  // every uint8 is a centroid
+  const uint8_t* p = ids.data_ptr<uint8_t>();
+  for (int64_t b = 0; b < ids.size(0); ++b)
+    for (int64_t t = 0; t < ids.size(1); ++t)
+      for (int64_t h = 0; h < ids.size(2); ++h) {
+        const int64_t id = p[b * ids.stride(0) + t * ids.stride(1) + h * ids.stride(2)];
+        TORCH_CHECK(id < clusters, "kvops.packed_attention: cluster_ids[", b, ", ", t, ", ", h, "] = ", id,
+                    " is not a centroid of its segment: cluster ids must be in [0, ", clusters, ") (centroids [B, H, ",
+                    clusters, ", D]). Pass the cluster_ids that kvops.packed.quantize_kv wrote with those centroids.");
+      }
+}
+
 Seg packed_seg(const std::string& quant, const std::vector<at::Tensor>& f, size_t i) {
   Seg s;
   s.codes.set(f[i]);
@@ -177,6 +194,7 @@ Seg packed_seg(const std::string& quant, const std::vector<at::Tensor>& f, size_
     s.zeros.set(f[i + 2]);
     s.centroids.set(f[i + 3]);
     s.ids.set(f[i + 4]);
+    check_cluster_ids(f[i + 4], f[i + 3].size(2));
   }
   return s;
 }
