@@ -567,7 +567,7 @@ void run_cache(const Problem& pb, c10::ScalarType cache_dtype, const std::vector
 // tensors (any strides), in one pass: true when any is violated. What the kernel addresses memory with is all here:
 // 0 = cu[0] <= cu[1] <= ... <= cu[B] <= T_q (query rows read and output rows written), 0 <= seq_lens[b] <=
 // max_blocks * block_size (block_table entries read), and the block ids of the first ceil(seq_len / block_size)
-// entries of each row in [0, P) (cache blocks read); plus q_len <= max_seqlen_q (what sizes CUDA grids).
+// entries of each row in [0, P) (cache blocks read); plus, for the eager check only, q_len <= max_seqlen_q.
 struct Index {
   const int32_t* cu;
   const int32_t* lens;
@@ -650,8 +650,11 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   // memory safety for any index values (value checks "off", or compiled code, which the "eager" mode leaves
   // unchecked): the contracts the kernel addresses memory with, checked before any parallel region (an exception
   // thrown inside one terminates the process); a few ns per sequence and block id in use
-  const Index index = index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, max_seqlen_q, k_cache.size(0),
-                               k_cache.size(1));
+  // (q_len <= max_seqlen_q is not among them: it sizes CUDA grids, this kernel reads the lengths, and "off" means no
+  // check beyond memory safety)
+  (void)max_seqlen_q;
+  const Index index = index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, std::numeric_limits<int64_t>::max(),
+                               k_cache.size(0), k_cache.size(1));
   if (values_bad(index)) raise_values(index);
   // rows owned by no sequence are 0 / -inf (one memset / fill here: cheaper than two more aten ops per call)
   at::Tensor out = at::empty({num_tokens, num_heads, d_v}, q.options());

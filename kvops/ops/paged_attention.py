@@ -180,9 +180,9 @@ def paged_attention(
             ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``. ``cu_seqlens_q[-1] < T_q`` is
             allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
             rows of a CUDA-graph batch. On CPU with the native kernel, eager checks are one native pass over the
-            index tensors (a few us); only a failing call computes the message. The native kernel itself runs the
-            same pass before any work and raises the same messages in every mode (also ``"off"``, and inside
-            compiled graphs): it never reads out of bounds.
+            index tensors (a few us); only a failing call computes the message. The native kernel itself checks
+            the contracts that address memory (all but ``max_seqlen_q``) before any work and raises the same
+            messages in every mode (also ``"off"``, and inside compiled graphs): it never reads out of bounds.
 
     Kernels: CPU: native C++ (``kvops/native/paged_attention.cpp``: vectorized online softmax over 16-token chunks,
     all GQA heads of a KV head at once, K/V read once in their stored dtype, ``at::parallel_for`` over (sequence,
