@@ -258,7 +258,8 @@ def _bad_index_cases():
     block table of 2 columns (capacity 8 tokens), one query row. Each case read (or wrote) out of bounds before the
     fix: a segfault (capacity, 1e8, cu_seqlens_q) or garbage (99, -5)."""
     return [
-        ("seq_len past capacity", [0, 1], [9], [[0, 1]], "seq_lens[0] = 9 is outside [0, 8], the capacity of block_table"),
+        ("seq_len past capacity", [0, 1], [9], [[0, 1]],
+         "seq_lens[0] = 9 is outside [0, 8], the capacity of block_table"),
         ("block id 1e8", [0, 1], [8], [[0, 100_000_000]],
          "block_table[0, 1] = 100000000 is not a block of the cache: block ids must be in [0, 4) (P = 4 blocks)"),
         ("block id >= P", [0, 1], [8], [[0, 99]], "block_table[0, 1] = 99 is not a block of the cache"),
@@ -306,6 +307,9 @@ class TestNativeMemorySafety(unittest.TestCase):
             with self.subTest(case=name), self.assertRaises(RuntimeError) as ctx:
                 f(self.q, self.k, self.v, cu, lens, table)
             self.assertIn(message, str(ctx.exception))
+            with self.assertRaises(RuntimeError) as eager:  # the eager check of kvops/_checks/values.py
+                kvops.paged_attention(self.q, self.k, self.v, cu, lens, table, max_seqlen_q=1)
+            self.assertEqual(str(ctx.exception), str(eager.exception))  # word for word
 
     def test_flash_attn_with_kvcache_block_ids(self):
         # its seq_lens clamp keeps positions inside the table; the block ids are what the kernel checks

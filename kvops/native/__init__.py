@@ -10,12 +10,13 @@ second, and differing sources or machines never share a binary.
 
 The schema of ``kvops::_paged_attention_native`` is defined here at import, not by the build, with the composite
 kernel as its ``CompositeExplicitAutograd`` fallback: a graph that calls it (an Inductor graph reloaded from the
-on-disk FX graph cache, a ``torch.export``'ed program) runs in any process that imports kvops, also one with
-``KVOPS_NATIVE=0`` or without a compiler. The build adds its CPU kernel. (``kvops::_paged_write_native`` and
-``kvops::_packed_attention_native`` are only called inside the CPU kernels of ``kvops::paged_cache_write`` and
-``kvops::packed_attention``, after asking ``use_native()``/``available()`` in the running process: no graph names
-them.) The native kernels check the index values they address memory with (block ids, sequence lengths, slots,
-cluster ids) and raise instead of reading or writing out of bounds, whatever the value-check mode.
+on-disk FX graph cache, any program traced below ``kvops::paged_attention``) runs in any process that imports
+kvops, also one with ``KVOPS_NATIVE=0`` or without a compiler. The build adds its CPU kernel.
+(``kvops::_paged_write_native`` and ``kvops::_packed_attention_native`` are only called inside the CPU kernels of
+``kvops::paged_cache_write`` and ``kvops::packed_attention``, after asking ``use_native()``/``available()`` in the
+running process: no graph names them.) The native kernels check the index values they address memory with (block
+ids, sequence lengths, slots, cluster ids) and raise instead of reading or writing out of bounds, whatever the
+value-check mode.
 
 ``use_native()`` is what ``kvops.paged_attention`` asks: ``available()``, except under AOTInductor compilation, whose
 packages must load without kvops and so get the composite traced into aten ops. ``available()`` says whether the
@@ -69,11 +70,11 @@ def build_name() -> str:
 
 
 # --- kvops::_paged_attention_native: always defined ---------------------------------------------------------------
-# The schema lives here, not in the C++ source, so every graph or program that calls it (an Inductor graph from the
-# on-disk FX graph cache, a torch.export'ed program) loads in any process that imports kvops, including one with
-# KVOPS_NATIVE=0 or no C++ compiler. The build registers the CPU kernel; elsewhere the CompositeExplicitAutograd
-# kernel below runs: it builds the extension on first use and re-dispatches to it, or runs the composite torch kernel
-# (kvops/reference/paged_attention.py: the same attention, fp32 accumulation, only slower).
+# The schema lives here, not in the C++ source, so every graph that calls it (an Inductor graph from the on-disk FX
+# graph cache, any program traced below kvops::paged_attention) loads in any process that imports kvops, including
+# one with KVOPS_NATIVE=0 or no C++ compiler. The build registers the CPU kernel; elsewhere the
+# CompositeExplicitAutograd kernel below runs: it builds the extension on first use and re-dispatches to it, or runs
+# the composite torch kernel (kvops/reference/paged_attention.py: the same attention, fp32 accumulation, slower).
 _lib = torch.library.Library("kvops", "FRAGMENT")
 _lib.define(
     "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
