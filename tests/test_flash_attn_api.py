@@ -226,7 +226,7 @@ class TestContracts(expecttest.TestCase):
     def test_missing_caches_and_kv_pairs(self):
         f = kvops.flash_attn_with_kvcache
         msg = self.check(lambda q, kc, bt: f(q, kc, None, block_table=bt), self.q, self.k_cache, self.table)
-        self.assertExpectedInline(msg, """v_cache must be provided""")
+        self.assertExpectedInline(msg, """flash_attn_with_kvcache: v_cache must be provided (the V cache, with k_cache).""")
         msg = self.check(lambda q, vc, bt: f(q, None, vc, block_table=bt), self.q, self.v_cache, self.table)
         self.assertExpectedInline(
             msg,
