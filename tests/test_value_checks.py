@@ -310,7 +310,7 @@ class TestFlashAttnWithKVCache(expecttest.TestCase):
         self.assertTrue(torch.equal(self.k_cache, before))  # sequence 0 was not written either
         with self.assertRaises(RuntimeError) as cm:
             kvops.check_kvcache_capacity(self.k_cache, lens, self.table, num_new_tokens=3)
-        self.assertExpectedInline(str(cm.exception), """flash_attn_with_kvcache: sequence 1 has cache_seqlens=6; with 3 new tokens it needs positions [0, 9) but block_table addresses only 8 tokens (2 blocks x block_size 4) and cache_seqlens must be >= 0. Give block_table more blocks or write fewer tokens.""")  # noqa: E501
+        self.assertExpectedInline(str(cm.exception), """flash_attn_with_kvcache: sequence 1 has cache_seqlens=6; with 3 new tokens it needs positions [0, 9) but block_table addresses only 8 tokens (2 blocks x block_size 4). Give block_table more blocks or write fewer tokens.""")  # noqa: E501
         self.assertRaisesRegex(RuntimeError, "cache_seqlens=-1", self.call, torch.tensor([-1, 0], dtype=torch.int32))
         bad = torch.tensor([[0, 6], [2, 3]], dtype=torch.int32)
         with self.assertRaises(RuntimeError) as cm:
