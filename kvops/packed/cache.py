@@ -400,7 +400,8 @@ class PackedCausalKVCache:
 
     def _raise_non_sequential(self, s: int, g: int, cur_start: int) -> None:
         cur = None if cur_start < 0 else cur_start
-        rewrite = "" if cur is None else f", or current_chunk_start={cur} to rewrite the current chunk (a denoising step)"
+        rewrite = "" if cur is None else (
+            f", or current_chunk_start={cur} to rewrite the current chunk (a denoising step)")
         raise NotImplementedError(
             f"{self.name}: non-sequential write current_start={s} global_end={g} cur={cur}. The packed cache takes "
             f"chunks in order: pass current_chunk_start={g} to append the next chunk{rewrite}."
