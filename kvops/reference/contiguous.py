@@ -6,9 +6,13 @@ one ``[B, S, 2, H, D]`` allocation) are written in place and never copied.
 
 from __future__ import annotations
 
+from .paged_write import unaliased
+
 
 def cache_write(key, value, k_cache, v_cache, start: int, h0: int) -> None:
-    """Copy ``key``/``value`` ``[B, T, H_in, D]`` into rows ``[start, start+T)``, heads ``[h0, h0+H_in)``."""
+    """Copy ``key``/``value`` ``[B, T, H_in, D]`` into rows ``[start, start+T)``, heads ``[h0, h0+H_in)``; a source
+    overlapping a cache is read before anything is written (copied first: docs/semantics.md §1)."""
+    key, value = unaliased(key, k_cache, v_cache), unaliased(value, k_cache, v_cache)
     t, h = key.shape[1], key.shape[2]
     k_cache[:, start : start + t, h0 : h0 + h].copy_(key)
     v_cache[:, start : start + t, h0 : h0 + h].copy_(value)

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.paged_write import unaliased
+
 _TILE = 4096  # elements per program: a head block of one token row (keeps registers bounded for wide caches)
 
 
@@ -42,6 +44,8 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, dst_row0: int, dst_head0: in
 
 
 def cache_write(key, value, k_cache, v_cache, start: int, h0: int) -> None:
+    """A source overlapping a cache is read before anything is written (copied first: docs/semantics.md §1)."""
+    key, value = unaliased(key, k_cache, v_cache), unaliased(value, k_cache, v_cache)
     copy_rows(key, k_cache, start, h0)
     copy_rows(value, v_cache, start, h0)
 
