@@ -147,9 +147,9 @@ def _validated(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_s
 def _native_write(key, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale, kv_layout, fast_path) -> None:
     """The native CPU kernel on validated arguments; a slot ``>= P * block_size`` writes nothing and raises (on the
     fast path in the ``"eager"`` value-check mode that mode's ``RuntimeError``, else the kernel's ``IndexError``).
-    On the fast path the caches' version counters are bumped, as an in-place torch op bumps them."""
+    On the fast path the caches' version counters are bumped, as an in-place torch op bumps them. A key/value
+    overlapping a cache is copied by the kernel before it writes (snapshot semantics, docs/semantics.md §3)."""
     k_nhd, v_nhd = as_nhd(k_cache, v_cache, kv_layout)
-    key, value = cpu.unaliased(key, k_cache, v_cache), cpu.unaliased(value, k_cache, v_cache)  # snapshot (§3)
     bad = torch.ops.kvops._paged_write_native(key, value, k_nhd, v_nhd, slot_mapping, h0, k_scale, v_scale)
     if bad >= 0:
         num_blocks, block_size = k_nhd.shape[0], k_nhd.shape[1]
