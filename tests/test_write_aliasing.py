@@ -230,6 +230,25 @@ class TestContiguousWriteAliasing(unittest.TestCase):
         torch.compile(lambda kc, vc: kvops.cache_roll(kc, vc, 2, 1, 5), fullgraph=True)(kc, vc)
         self.assertTrue(torch.equal(kc, want_k) and torch.equal(vc, want_v))
 
+    def test_roll_one_cache_passed_as_both(self):
+        """k_cache is v_cache: the rows move once (both moves read the rows as they were before the call), eager and
+        compiled; overlapping and disjoint ranges."""
+        paths = {"op (CPU kernel)": lambda c, src, dst, n: kvops.cache_roll(c, c, src, dst, n)}
+        if HAS_TRITON and not torch.cuda.is_available():
+            from kvops.triton import contiguous as triton_contiguous
+
+            paths["triton (interpreted)"] = lambda c, src, dst, n: triton_contiguous.cache_roll(c, c, src, dst, n, 0, H)
+        torch._dynamo.reset()
+        paths["compiled"] = torch.compile(lambda c, src, dst, n: kvops.cache_roll(c, c, src, dst, n), fullgraph=True)
+        for (src, dst, n), (name, run) in itertools.product(((2, 1, 5), (1, 3, 4), (5, 1, 3), (0, 4, 4)),
+                                                             paths.items()):
+            with self.subTest(src=src, dst=dst, n=n, path=name):
+                cache = contiguous_caches(False)[0]
+                want = cache.clone()
+                want[:, dst : dst + n] = cache[:, src : src + n].clone()
+                run(cache, src, dst, n)
+                self.assertTrue(torch.equal(cache, want))
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -34,6 +34,15 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi + t.element_size() - 1
 
 
+def overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` may share bytes: the same storage and intersecting byte ranges (conservative: K/V views
+    of one joint allocation count as overlapping). Cheap when the storages differ (two pointers compared)."""
+    if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() or not x.numel() or not y.numel():
+        return False
+    (lo, hi), (y_lo, y_hi) = _span(x), _span(y)
+    return lo <= y_hi and y_lo <= hi
+
+
 def unaliased(x: torch.Tensor, *caches: torch.Tensor) -> torch.Tensor:
     """``x``, or a copy of it when its memory overlaps one of ``caches`` (which the caller writes afterwards).
 
@@ -41,13 +50,7 @@ def unaliased(x: torch.Tensor, *caches: torch.Tensor) -> torch.Tensor:
     docs/semantics.md §1, §3), whatever order a kernel writes in. Cheap when nothing aliases (storage pointers
     compared; byte ranges only for a shared storage); the copy is of the source only, never of a cache.
     """
-    storage = x.untyped_storage().data_ptr()
-    for cache in caches:
-        if cache.untyped_storage().data_ptr() == storage and x.numel() and cache.numel():
-            (lo, hi), (c_lo, c_hi) = _span(x), _span(cache)
-            if lo <= c_hi and c_lo <= hi:
-                return x.clone()
-    return x
+    return x.clone() if any(overlaps(x, cache) for cache in caches) else x
 
 
 def _flat_rows(cache: torch.Tensor) -> torch.Tensor | None:
