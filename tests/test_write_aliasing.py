@@ -16,6 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvops.triton is imported (tests/conftest.py sets it too)
 
+import contextlib  # noqa: E402
 import itertools  # noqa: E402
 import unittest  # noqa: E402
 import unittest.mock  # noqa: E402
@@ -102,6 +103,34 @@ class TestPagedWriteAliasing(unittest.TestCase):
                 run(key, value, kc, vc, slots, lay)
                 self.assertTrue(torch.equal(nhd(kc, lay), want_k))
                 self.assertTrue(torch.equal(nhd(vc, lay), want_v))
+
+    def test_head_slice_source_from_other_heads(self):
+        """cache_head_start: head 0 of block 1 of the K cache written to head 1 of the next rows (NHD and HND)."""
+        for lay, name in itertools.product(("NHD", "HND"), ("fast path", "op (native)", "composite")):
+            with self.subTest(kv_layout=lay, path=name):
+                kc, vc = paged_caches(False, lay)
+                key, value = nhd(kc, lay)[1][:, 0:1], nhd(vc, lay)[1][:, 1:2]
+                want_k, want_v = ref_write(nhd(kc, lay), nhd(vc, lay), key.clone(), value.clone(), DENSE_SLOTS, h0=1)
+                with composite() if name == "composite" else contextlib.nullcontext():
+                    op = torch.ops.kvops.paged_cache_write if name == "op (native)" else kvops.paged_cache_write
+                    op(key, value, kc, vc, DENSE_SLOTS, 1, kv_layout=lay)
+                self.assertTrue(torch.equal(nhd(kc, lay), want_k) and torch.equal(nhd(vc, lay), want_v))
+
+    def test_sources_are_copied_only_when_they_overlap_a_cache(self):
+        """The alias check copies a source only if its bytes may overlap a cache: never a cache, never a fresh
+        tensor or a disjoint region of the caches' storage."""
+        from kvops.reference.paged_write import unaliased
+
+        arena = torch.randn(P * BS * H * D + BS * H * D)
+        cache = arena[: P * BS * H * D].view(P, BS, H, D)
+        after = arena[P * BS * H * D :].view(BS, H, D)  # same storage, disjoint bytes
+        fresh = torch.randn(BS, H, D)
+        self.assertIs(unaliased(fresh, cache), fresh)
+        self.assertIs(unaliased(after, cache), after)
+        inside = cache[1]
+        copied = unaliased(inside, cache)
+        self.assertIsNot(copied, inside)
+        self.assertTrue(torch.equal(copied, inside) and copied.untyped_storage().data_ptr() != arena.data_ptr())
 
     def test_compiled_equals_eager_equals_reference(self):
         """One compile per cache layout, each with a different aliasing (cross K<->V, and within one cache)."""
