@@ -27,6 +27,9 @@ from kvops.triton import HAS_TRITON  # noqa: E402
 from tests.test_paged_write import ref_write  # noqa: E402
 
 P, BS, H, D = 4, 4, 2, 8
+# the Triton kernels: on CUDA through the ops (their CUDA kernels), else interpreted on CPU tensors, called directly
+CUDA = torch.cuda.is_available()
+TRITON_DEVICE = "cuda" if CUDA else "cpu"
 SOURCES = [(k, v) for k, v in itertools.product(("K", "V", None), repeat=2) if (k, v) != (None, None)]
 # tokens 0..BS-1 are read from block 1 of a cache (when aliased) and land one row later: block 1 rows 1..3, then
 # block 2 row 0; a padding token (slot -1) in the middle
@@ -34,19 +37,20 @@ SLOTS = torch.tensor([BS + 1, -1, BS + 3, 2 * BS], dtype=torch.int64)
 DENSE_SLOTS = torch.tensor([BS + 1, BS + 2, BS + 3, 2 * BS], dtype=torch.int32)  # no padding: no masked copy of key
 
 
-def paged_caches(joint: bool, kv_layout: str, seed: int = 0):
+def paged_caches(joint: bool, kv_layout: str, seed: int = 0, device: str = "cpu"):
     """Random caches ``[P, BS, H, D]`` (NHD) or ``[P, H, BS, D]`` (HND); joint: K/V views of ``[P, BS, 2, H, D]``
     (NHD) or ``[P, 2, H, BS, D]`` (HND, FlashInfer's joint layout)."""
     g = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
     if kv_layout == "NHD":
         if joint:
-            kv = torch.randn(P, BS, 2, H, D, generator=g)
+            kv = randn(P, BS, 2, H, D)
             return kv[:, :, 0], kv[:, :, 1]
-        return torch.randn(P, BS, H, D, generator=g), torch.randn(P, BS, H, D, generator=g)
+        return randn(P, BS, H, D), randn(P, BS, H, D)
     if joint:
-        kv = torch.randn(P, 2, H, BS, D, generator=g)
+        kv = randn(P, 2, H, BS, D)
         return kv[:, 0], kv[:, 1]
-    return torch.randn(P, H, BS, D, generator=g), torch.randn(P, H, BS, D, generator=g)
+    return randn(P, H, BS, D), randn(P, H, BS, D)
 
 
 def nhd(cache, kv_layout):
@@ -55,14 +59,15 @@ def nhd(cache, kv_layout):
 
 def paged_sources(k_cache, v_cache, kv_layout, key_src, value_src):
     """``key``/``value`` ``[BS, H, D]``: block 1 of the named cache (a view) or a fresh tensor."""
-    fresh = torch.arange(BS * H * D, dtype=torch.float32).view(BS, H, D)
+    fresh = torch.arange(BS * H * D, dtype=torch.float32, device=k_cache.device).view(BS, H, D)
     pick = {"K": nhd(k_cache, kv_layout)[1], "V": nhd(v_cache, kv_layout)[1]}
     return (pick[key_src] if key_src else fresh + 1000), (pick[value_src] if value_src else fresh + 2000)
 
 
 def paged_reference(k_cache, v_cache, key, value, kv_layout, slots=SLOTS):
     """The caches after the write, from clones of the sources taken before it (NHD views)."""
-    return ref_write(nhd(k_cache, kv_layout), nhd(v_cache, kv_layout), key.clone(), value.clone(), slots)
+    cpu = lambda x: x.clone().cpu()  # noqa: E731
+    return ref_write(cpu(nhd(k_cache, kv_layout)), cpu(nhd(v_cache, kv_layout)), cpu(key), cpu(value), slots.cpu())
 
 
 def composite():
@@ -71,38 +76,40 @@ def composite():
 
 
 def paged_eager_paths():
-    """name -> callable(key, value, k_cache, v_cache, slots, kv_layout) running one eager kernel path."""
+    """name -> (device, callable(key, value, k_cache, v_cache, slots, kv_layout)) running one eager kernel path."""
     paths = {
-        "fast path": lambda k, v, kc, vc, s, lay: kvops.paged_cache_write(k, v, kc, vc, s, kv_layout=lay),
-        "op (native)": lambda k, v, kc, vc, s, lay: torch.ops.kvops.paged_cache_write(k, v, kc, vc, s,
-                                                                                      kv_layout=lay),
+        "fast path": ("cpu", lambda k, v, kc, vc, s, lay: kvops.paged_cache_write(k, v, kc, vc, s, kv_layout=lay)),
+        "op (native)": ("cpu", lambda k, v, kc, vc, s, lay: torch.ops.kvops.paged_cache_write(k, v, kc, vc, s,
+                                                                                             kv_layout=lay)),
     }
 
     def composite_op(k, v, kc, vc, s, lay):
         with composite():
             kvops.paged_cache_write(k, v, kc, vc, s, kv_layout=lay)
 
-    paths["composite"] = composite_op
-    if HAS_TRITON and not torch.cuda.is_available():
+    paths["composite"] = ("cpu", composite_op)
+    if CUDA:
+        paths["triton (CUDA op)"] = ("cuda", paths["op (native)"][1])
+    elif HAS_TRITON:
         from kvops.triton import paged_write as triton_paged_write
 
-        paths["triton (interpreted)"] = lambda k, v, kc, vc, s, lay: triton_paged_write.paged_cache_write(
-            k, v, nhd(kc, lay), nhd(vc, lay), s, 0, None, None)
+        paths["triton (interpreted)"] = ("cpu", lambda k, v, kc, vc, s, lay: triton_paged_write.paged_cache_write(
+            k, v, nhd(kc, lay), nhd(vc, lay), s, 0, None, None))
     return paths
 
 
 class TestPagedWriteAliasing(unittest.TestCase):
     def test_eager_paths_read_sources_before_writing(self):
-        for (joint, lay), (ks, vs), (name, run), slots in itertools.product(
+        for (joint, lay), (ks, vs), (name, (device, run)), slots in itertools.product(
                 itertools.product((False, True), ("NHD", "HND")), SOURCES, paged_eager_paths().items(),
                 (SLOTS, DENSE_SLOTS)):
             with self.subTest(joint=joint, kv_layout=lay, key=ks, value=vs, path=name, padding=bool(slots.min() < 0)):
-                kc, vc = paged_caches(joint, lay)
+                kc, vc = paged_caches(joint, lay, device=device)
                 key, value = paged_sources(kc, vc, lay, ks, vs)
                 want_k, want_v = paged_reference(kc, vc, key, value, lay, slots)
-                run(key, value, kc, vc, slots, lay)
-                self.assertTrue(torch.equal(nhd(kc, lay), want_k))
-                self.assertTrue(torch.equal(nhd(vc, lay), want_v))
+                run(key, value, kc, vc, slots.to(device), lay)
+                self.assertTrue(torch.equal(nhd(kc, lay).cpu(), want_k))
+                self.assertTrue(torch.equal(nhd(vc, lay).cpu(), want_v))
 
     def test_head_slice_source_from_other_heads(self):
         """cache_head_start: head 0 of block 1 of the K cache written to head 1 of the next rows (NHD and HND)."""
@@ -182,16 +189,16 @@ class TestPagedWriteAliasing(unittest.TestCase):
 B, S, T, START = 2, 8, 3, 1  # sources: rows [0, T) of a cache; written rows [START, START + T) overlap them
 
 
-def contiguous_caches(joint: bool, seed: int = 0):
+def contiguous_caches(joint: bool, seed: int = 0, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     if joint:
-        kv = torch.randn(B, S, 2, H, D, generator=g)
+        kv = torch.randn(B, S, 2, H, D, generator=g).to(device)
         return kv[:, :, 0], kv[:, :, 1]
-    return torch.randn(B, S, H, D, generator=g), torch.randn(B, S, H, D, generator=g)
+    return torch.randn(B, S, H, D, generator=g).to(device), torch.randn(B, S, H, D, generator=g).to(device)
 
 
 def contiguous_sources(k_cache, v_cache, key_src, value_src):
-    fresh = torch.arange(B * T * H * D, dtype=torch.float32).view(B, T, H, D)
+    fresh = torch.arange(B * T * H * D, dtype=torch.float32, device=k_cache.device).view(B, T, H, D)
     pick = {"K": k_cache[:, 0:T], "V": v_cache[:, 0:T]}
     return (pick[key_src] if key_src else fresh + 1000), (pick[value_src] if value_src else fresh + 2000)
 
@@ -205,14 +212,18 @@ def contiguous_reference(k_cache, v_cache, key, value):
 
 class TestContiguousWriteAliasing(unittest.TestCase):
     def test_eager_paths_read_sources_before_writing(self):
-        paths = {"op (CPU kernel)": lambda k, v, kc, vc: kvops.cache_write(k, v, kc, vc, START)}
-        if HAS_TRITON and not torch.cuda.is_available():
+        op = lambda k, v, kc, vc: kvops.cache_write(k, v, kc, vc, START)  # noqa: E731
+        paths = {"op (CPU kernel)": ("cpu", op)}
+        if CUDA:
+            paths["triton (CUDA op)"] = ("cuda", op)
+        elif HAS_TRITON:
             from kvops.triton import contiguous as triton_contiguous
 
-            paths["triton (interpreted)"] = lambda k, v, kc, vc: triton_contiguous.cache_write(k, v, kc, vc, START, 0)
-        for joint, (ks, vs), (name, run) in itertools.product((False, True), SOURCES, paths.items()):
+            paths["triton (interpreted)"] = ("cpu", lambda k, v, kc, vc: triton_contiguous.cache_write(
+                k, v, kc, vc, START, 0))
+        for joint, (ks, vs), (name, (device, run)) in itertools.product((False, True), SOURCES, paths.items()):
             with self.subTest(joint=joint, key=ks, value=vs, path=name):
-                kc, vc = contiguous_caches(joint)
+                kc, vc = contiguous_caches(joint, device=device)
                 key, value = contiguous_sources(kc, vc, ks, vs)
                 want_k, want_v = contiguous_reference(kc, vc, key, value)
                 run(key, value, kc, vc)
@@ -241,15 +252,18 @@ class TestContiguousWriteAliasing(unittest.TestCase):
             want[:, dst : dst + n] = cache[:, src : src + n].clone()
             return want
 
-        paths = {"op (CPU kernel)": lambda kc, vc, src, dst, n: kvops.cache_roll(kc, vc, src, dst, n)}
-        if HAS_TRITON and not torch.cuda.is_available():
+        op = lambda kc, vc, src, dst, n: kvops.cache_roll(kc, vc, src, dst, n)  # noqa: E731
+        paths = {"op (CPU kernel)": ("cpu", op)}
+        if CUDA:
+            paths["triton (CUDA op)"] = ("cuda", op)
+        elif HAS_TRITON:
             from kvops.triton import contiguous as triton_contiguous
 
-            paths["triton (interpreted)"] = lambda kc, vc, src, dst, n: triton_contiguous.cache_roll(
-                kc, vc, src, dst, n, 0, H)
-        for (src, dst, n), (name, run) in itertools.product(((2, 1, 5), (1, 3, 4)), paths.items()):
+            paths["triton (interpreted)"] = ("cpu", lambda kc, vc, src, dst, n: triton_contiguous.cache_roll(
+                kc, vc, src, dst, n, 0, H))
+        for (src, dst, n), (name, (device, run)) in itertools.product(((2, 1, 5), (1, 3, 4)), paths.items()):
             with self.subTest(src=src, dst=dst, path=name):
-                kc, vc = contiguous_caches(True)
+                kc, vc = contiguous_caches(True, device=device)
                 want_k, want_v = reference(kc, src, dst, n), reference(vc, src, dst, n)
                 run(kc, vc, src, dst, n)
                 self.assertTrue(torch.equal(kc, want_k) and torch.equal(vc, want_v))
@@ -262,17 +276,21 @@ class TestContiguousWriteAliasing(unittest.TestCase):
     def test_roll_one_cache_passed_as_both(self):
         """k_cache is v_cache: the rows move once (both moves read the rows as they were before the call), eager and
         compiled; overlapping and disjoint ranges."""
-        paths = {"op (CPU kernel)": lambda c, src, dst, n: kvops.cache_roll(c, c, src, dst, n)}
-        if HAS_TRITON and not torch.cuda.is_available():
+        op = lambda c, src, dst, n: kvops.cache_roll(c, c, src, dst, n)  # noqa: E731
+        paths = {"op (CPU kernel)": ("cpu", op)}
+        if CUDA:
+            paths["triton (CUDA op)"] = ("cuda", op)
+        elif HAS_TRITON:
             from kvops.triton import contiguous as triton_contiguous
 
-            paths["triton (interpreted)"] = lambda c, src, dst, n: triton_contiguous.cache_roll(c, c, src, dst, n, 0, H)
+            paths["triton (interpreted)"] = ("cpu", lambda c, src, dst, n: triton_contiguous.cache_roll(
+                c, c, src, dst, n, 0, H))
         torch._dynamo.reset()
-        paths["compiled"] = torch.compile(lambda c, src, dst, n: kvops.cache_roll(c, c, src, dst, n), fullgraph=True)
-        for (src, dst, n), (name, run) in itertools.product(((2, 1, 5), (1, 3, 4), (5, 1, 3), (0, 4, 4)),
-                                                             paths.items()):
+        paths["compiled"] = ("cpu", torch.compile(op, fullgraph=True))
+        for (src, dst, n), (name, (device, run)) in itertools.product(((2, 1, 5), (1, 3, 4), (5, 1, 3), (0, 4, 4)),
+                                                                       paths.items()):
             with self.subTest(src=src, dst=dst, n=n, path=name):
-                cache = contiguous_caches(False)[0]
+                cache = contiguous_caches(False, device=device)[0]
                 want = cache.clone()
                 want[:, dst : dst + n] = cache[:, src : src + n].clone()
                 run(cache, src, dst, n)
