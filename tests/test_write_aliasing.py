@@ -210,17 +210,23 @@ def contiguous_reference(k_cache, v_cache, key, value):
     return want_k, want_v
 
 
+def contiguous_paths(op, triton_call):
+    """name -> (device, callable): ``op`` (the public op) on CPU, and the Triton kernels: ``op`` on CUDA, or
+    ``triton_call(kvops.triton.contiguous, *args)`` (the launcher, interpreted on CPU tensors) without a GPU."""
+    paths = {"op (CPU kernel)": ("cpu", op)}
+    if CUDA:
+        paths["triton (CUDA op)"] = ("cuda", op)
+    elif HAS_TRITON:
+        from kvops.triton import contiguous as triton_contiguous
+
+        paths["triton (interpreted)"] = ("cpu", lambda *args: triton_call(triton_contiguous, *args))
+    return paths
+
+
 class TestContiguousWriteAliasing(unittest.TestCase):
     def test_eager_paths_read_sources_before_writing(self):
-        op = lambda k, v, kc, vc: kvops.cache_write(k, v, kc, vc, START)  # noqa: E731
-        paths = {"op (CPU kernel)": ("cpu", op)}
-        if CUDA:
-            paths["triton (CUDA op)"] = ("cuda", op)
-        elif HAS_TRITON:
-            from kvops.triton import contiguous as triton_contiguous
-
-            paths["triton (interpreted)"] = ("cpu", lambda k, v, kc, vc: triton_contiguous.cache_write(
-                k, v, kc, vc, START, 0))
+        paths = contiguous_paths(lambda k, v, kc, vc: kvops.cache_write(k, v, kc, vc, START),
+                                 lambda tc, k, v, kc, vc: tc.cache_write(k, v, kc, vc, START, 0))
         for joint, (ks, vs), (name, (device, run)) in itertools.product((False, True), SOURCES, paths.items()):
             with self.subTest(joint=joint, key=ks, value=vs, path=name):
                 kc, vc = contiguous_caches(joint, device=device)
@@ -252,15 +258,8 @@ class TestContiguousWriteAliasing(unittest.TestCase):
             want[:, dst : dst + n] = cache[:, src : src + n].clone()
             return want
 
-        op = lambda kc, vc, src, dst, n: kvops.cache_roll(kc, vc, src, dst, n)  # noqa: E731
-        paths = {"op (CPU kernel)": ("cpu", op)}
-        if CUDA:
-            paths["triton (CUDA op)"] = ("cuda", op)
-        elif HAS_TRITON:
-            from kvops.triton import contiguous as triton_contiguous
-
-            paths["triton (interpreted)"] = ("cpu", lambda kc, vc, src, dst, n: triton_contiguous.cache_roll(
-                kc, vc, src, dst, n, 0, H))
+        paths = contiguous_paths(lambda kc, vc, src, dst, n: kvops.cache_roll(kc, vc, src, dst, n),
+                                 lambda tc, kc, vc, src, dst, n: tc.cache_roll(kc, vc, src, dst, n, 0, H))
         for (src, dst, n), (name, (device, run)) in itertools.product(((2, 1, 5), (1, 3, 4)), paths.items()):
             with self.subTest(src=src, dst=dst, path=name):
                 kc, vc = contiguous_caches(True, device=device)
@@ -277,14 +276,7 @@ class TestContiguousWriteAliasing(unittest.TestCase):
         """k_cache is v_cache: the rows move once (both moves read the rows as they were before the call), eager and
         compiled; overlapping and disjoint ranges."""
         op = lambda c, src, dst, n: kvops.cache_roll(c, c, src, dst, n)  # noqa: E731
-        paths = {"op (CPU kernel)": ("cpu", op)}
-        if CUDA:
-            paths["triton (CUDA op)"] = ("cuda", op)
-        elif HAS_TRITON:
-            from kvops.triton import contiguous as triton_contiguous
-
-            paths["triton (interpreted)"] = ("cpu", lambda c, src, dst, n: triton_contiguous.cache_roll(
-                c, c, src, dst, n, 0, H))
+        paths = contiguous_paths(op, lambda tc, c, src, dst, n: tc.cache_roll(c, c, src, dst, n, 0, H))
         torch._dynamo.reset()
         paths["compiled"] = ("cpu", torch.compile(op, fullgraph=True))
         for (src, dst, n), (name, (device, run)) in itertools.product(((2, 1, 5), (1, 3, 4), (5, 1, 3), (0, 4, 4)),
