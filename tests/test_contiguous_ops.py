@@ -127,9 +127,9 @@ class TestContracts(expecttest.TestCase):
         k_cache, _ = _caches()
         key = torch.randn(2, 3, 4, 16)
         msg = self.check(ValueError, lambda key, kc: kvops.cache_write(key, key, kc, None, 0), key, k_cache)
-        self.assertExpectedInline(msg, """v_cache must be provided""")
+        self.assertExpectedInline(msg, """kvops.cache_write: v_cache must be provided (the V cache written or read with k_cache).""")
         msg = self.check(ValueError, lambda kc: kvops.cache_roll(kc, None, 2, 0, 3), k_cache)
-        self.assertExpectedInline(msg, """v_cache must be provided""")
+        self.assertExpectedInline(msg, """kvops.cache_roll: v_cache must be provided (the V cache written or read with k_cache).""")
 
     def test_missing_value(self):
         k_cache, v_cache = _caches()
@@ -145,7 +145,7 @@ class TestContracts(expecttest.TestCase):
         key = torch.randn(2, 3, 2, 16)
         msg = self.check(ValueError, lambda k, kc, vc: kvops.cache_write(k, k, kc, vc, 0), key, k_cache, v_cache)
         self.assertExpectedInline(
-            msg, """kvops.cache_write requires cache_head_start when cache heads (8) differ from input heads (2)."""
+            msg, """kvops.cache_write requires cache_head_start when cache heads (8) differ from input heads (2). Pass cache_head_start (0 <= cache_head_start <= 6) to write the input heads as the head slice [cache_head_start, cache_head_start + 2) (tensor-parallel writers), or key/value with all 8 heads."""
         )
 
     def test_head_slice_outside_cache(self):

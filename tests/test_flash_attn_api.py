@@ -181,9 +181,12 @@ class TestFlashAttnWithKVCache(expecttest.TestCase):
             kvops.check_kvcache_capacity(k_cache, lens, table, num_new_tokens=3)
         self.assertExpectedInline(
             str(cm.exception),
-            """flash_attn_with_kvcache: sequence 1 has cache_seqlens=7; with 3 new tokens it needs positions [0, 10) but block_table addresses only 8 tokens (2 blocks x block_size 4) and cache_seqlens must be >= 0. Give block_table more blocks or write fewer tokens.""",
+            """flash_attn_with_kvcache: sequence 1 has cache_seqlens=7; with 3 new tokens it needs positions [0, 10) but block_table addresses only 8 tokens (2 blocks x block_size 4). Give block_table more blocks or write fewer tokens.""",
         )
         kvops.check_kvcache_capacity(k_cache, lens, table, num_new_tokens=1)
+        with self.assertRaises(RuntimeError) as cm:  # before: "needs positions [0, 0) but block_table addresses ..."
+            kvops.check_kvcache_capacity(k_cache, torch.tensor([2, -1], dtype=torch.int32), table, num_new_tokens=1)
+        self.assertExpectedInline(str(cm.exception), """flash_attn_with_kvcache: sequence 1 has cache_seqlens=-1; cache_seqlens counts the tokens already in sequence 1's cache and must be >= 0. Pass 0 for an empty sequence.""")
         bad_table = table.clone()
         bad_table[0, 0] = 8
         with self.assertRaises(RuntimeError) as cm:
@@ -226,7 +229,7 @@ class TestContracts(expecttest.TestCase):
     def test_missing_caches_and_kv_pairs(self):
         f = kvops.flash_attn_with_kvcache
         msg = self.check(lambda q, kc, bt: f(q, kc, None, block_table=bt), self.q, self.k_cache, self.table)
-        self.assertExpectedInline(msg, """v_cache must be provided""")
+        self.assertExpectedInline(msg, """flash_attn_with_kvcache: v_cache must be provided (the V cache, with k_cache).""")
         msg = self.check(lambda q, vc, bt: f(q, None, vc, block_table=bt), self.q, self.v_cache, self.table)
         self.assertExpectedInline(
             msg,

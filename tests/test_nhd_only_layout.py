@@ -49,7 +49,7 @@ class TestLayoutHint(expecttest.TestCase):
         pos = slots = torch.tensor([0, 1, 2])
         msg = raises_everywhere(self, ValueError, lambda *a: kvops.rotary_paged_cache_write(*a),
                                 (key, key, kc, vc, slots, pos, cos, sin))
-        self.assertExpectedInline(msg, """kvops.rotary_paged_cache_write requires cache_head_start when cache heads (4) differ from input heads (2). The cache of shape (2, 2, 4, 16) read as kv_layout="NHD" has 4 heads, but its dim of size 2 fits the 2 input heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, kvops.rotary_paged_cache_write takes NHD caches only: pass its NHD view cache.transpose(1, 2) (no copy), or use kvops.paged_cache_write / kvops.paged_attention with kv_layout="HND".""")  # noqa: B950
+        self.assertExpectedInline(msg, """kvops.rotary_paged_cache_write requires cache_head_start when cache heads (4) differ from input heads (2). Pass cache_head_start (0 <= cache_head_start <= 2) to write the input heads as the head slice [cache_head_start, cache_head_start + 2) (tensor-parallel writers), or key/value with all 4 heads. The cache of shape (2, 2, 4, 16) read as kv_layout="NHD" has 4 heads, but its dim of size 2 fits the 2 input heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, kvops.rotary_paged_cache_write takes NHD caches only: pass its NHD view cache.transpose(1, 2) (no copy), or use kvops.paged_cache_write / kvops.paged_attention with kv_layout="HND".""")  # noqa: B950
 
     def test_transfer(self):
         ks, vs = [hnd(6, 4, 2, 8)], [hnd(6, 4, 2, 8, 1)]  # read as NHD: block_size 4, 2 KV heads

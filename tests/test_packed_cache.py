@@ -315,10 +315,10 @@ class TestErrors(expecttest.TestCase):
     def test_non_sequential_write(self):
         c = self.cache()
         msg = self.check(NotImplementedError, lambda k: c.update_and_get_attention_kv(k, k, 0), torch.ones(1, 2, 4, 32))
-        self.assertExpectedInline(msg, """PackedCausalKVCache: non-sequential write current_start=0 global_end=4 cur=2""")
+        self.assertExpectedInline(msg, """PackedCausalKVCache: non-sequential write current_start=0 global_end=4 cur=2. The packed cache takes chunks in order: pass current_chunk_start=4 to append the next chunk, or current_chunk_start=2 to rewrite the current chunk (a denoising step).""")
         fresh = PackedCausalKVCache.allocate(1, 8, 4, 32, chunk_tokens=2, quant=None, dtype=torch.float32)
         msg = self.check(NotImplementedError, lambda k: fresh.update_and_get_attention_kv(k, k, 2), torch.ones(1, 2, 4, 32))
-        self.assertExpectedInline(msg, """PackedCausalKVCache: non-sequential write current_start=2 global_end=0 cur=None""")
+        self.assertExpectedInline(msg, """PackedCausalKVCache: non-sequential write current_start=2 global_end=0 cur=None. The packed cache takes chunks in order: pass current_chunk_start=0 to append the next chunk.""")
 
     def test_nothing_changes_on_error(self):
         c = self.cache()

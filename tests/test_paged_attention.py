@@ -406,7 +406,7 @@ class TestPagedAttentionErrors(expecttest.TestCase):
         inputs = _base()
         fn = lambda q, k, cu, sl, bt: kvops.paged_attention(q, k, None, cu, sl, bt, 2)  # noqa: E731
         args = tuple(inputs[k] for k in ("q", "k_cache", "cu_seqlens_q", "seq_lens", "block_table"))
-        self.assertExpectedInline(raises_everywhere(self, ValueError, fn, args), """v_cache must be provided""")
+        self.assertExpectedInline(raises_everywhere(self, ValueError, fn, args), """kvops.paged_attention: v_cache must be provided (the V cache written or read with k_cache).""")
 
     def test_heads_not_multiple(self):
         inputs = _base(q=torch.randn(3, 5, 8))

@@ -249,7 +249,7 @@ class TestContracts(expecttest.TestCase):
         kc, vc, slots = _setup()
         key = torch.randn(3, 4, 16)
         msg = self.check(lambda k, kc, s: kvops.paged_cache_write(k, k, kc, None, s), key, kc, slots)
-        self.assertExpectedInline(msg, """v_cache must be provided""")
+        self.assertExpectedInline(msg, """kvops.paged_cache_write: v_cache must be provided (the V cache written or read with k_cache).""")
         msg = self.check(lambda k, kc, vc, s: kvops.paged_cache_write(k, None, kc, vc, s), key, kc, vc, slots)
         self.assertExpectedInline(
             msg,
@@ -285,7 +285,7 @@ class TestContracts(expecttest.TestCase):
         key = torch.randn(3, 1, 16)
         msg = self.check(lambda k, kc, vc, s: kvops.paged_cache_write(k, k, kc, vc, s), key, kc, vc, slots)
         self.assertExpectedInline(
-            msg, """kvops.paged_cache_write requires cache_head_start when cache heads (5) differ from input heads (1)."""
+            msg, """kvops.paged_cache_write requires cache_head_start when cache heads (5) differ from input heads (1). Pass cache_head_start (0 <= cache_head_start <= 4) to write the input heads as the head slice [cache_head_start, cache_head_start + 1) (tensor-parallel writers), or key/value with all 5 heads."""
         )
         msg = self.check(lambda k, kc, vc, s: kvops.paged_cache_write(k, k, kc, vc, s, 5), key, kc, vc, slots)
         self.assertExpectedInline(

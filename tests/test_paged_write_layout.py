@@ -77,14 +77,14 @@ class TestLayoutErrors(expecttest.TestCase):
         k_cache, v_cache = hnd_caches(5, 16, 4, 8)
         key, slots = torch.randn(3, 4, 8), torch.arange(3)
         msg = self.check(lambda k, kc, vc, s: kvops.paged_cache_write(k, k, kc, vc, s), key, k_cache, v_cache, slots)
-        self.assertExpectedInline(msg, """kvops.paged_cache_write requires cache_head_start when cache heads (16) differ from input heads (4). The cache of shape (5, 4, 16, 8) read as kv_layout="NHD" has 16 heads, but its dim of size 4 fits the 4 input heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, pass kv_layout="HND".""")
+        self.assertExpectedInline(msg, """kvops.paged_cache_write requires cache_head_start when cache heads (16) differ from input heads (4). Pass cache_head_start (0 <= cache_head_start <= 12) to write the input heads as the head slice [cache_head_start, cache_head_start + 4) (tensor-parallel writers), or key/value with all 16 heads. The cache of shape (5, 4, 16, 8) read as kv_layout="NHD" has 16 heads, but its dim of size 4 fits the 4 input heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, pass kv_layout="HND".""")
 
     def test_nhd_cache_passed_as_hnd_says_so(self):
         k_cache, v_cache = torch.zeros(5, 16, 4, 8), torch.zeros(5, 16, 4, 8)
         key, slots = torch.randn(3, 4, 8), torch.arange(3)
         fn = lambda k, kc, vc, s: kvops.paged_cache_write(k, k, kc, vc, s, kv_layout="HND")  # noqa: E731
         msg = self.check(fn, key, k_cache, v_cache, slots)
-        self.assertExpectedInline(msg, """kvops.paged_cache_write requires cache_head_start when cache heads (16) differ from input heads (4). The cache of shape (5, 16, 4, 8) read as kv_layout="HND" has 16 heads, but its dim of size 4 fits the 4 input heads: it may be an NHD cache [num_blocks, block_size, num_kv_heads, head_dim]; if so, pass kv_layout="NHD".""")
+        self.assertExpectedInline(msg, """kvops.paged_cache_write requires cache_head_start when cache heads (16) differ from input heads (4). Pass cache_head_start (0 <= cache_head_start <= 12) to write the input heads as the head slice [cache_head_start, cache_head_start + 4) (tensor-parallel writers), or key/value with all 16 heads. The cache of shape (5, 16, 4, 8) read as kv_layout="HND" has 16 heads, but its dim of size 4 fits the 4 input heads: it may be an NHD cache [num_blocks, block_size, num_kv_heads, head_dim]; if so, pass kv_layout="NHD".""")
 
     def test_layout_error_goes_before_the_slot_check(self):
         """Read as HND, this NHD cache holds 5 * 4 = 20 slots, so slot 70 also fails the eager value check; the

@@ -182,6 +182,22 @@ class TestPagedWrite(expecttest.TestCase):
             ep.module()(key, key, k_cache, v_cache, bad)
         self.assertTrue(torch.equal(k_cache, before))
 
+    def test_kernel_backends_raise_index_error(self):
+        """Default mode, backends that run the op's kernel (no lowering): the kernel's ``IndexError``, nothing written
+        (README "Value checks", docs/semantics.md §7)."""
+        k_cache, v_cache = paged_caches()
+        key = torch.randn(3, 2, 16)
+        bad, good = torch.tensor([1, 2, 40]), torch.tensor([1, 31, -1])
+        before = k_cache.clone()
+        torch._dynamo.reset()
+        compiled = torch.compile(kvops.paged_cache_write, fullgraph=True, backend="aot_eager")
+        ep = torch.export.export(_Wrap(kvops.paged_cache_write), (key, key, k_cache, v_cache, good))
+        for run in (compiled, ep.module()):
+            with self.assertRaises(IndexError) as cm:
+                run(key, key, k_cache, v_cache, bad)
+            self.assertTrue(torch.equal(k_cache, before))
+            self.assertExpectedInline(str(cm.exception), """kvops.paged_cache_write: slot_mapping holds slot 40 but the cache has only 32 slots (4 blocks x block_size 8); valid slots are [0, 32) or negative (skip).""")  # noqa: E501
+
     def test_eager_mode_emits_nothing_while_tracing(self):
         k_cache, v_cache = paged_caches()
         key = torch.randn(2, 2, 16)
@@ -294,7 +310,7 @@ class TestFlashAttnWithKVCache(expecttest.TestCase):
         self.assertTrue(torch.equal(self.k_cache, before))  # sequence 0 was not written either
         with self.assertRaises(RuntimeError) as cm:
             kvops.check_kvcache_capacity(self.k_cache, lens, self.table, num_new_tokens=3)
-        self.assertExpectedInline(str(cm.exception), """flash_attn_with_kvcache: sequence 1 has cache_seqlens=6; with 3 new tokens it needs positions [0, 9) but block_table addresses only 8 tokens (2 blocks x block_size 4) and cache_seqlens must be >= 0. Give block_table more blocks or write fewer tokens.""")  # noqa: E501
+        self.assertExpectedInline(str(cm.exception), """flash_attn_with_kvcache: sequence 1 has cache_seqlens=6; with 3 new tokens it needs positions [0, 9) but block_table addresses only 8 tokens (2 blocks x block_size 4). Give block_table more blocks or write fewer tokens.""")  # noqa: E501
         self.assertRaisesRegex(RuntimeError, "cache_seqlens=-1", self.call, torch.tensor([-1, 0], dtype=torch.int32))
         bad = torch.tensor([[0, 6], [2, 3]], dtype=torch.int32)
         with self.assertRaises(RuntimeError) as cm:

@@ -81,7 +81,7 @@ def check_head_slice(op: str, cache_heads: int, in_heads: int, cache_head_start:
             )
             raise ValueError(
                 f"{op} requires cache_head_start when cache heads ({cache_heads}) differ from input heads "
-                f"({in_heads}).{more}"
+                f"({in_heads}).{more or head_slice_fix(cache_heads, in_heads)}"
             )
         return 0
     if cache_head_start < 0 or cache_head_start + in_heads > cache_heads:
@@ -92,11 +92,19 @@ def check_head_slice(op: str, cache_heads: int, in_heads: int, cache_head_start:
     return cache_head_start
 
 
+def head_slice_fix(cache_heads, in_heads) -> str:
+    """The fix sentence of the ``requires cache_head_start`` error when the input carries fewer heads than the cache."""
+    top = cache_heads - in_heads
+    return (f" Pass cache_head_start (0 <= cache_head_start <= {as_int(top)}) to write the input heads as the head "
+            f"slice [cache_head_start, cache_head_start + {as_int(in_heads)}) (tensor-parallel writers), or key/value "
+            f"with all {as_int(cache_heads)} heads.")
+
+
 def check_kv_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None, layout: str, agree: str) -> None:
     """K and V caches: both present (``"v_cache must be provided"``), 4-D ``layout``, same dtype and device, and equal
     in the first three dims (``agree`` names them); only ``head_dim`` may differ."""
     if v_cache is None:
-        raise ValueError("v_cache must be provided")
+        raise ValueError(f"{op}: v_cache must be provided (the V cache written or read with k_cache).")
     require_ndim(op, "k_cache", k_cache, 4, layout)
     require_ndim(op, "v_cache", v_cache, 4, layout)
     require_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)

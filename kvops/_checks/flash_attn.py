@@ -37,7 +37,7 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
             f"(unbounded) or 0 (causal)."
         )
     if v_cache is None:
-        raise ValueError("v_cache must be provided")
+        raise ValueError(f"{OP}: v_cache must be provided (the V cache, with k_cache).")
     if k_cache is None:
         raise ValueError(
             f"{OP}: k_cache must be provided. (k_cache can only be None when only_qv=True, the MLA q-only path, "

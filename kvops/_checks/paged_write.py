@@ -16,6 +16,7 @@ from .common import (
     FP8_DTYPE,
     check_fp8_scales,
     check_head_slice,
+    head_slice_fix,
     check_kv_pair,
     require_dim_match,
     require_ndim,
@@ -143,9 +144,10 @@ def check_paged_cache_write(
         hint = layout_hint(k_cache, kv_layout, f"{as_int(in_heads)} input heads", lambda h: h == in_heads,
                            op if nhd_only else "")
         if hint:
+            fix = head_slice_fix(k_cache.shape[2], in_heads) if in_heads < k_cache.shape[2] else ""
             raise ValueError(
                 f"{op} requires cache_head_start when cache heads ({as_int(k_cache.shape[2])}) differ from input "
-                f"heads ({as_int(in_heads)}).{hint}"
+                f"heads ({as_int(in_heads)}).{fix}{hint}"
             )
     h0 = check_head_slice(op, k_cache.shape[2], in_heads, cache_head_start)
 

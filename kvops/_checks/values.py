@@ -266,10 +266,15 @@ def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
     if bool(bad_len.any()):
         b = int(bad_len.nonzero()[0, 0])
         n = int(lens[b])
+        if n < 0:
+            raise RuntimeError(
+                f"{op}: sequence {b} has cache_seqlens={n}; cache_seqlens counts the tokens already in sequence "
+                f"{b}'s cache and must be >= 0. Pass 0 for an empty sequence."
+            )
         raise RuntimeError(
             f"{op}: sequence {b} has cache_seqlens={n}; with {num_new_tokens} new tokens it needs positions "
             f"[0, {n + num_new_tokens}) but block_table addresses only {capacity} tokens ({width} blocks x block_size "
-            f"{block_size}) and cache_seqlens must be >= 0. Give block_table more blocks or write fewer tokens."
+            f"{block_size}). Give block_table more blocks or write fewer tokens."
         )
     if bad_block is not None and bool(bad_block.any()):
         b, j = (int(x) for x in bad_block.nonzero()[0])

@@ -400,7 +400,12 @@ class PackedCausalKVCache:
 
     def _raise_non_sequential(self, s: int, g: int, cur_start: int) -> None:
         cur = None if cur_start < 0 else cur_start
-        raise NotImplementedError(f"{self.name}: non-sequential write current_start={s} global_end={g} cur={cur}")
+        rewrite = "" if cur is None else (
+            f", or current_chunk_start={cur} to rewrite the current chunk (a denoising step)")
+        raise NotImplementedError(
+            f"{self.name}: non-sequential write current_start={s} global_end={g} cur={cur}. The packed cache takes "
+            f"chunks in order: pass current_chunk_start={g} to append the next chunk{rewrite}."
+        )
 
     def _advance(self, new: int, append: int) -> None:
         """Chunk ``new`` is written (``append``: 1 when it just became current, else 0): the chunk that left the ring
@@ -462,7 +467,8 @@ class PackedCausalKVCache:
                 long; dtype/device/batch/head_dim mismatches and head slices outside the cache (as
                 ``kvops.cache_write``).
             NotImplementedError: ``"{name}: current-chunk rewrite size changed"``;
-                ``"{name}: non-sequential write current_start={s} global_end={G} cur={cur_start}"``.
+                ``"{name}: non-sequential write current_start={s} global_end={G} cur={cur_start}. ..."`` (then the
+                ``current_chunk_start`` values that are accepted).
         """
         h0, h1, cur, g, local_end, ls = self._write(key, value, current_chunk_start, cache_head_start,
                                                    recent_window_tokens)
