@@ -13,7 +13,8 @@
 // otherwise. For float8_e4m3fn caches the first N key/value rows are first quantized with the composite kernel's
 // vectorized torch ops (clamp(x / scale, +-448) in fp32, round to nearest even; scale [1] or [H_kv], input head h
 // uses scale[h0 + h]), then their bytes are copied the same way. Tokens run under at::parallel_for. Duplicate
-// slots: which token lands is unspecified.
+// slots: which token lands is unspecified. A key/value overlapping a cache (a view of it) is copied first, so the
+// sources are read as they were before the call, as in compiled code (fp8 sources are fresh quantized copies anyway).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 
 namespace kvops_native {
 namespace {
@@ -44,6 +46,22 @@ struct Rows {  // one cache and its source rows
 at::Tensor quantize(const at::Tensor& x, const at::Tensor& scale, int64_t h0, int64_t n) {
   const at::Tensor s = scale.size(0) == 1 ? scale : scale.narrow(0, h0, x.size(1));
   return x.narrow(0, 0, n).to(at::kFloat).div(s.view({1, -1, 1})).clamp_(-FP8_MAX, FP8_MAX).to(at::kFloat8_e4m3fn);
+}
+
+// Whether a source may share bytes with a cache (same storage and intersecting byte ranges: conservative, cheap).
+bool overlaps(const at::Tensor& x, const at::Tensor& cache) {
+  if (x.numel() == 0 || cache.numel() == 0 || !x.is_alias_of(cache)) return false;
+  auto span = [](const at::Tensor& t) {
+    intptr_t lo = reinterpret_cast<intptr_t>(t.data_ptr()), hi = lo;
+    for (int64_t i = 0; i < t.dim(); ++i) {
+      const intptr_t step = (t.size(i) - 1) * t.stride(i) * static_cast<intptr_t>(t.element_size());
+      (step < 0 ? lo : hi) += step;
+    }
+    return std::make_pair(lo, hi + static_cast<intptr_t>(t.element_size()) - 1);
+  };
+  const auto [lo, hi] = span(x);
+  const auto [c_lo, c_hi] = span(cache);
+  return lo <= c_hi && c_lo <= hi;
 }
 
 Rows rows_of(const at::Tensor& src, const at::Tensor& cache, int64_t h0) {
@@ -103,6 +121,9 @@ int64_t paged_write_native(const at::Tensor& key, const at::Tensor& value, at::T
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "kvops::_paged_write_native: fp8 caches need scales");
     k_src = quantize(key, *k_scale, h0, n);
     v_src = quantize(value, *v_scale, h0, n);
+  } else {  // snapshot semantics: a source overlapping a cache is read before anything is written (copied first)
+    if (overlaps(key, k_cache) || overlaps(key, v_cache)) k_src = key.narrow(0, 0, n).clone();
+    if (overlaps(value, k_cache) || overlaps(value, v_cache)) v_src = value.narrow(0, 0, n).clone();
   }
   const Rows k = rows_of(k_src, k_cache, h0), v = rows_of(v_src, v_cache, h0);
   const int64_t block_size = k_cache.size(1), capacity = k_cache.size(0) * block_size;

@@ -48,7 +48,9 @@ def cache_write(
     ``torch.export``. Semantics: a row-range ``copy_`` (as ``k_cache[:, start:start+T, h0:h0+H_in] = key``), the
     cache update of FlashAttention's ``flash_attn_with_kvcache`` (non-paged form, one ``start`` for the batch) and of
     sglang's causal video-diffusion KV cache (docs/semantics.md §1); a cache with a stride-0 dim (an ``expand``ed view)
-    cannot be written in place and raises ``ValueError``.
+    cannot be written in place and raises ``ValueError``. ``key``/``value`` may alias the caches (e.g. rows of
+    ``k_cache`` itself): they are read before anything is written, as in compiled code (the kernels copy such a
+    source first; docs/semantics.md §1).
     """
     _cache_write(key, value, k_cache, v_cache, start, cache_head_start)
 

@@ -73,7 +73,9 @@ def paged_cache_write(
             with ``kvops.value_checks("async")`` a ``torch._assert_async`` that also works in compiled and exported
             graphs, and the whole batch is skipped. With ``"off"``: undefined behaviour of the kernel.
 
-    Duplicate non-negative slots within one call: which token lands is unspecified.
+    Duplicate non-negative slots within one call: which token lands is unspecified. ``key``/``value`` may alias the
+    caches (e.g. rows of ``k_cache`` rewritten to other slots): they are read before anything is written, as in
+    compiled code (every kernel copies such a source first; docs/semantics.md §3).
     """
     if _traced():  # traced: the op (and the async value check), through few globals (few guards, see above)
         if values._mode == "async":  # read directly: one source for the values module, so no aliasing guard
@@ -145,7 +147,8 @@ def _validated(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_s
 def _native_write(key, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale, kv_layout, fast_path) -> None:
     """The native CPU kernel on validated arguments; a slot ``>= P * block_size`` writes nothing and raises (on the
     fast path in the ``"eager"`` value-check mode that mode's ``RuntimeError``, else the kernel's ``IndexError``).
-    On the fast path the caches' version counters are bumped, as an in-place torch op bumps them."""
+    On the fast path the caches' version counters are bumped, as an in-place torch op bumps them. A key/value
+    overlapping a cache is copied by the kernel before it writes (snapshot semantics, docs/semantics.md §3)."""
     k_nhd, v_nhd = as_nhd(k_cache, v_cache, kv_layout)
     bad = torch.ops.kvops._paged_write_native(key, value, k_nhd, v_nhd, slot_mapping, h0, k_scale, v_scale)
     if bad >= 0:

@@ -16,6 +16,7 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks.rotary import check_rotary, check_rotary_paged_cache_write
 from ..reference import rotary as cpu
+from ..reference.paged_write import unaliased
 from ..triton import HAS_TRITON
 
 
@@ -59,6 +60,9 @@ def rotary_paged_cache_write(
             says this op takes NHD caches only and how to get an NHD view); tables not 2-D or of different
             shapes or dtypes other than key's; ``rotary_dim`` 0 or ``> head_dim`` (``"rotary_dim must be <=
             headdim"``); ``positions`` not 1-D int32/int64 with ``>= N`` entries.
+
+    ``key``/``value`` may alias the caches: they are read before anything is written, as in compiled code (the
+    kernels copy such a source first; docs/semantics.md §3).
     """
     torch.ops.kvops.rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positions, rotary_cos,
                                              rotary_sin, rotary_interleaved, cache_head_start, k_scale, v_scale)
@@ -100,6 +104,7 @@ def _register(device: str, kernels) -> None:
                rotary_interleaved=False, cache_head_start=None, k_scale=None, v_scale=None):
         h0 = check_rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positions, rotary_cos,
                                             rotary_sin, rotary_interleaved, cache_head_start, k_scale, v_scale)
+        key, value = unaliased(key, k_cache, v_cache), unaliased(value, k_cache, v_cache)  # snapshot (§3)
         kernels.rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positions, rotary_cos,
                                          rotary_sin, rotary_interleaved, h0, k_scale, v_scale)
 

@@ -22,6 +22,37 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, h0: int, dtype: torch.dty
     return (x.to(torch.float32) / s.view(1, -1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, last]`` that ``t`` (non-empty) can touch."""
+    lo = hi = t.data_ptr()
+    for size, stride in zip(t.shape, t.stride()):
+        step = (size - 1) * stride * t.element_size()
+        if step < 0:
+            lo += step
+        else:
+            hi += step
+    return lo, hi + t.element_size() - 1
+
+
+def overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` may share bytes: the same storage and intersecting byte ranges (conservative: K/V views
+    of one joint allocation count as overlapping). Cheap when the storages differ (two pointers compared)."""
+    if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() or not x.numel() or not y.numel():
+        return False
+    (lo, hi), (y_lo, y_hi) = _span(x), _span(y)
+    return lo <= y_hi and y_lo <= hi
+
+
+def unaliased(x: torch.Tensor, *caches: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it when its memory overlaps one of ``caches`` (which the caller writes afterwards).
+
+    The cache writes read their sources as they were before the call (snapshot semantics, as the compiled code's:
+    docs/semantics.md §1, §3), whatever order a kernel writes in. Cheap when nothing aliases (storage pointers
+    compared; byte ranges only for a shared storage); the copy is of the source only, never of a cache.
+    """
+    return x.clone() if any(overlaps(x, cache) for cache in caches) else x
+
+
 def _flat_rows(cache: torch.Tensor) -> torch.Tensor | None:
     """``cache [P, block_size, H, D]`` viewed as ``[P * block_size, H, D]`` without a copy, or None if impossible."""
     p, block_size = cache.shape[0], cache.shape[1]
@@ -78,6 +109,7 @@ def paged_cache_write(
     slots = slot_mapping.to(torch.int64)
     if key.shape[0] != n:
         key, value = key[:n], value[:n]
+    key, value = unaliased(key, k_cache, v_cache), unaliased(value, k_cache, v_cache)  # read before any write
     low, top = torch.aminmax(slots)  # the CPU kernel may read the slots: one pass for both checks
     low, top = int(low), int(top)
     if low < 0:  # padding: keep the non-negative slots

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.paged_write import overlaps, unaliased
+
 _TILE = 4096  # elements per program: a head block of one token row (keeps registers bounded for wide caches)
 
 
@@ -42,17 +44,24 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, dst_row0: int, dst_head0: in
 
 
 def cache_write(key, value, k_cache, v_cache, start: int, h0: int) -> None:
+    """A source overlapping a cache is read before anything is written (copied first: docs/semantics.md §1)."""
+    key, value = unaliased(key, k_cache, v_cache), unaliased(value, k_cache, v_cache)
     copy_rows(key, k_cache, start, h0)
     copy_rows(value, v_cache, start, h0)
 
 
 def cache_roll(k_cache, v_cache, src: int, dst: int, n: int, h0: int, h1: int) -> None:
+    """Overlapping ranges, or caches sharing memory (``k_cache is v_cache``): the moved rows are staged before
+    anything is written, so both moves read the rows as they were before the call (as compiled code does)."""
     if n == 0 or src == dst:
         return
-    for cache in (k_cache, v_cache):
-        moved = cache[:, src : src + n, h0:h1]
-        if abs(src - dst) < n:  # overlapping ranges: stage the moved rows, then write them back
-            staged = torch.empty(moved.shape, dtype=cache.dtype, device=cache.device)
-            copy_rows(moved, staged, 0, 0)
-            moved = staged
-        copy_rows(moved, cache, dst, h0)
+    caches = (k_cache, v_cache)
+    moved = [cache[:, src : src + n, h0:h1] for cache in caches]
+    shared = overlaps(k_cache, v_cache)
+    for i, rows in enumerate(moved):
+        if abs(src - dst) < n or (shared and i == 1):  # stage the moved rows (never the cache), then write them
+            staged = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+            copy_rows(rows, staged, 0, 0)
+            moved[i] = staged
+    for cache, rows in zip(caches, moved):
+        copy_rows(rows, cache, dst, h0)

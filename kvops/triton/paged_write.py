@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.paged_write import unaliased
+
 _TILE = 4096  # elements per program: a head block of one token (keeps registers bounded for wide caches)
 
 
@@ -87,6 +89,9 @@ def scatter_tokens(
 
 def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, h0: int, k_scale, v_scale) -> None:
     """Launcher with the CPU kernel's signature (arguments already validated). Slots ``>= P * block_size`` are not
-    checked here (no host sync): they are undefined behaviour, as in vLLM; use ``kvops.check_slot_mapping``."""
+    checked here (no host sync): they are undefined behaviour, as in vLLM; use ``kvops.check_slot_mapping``.
+    A source overlapping a cache is read before anything is written (copied first: docs/semantics.md §3)."""
+    n = slot_mapping.shape[0]
+    key, value = unaliased(key[:n], k_cache, v_cache), unaliased(value[:n], k_cache, v_cache)
     scatter_tokens(key, k_cache, slot_mapping, h0, k_scale)
     scatter_tokens(value, v_cache, slot_mapping, h0, v_scale)
