@@ -22,8 +22,8 @@ class CausalKVView(NamedTuple):
 
     ``k``/``v`` are the visible rows ``[B, V, H_in, D]`` / ``[B, V, H_in, D_v]`` in row order (a view of the cache
     when they are one contiguous row range, else a ``torch.cat`` of the ranges of
-    :func:`kvops.cache._window.visible_rows`: sink rows, a pinned chunk, the newest rows; docs/semantics.md §1.6). The four ints are cache rows
-    (``local_*``) and token positions (``*_global_*``): the chunk was written at rows
+    :func:`kvops.cache._window.visible_rows`: sink rows, a pinned chunk, the newest rows; docs/semantics.md §1.6).
+    The four ints are cache rows (``local_*``) and token positions (``*_global_*``): the chunk was written at rows
     ``[local_start_index, local_end_index)``; ``visible_local_end`` is the cache's local end after the update (``L'``)
     and ``visible_global_end`` its global end (``G'``).
     """
