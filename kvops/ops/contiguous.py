@@ -50,8 +50,9 @@ def cache_write(
     sglang's causal video-diffusion KV cache (docs/semantics.md §1); a cache with a stride-0 dim (an ``expand``ed view)
     cannot be written in place and raises ``ValueError``. ``key``/``value`` may alias the caches (e.g. rows of
     ``k_cache`` itself): they are read before anything is written, as in compiled code (the kernels copy such a
-    source first; docs/semantics.md §1). Under ``torch.compile`` (torch 2.13) clone such a view if its offset
-    changes between calls: a compiled function does not recompile for that (pytorch/pytorch#139789).
+    source first; docs/semantics.md §1). Under ``torch.compile`` (torch 2.13) pass a ``.clone()`` of such a
+    view on every call, the first included: torch does not recompile when the inputs' aliasing changes
+    (pytorch/pytorch#139789).
     """
     _cache_write(key, value, k_cache, v_cache, start, cache_head_start)
 

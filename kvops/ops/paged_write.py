@@ -76,8 +76,8 @@ def paged_cache_write(
     Duplicate non-negative slots within one call: which token lands is unspecified. ``key``/``value`` may alias the
     caches (e.g. rows of ``k_cache`` rewritten to other slots): they are read before anything is written, as in
     compiled code (every kernel copies such a source first; docs/semantics.md §3). Under ``torch.compile`` (torch
-    2.13) clone such a view if its offset changes between calls: a compiled function does not recompile for that
-    (pytorch/pytorch#139789) and would read the traced offset.
+    2.13) pass a ``.clone()`` of such a view on every call, the first included: torch does not recompile when the
+    inputs' aliasing changes (pytorch/pytorch#139789), so a later call can read the traced offset or fail.
     """
     if _traced():  # traced: the op (and the async value check), through few globals (few guards, see above)
         if values._mode == "async":  # read directly: one source for the values module, so no aliasing guard
