@@ -294,10 +294,28 @@ def paged_attention(
     return out, lse
 
 
-def tile_config(kind: str, block_d: int, block_dv: int, is_fp32: bool, capability: tuple[int, int]) -> dict:
-    """``block_n``, ``block_m`` (prefill only), ``num_warps`` and ``num_stages`` of one kernel (``kind``: "decode"
-    or "prefill") for padded head dims ``block_d``/``block_dv`` on a device of compute ``capability``."""
-    return dict(block_n=64 if max(block_d, block_dv) <= 128 else 32, block_m=64, num_warps=4, num_stages=None)
+def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capability: tuple[int, int]) -> dict:
+    """``block_n`` (KV tokens per tile), ``block_m`` (prefill rows), ``num_warps`` and ``num_stages`` of one kernel.
+
+    ``kind`` is "decode" or "prefill", ``block_d``/``block_dv`` the padded head dims, ``operands`` what ``tl.dot``
+    multiplies: "fp32" (fp32 inputs, IEEE products on CUDA cores), "fp8" (e4m3 bits decoded in registers, TF32) or
+    "16bit" (bf16/fp16 converted to fp32, TF32). Every tile is converted to fp32 before the dot, so K/V tiles cost 4
+    bytes per value in registers and shared memory whatever the cache dtype. Chosen so that no (kernel, head_dim,
+    flag) combination spills registers or needs more than 99 KB of shared memory (sm_86/sm_89, the smallest block
+    budget of the targets), as checked by ``python benchmarks/gpu_check.py --aot``; two pipeline stages (the K/V
+    loads are gathers through ``block_table``, so deeper pipelining only costs shared memory).
+    """
+    width = max(block_d, block_dv)
+    if kind == "decode":  # 16 rows (the padded query heads of one KV head)
+        block_n = 64 if width <= 64 or (width <= 128 and operands == "16bit") else 32 if width <= 128 else 16
+        return dict(block_n=block_n, block_m=16, num_warps=4, num_stages=2)
+    if width >= 256:
+        block_m, block_n = 16, 16 if operands == "fp32" else 32
+    elif width == 128:
+        block_m, block_n = (64, 32) if operands == "16bit" else (32, 32)
+    else:
+        block_m, block_n = (64, 64) if operands == "16bit" else (32, 64)
+    return dict(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2)
 
 
 def plan_paged_attention(
@@ -333,7 +351,8 @@ def plan_paged_attention(
     block_g = _pow2(group)
     block_d, block_dv = _pow2(d), _pow2(d_v)
     decode = max_seqlen_q == 1 and not force_prefill
-    cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, q.dtype == torch.float32, capability)
+    operands = "fp8" if is_fp8 else "fp32" if q.dtype == torch.float32 else "16bit"
+    cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, operands, capability)
     block_n = cfg["block_n"] if block_n is None else block_n
     block_m = cfg["block_m"] if block_m is None else block_m
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=True)
