@@ -177,12 +177,21 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
     return out, lse.view(b, hkv, t, g).permute(0, 1, 3, 2).reshape(b, hq, t)
 
 
-def segment_config(block_d: int, block_dv: int, rows: int, capability: tuple[int, int]) -> dict:
+def segment_config(block_d: int, block_dv: int, rows: int, quant, capability: tuple[int, int]) -> dict:
     """``block_m`` (rows: query tokens x group heads), ``block_n`` (tokens), ``num_warps``, ``num_stages`` of
-    ``_segment_kernel`` for padded head dims on a device of compute ``capability``."""
+    ``_segment_kernel`` for padded head dims, the packed format ``quant`` (int4 dequantizes with one scale and zero
+    load per element: the most registers) on a device of compute ``capability``. Chosen so that no format spills
+    registers or needs more than 99 KB of shared memory (sm_86/sm_89), as ``python benchmarks/gpu_check.py --aot``
+    checks."""
     width = max(block_d, block_dv)
-    block_m = 16 if width >= 256 else 32 if width == 128 else 64  # fits 99 KB (sm_86/89) without register spills
-    return dict(block_m=max(16, min(block_m, triton.next_power_of_2(rows))), block_n=16, num_warps=4, num_stages=2)
+    if width >= 256:
+        block_m, num_warps = 16, 8 if quant == "int4" else 4
+    elif width == 128:
+        block_m, num_warps = 16 if quant == "int4" else 32, 4
+    else:
+        block_m, num_warps = 64, 4
+    return dict(block_m=max(16, min(block_m, triton.next_power_of_2(rows))), block_n=16, num_warps=num_warps,
+                num_stages=2)
 
 
 def plan_packed_attention(q, segments, hkv: int, m, l, acc, counts, scale: float,
@@ -194,7 +203,7 @@ def plan_packed_attention(q, segments, hkv: int, m, l, acc, counts, scale: float
     bh, rows, d_v = acc.shape
     g = hq // hkv
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(d_v))
-    cfg = segment_config(block_d, block_dv, rows, capability)
+    cfg = segment_config(block_d, block_dv, rows, next((fmt for _, _, fmt in segments if fmt), None), capability)
     block_m = cfg["block_m"]
     grid = (triton.cdiv(rows, block_m), bh)
     launches, row = [], 0

@@ -309,8 +309,10 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     if kind == "decode":  # 16 rows (the padded query heads of one KV head)
         block_n = 64 if width <= 64 or (width <= 128 and operands == "16bit") else 32 if width <= 128 else 16
         return dict(block_n=block_n, block_m=16, num_warps=4, num_stages=2)
+    if operands == "fp32" and width >= 128:  # IEEE products on CUDA cores hold both operands in registers
+        return dict(block_n=16, block_m=16, num_warps=8, num_stages=2)
     if width >= 256:
-        block_m, block_n = 16, 16 if operands == "fp32" else 32
+        block_m, block_n = 16, 32
     elif width == 128:
         block_m, block_n = (64, 32) if operands == "16bit" else (32, 32)
     else:
