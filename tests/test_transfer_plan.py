@@ -73,7 +73,23 @@ class TestWorkedCases(expecttest.TestCase):
         self.assertEqual(staging_grid_tokens(100, 16), 96)  # whole pages
         self.assertEqual(staging_grid_tokens(8, 16), 16)  # at least one page
         self.assertEqual(compute_grid_segments(0, 14336, 0, 8192), [(0, 8192), (8192, 14336)])
-        self.assertEqual(compute_grid_segments(5, 5, 0, 8), [])
+        self.assertEqual(compute_grid_segments(0, 8, 0, 8), [(0, 8)])
+
+    def test_sglang_semantics(self):
+        # issue 20 §3, after sglang's staging helpers: an empty range is one empty segment (the metadata-only last
+        # chunk of a fully cached prompt), None means the default chunked-prefill size, a global decode rank maps
+        # to its rank in the TP group
+        self.assertEqual(compute_grid_segments(5, 5, 0, 8), [(5, 5)])
+        self.assertEqual(compute_grid_segments(4096, 4096, 0, 8192), [(4096, 4096)])
+        self.assertEqual(compute_grid_segments(0, 0, 0, 8), [(0, 0)])
+        self.assertEqual(staging_grid_tokens(None, 64), 8192)
+        self.assertEqual(staging_grid_tokens(None, 48), 8160)
+        self.assertEqual(staging_grid_tokens(None), 8192)
+        for p_tp, d_tp, heads in ((4, 2, 8), (2, 4, 8), (1, 4, 2), (8, 2, 2), (4, 8, 2)):
+            for global_rank in range(3 * d_tp):
+                self.assertEqual(compute_head_slice_params(p_tp, d_tp, global_rank, heads),
+                                 compute_head_slice_params(p_tp, d_tp, global_rank % d_tp, heads))
+        self.assertEqual(compute_head_slice_params(2, 4, 6, 8), (HeadSlice(1, 0, 2, 0),))  # global 6 = TP rank 2
         self.assertEqual(compute_grid_segments(3, 20, 0, 8), [(3, 8), (8, 16), (16, 20)])
         self.assertEqual(compute_grid_segments(3, 20, 2, 8), [(3, 10), (10, 18), (18, 20)])
         self.assertEqual(compute_grid_segments(0, 8, 0, 8), [(0, 8)])
@@ -111,8 +127,8 @@ class TestErrors(expecttest.TestCase):
             compute_head_slice_params(3, 2, 0, 8)
         self.assertExpectedInline(str(cm.exception), """total_kv_heads=8 cannot be split over prefill tp_size=3: need total_kv_heads % tp_size == 0 (each rank holds total_kv_heads // tp_size heads) or tp_size % total_kv_heads == 0 (each head replicated on tp_size // total_kv_heads ranks).""")  # noqa: B950
         with self.assertRaises(ValueError) as cm:
-            compute_head_slice_params(2, 2, 2, 8)
-        self.assertExpectedInline(str(cm.exception), """decode tp_rank=2 is outside [0, 2).""")
+            compute_head_slice_params(2, 2, -1, 8)
+        self.assertExpectedInline(str(cm.exception), """decode tp_rank=-1 must be a non-negative int (a TP rank, or a global rank, which is taken modulo decode tp_size=2).""")  # noqa: B950
         with self.assertRaises(ValueError) as cm:
             compute_grid_segments(4, 2, 0, 8)
         self.assertExpectedInline(str(cm.exception), """compute_grid_segments needs start <= end, got start=4, end=2.""")  # noqa: B950
