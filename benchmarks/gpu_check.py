@@ -143,8 +143,8 @@ def write_timings():
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--skip-examples", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true", help="skip stage 1 (the Triton tests on CUDA)")
+    parser.add_argument("--skip-examples", action="store_true", help="skip stage 2 (the examples with --device cuda)")
     parser.add_argument("--budget-s", type=float, default=540, help="overall time budget for the test/example stages")
     args = parser.parse_args()
     import torch
