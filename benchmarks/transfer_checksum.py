@@ -25,7 +25,20 @@ import socket
 import statistics
 import time
 
-import torch
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per table")
+    p.add_argument("--inner", type=int, default=5, help="calls timed per candidate and round (local table)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens in the request")
+    p.add_argument("--chunk", type=int, default=512, help="staging-grid chunk in tokens (one message per chunk)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before importing torch: --help answers at once
+
+import torch  # noqa: E402
 
 LAYERS, H_LOCAL, HEAD_DIM, BLOCK, DTYPE = 16, 2, 64, 16, torch.bfloat16
 
@@ -139,17 +152,11 @@ def transfer(args):
     print(f"  plain / raw:      {spread([p / r for p, r in zip(plain, raw)])}")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--inner", type=int, default=5)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--chunk", type=int, default=512)
-    args = p.parse_args()
+def main(args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     local(args)
     transfer(args)
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)
