@@ -188,4 +188,16 @@ class TestEndpointErrors(expecttest.TestCase):
         with self.assertRaises(ValueError) as cm:
             recv.receive("req-1", 4)
         self.assertExpectedInline(str(cm.exception), """request_id must be an int in [0, 1073741823] (it tags the request's messages), got 'req-1'.""")  # noqa: B950
+        for bad in (-3, 1.5, None):  # today: "compute_grid_segments needs start <= end ..." for -3
+            with self.assertRaises(ValueError) as cm:
+                recv.receive(7, bad)
+            self.assertIn("num_tokens must be a non-negative int", str(cm.exception))
+        self.assertExpectedInline(str(cm.exception), """num_tokens must be a non-negative int (the request's token count, 0 for a metadata-only request), got None.""")  # noqa: B950
         self.assertEqual(cache.seq_ids, [])  # nothing allocated
+        sender = KVSender(TransferGroups((0,), (1,)), 0, cache.k_caches, cache.v_caches, 2)
+        with self.assertRaises(ValueError) as cm:
+            sender.send(7, -3, torch.zeros(2, dtype=torch.int32))
+        self.assertIn("num_tokens must be a non-negative int", str(cm.exception))
+        with self.assertRaises(ValueError) as cm:
+            sender.send(7, 9, torch.zeros(2, dtype=torch.int32))
+        self.assertExpectedInline(str(cm.exception), """KVSender.send: block_table of shape (2,) covers 8 tokens (block_size 4) but num_tokens=9; pass the request's 1-D block table.""")  # noqa: B950
