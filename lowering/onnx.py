@@ -1,6 +1,6 @@
 """ONNX translations of the kvops ops, for ``torch.onnx.export(..., dynamo=True)`` (onnxscript, opset 18 ops).
 
-Usage (see README "Deployment")::
+Usage (see docs/deployment.md)::
 
     ep = kvops.export.functionalize(torch.export.export(model, args))     # writes -> functional kvops ops
     onnx_program = torch.onnx.export(ep, dynamo=True, custom_translation_table=kvops.onnx_translation_table())

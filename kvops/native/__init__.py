@@ -7,7 +7,7 @@ runs (not at import), with the machine's C++ compiler (the one ``torch.compile``
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the
 source, the flags and the CPU's instruction-set flags, so later processes load the cached build in well under a
 second, and differing sources or machines never share a binary. A build that is not cached yet says so once on the
-``kvops.native`` logger (about 30 s on 2 cores; where it is cached) and how long it took; ``python -m kvops.native``
+``kvops.native`` logger (about 30-40 s on 2 idle cores; where it is cached) and how long it took; ``python -m kvops.native``
 builds ahead of time. It is not built at install time: the binary is specific to the machine's CPU (``-march=native``)
 and to the torch it was compiled against, and a wheel or an install outlives both (torch upgrades, images moved
 between machines).
@@ -58,7 +58,7 @@ _state: bool | None = None  # None: not tried yet in this process
 # any logging set up (a warning category would turn it into an error under ``-W error`` and into noise in tests that
 # record warnings); logging.getLogger("kvops.native").setLevel(logging.ERROR) silences it.
 log = logging.getLogger("kvops.native")
-BUILD_SECONDS = "about 30 s on 2 CPU cores"  # measured: 25-41 s for the three sources on a shared 2-core machine
+BUILD_SECONDS = "about 30-40 s on 2 idle CPU cores, longer on a busy machine"  # the issue measured 25-41 s
 
 
 def _cpu_flags() -> str:
