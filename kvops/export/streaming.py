@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from .._checks.common import as_int, require_ndim
+from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write, check_caches
 from ..ops.contiguous import cache_roll, cache_write
 
 
@@ -76,6 +78,26 @@ for _device in ("CPU", "CUDA"):
 @torch.library.register_fake("kvops::stream_positions")
 def _stream_positions_fake(state, sink_tokens, kv_cache_size):
     return torch.empty_like(state)
+
+
+def _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start) -> None:
+    """The metadata contract of a step (the write's, plus the cursors' device and all heads), checked before the roll
+    so that a failing step moves and writes nothing."""
+    if key.shape[2] != k_cache.shape[2] or value.shape[2] != k_cache.shape[2]:
+        raise ValueError(
+            f"{_OP}: key has {as_int(key.shape[2])} heads and value {as_int(value.shape[2])}, but the caches hold "
+            f"{as_int(k_cache.shape[2])} (k_cache shape {tuple(k_cache.shape)}); a streaming step writes all heads. "
+            f"Pass key/value with {as_int(k_cache.shape[2])} heads (for a head slice use CausalKVCache with "
+            f"cache_head_start)."
+        )
+    check_cache_write(key, value, k_cache, v_cache, 0, None, op=_OP)
+    for name, t in (("cursors", cursors), ("current_chunk_start", current_chunk_start)):
+        if isinstance(t, torch.Tensor) and t.device != k_cache.device:
+            raise ValueError(
+                f"{_OP}: {name} is on {t.device} but the caches are on {k_cache.device}; the step's positions are "
+                f"computed next to the caches. Pass {name}.to({str(k_cache.device)!r}) (init_cursors(device) for a "
+                f"new stream)."
+            )
 
 
 def init_cursors(device=None) -> torch.Tensor:
@@ -121,6 +143,9 @@ def streaming_update(
             exported programs (``torch.export``, saved and loaded) and ``torch.compile``; AOTInductor packages raise
             their wrapper's ``Expected u5 >= 0 but received -2`` for the same checks (lowering/inductor_checks.py).
     """
+    check_caches(_OP, k_cache, v_cache)
+    for name, t in (("key", key), ("value", value)):
+        require_ndim(_OP, name, t, 4, TOKENS_LAYOUT)
     n, cache_size = key.shape[1], k_cache.shape[1]
     window = cache_size if attention_window_size is None else attention_window_size
     sink = sink_tokens
@@ -137,6 +162,7 @@ def streaming_update(
             f"current_chunk_start an int64 0-d tensor, got {cursors.dtype} {tuple(cursors.shape)} and "
             f"{current_chunk_start.dtype} {tuple(current_chunk_start.shape)}."
         )
+    _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start)  # all of it before the first mutation
     g, l = cursors[0], cursors[1]
     s = current_chunk_start
     e = s + n

@@ -129,11 +129,11 @@ def _fast_eager(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) ->
 
 def _validated(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout) -> int:
     """``check_paged_cache_write``'s result (the first cache head written), memoized on everything it reads: shapes,
-    dtypes, the caches' strides (stride-0 check), the scales' shapes and dtypes, ``cache_head_start``, ``kv_layout``
+    dtypes, the caches' strides (stride-0 check) and, when they share a storage, offsets (overlap check), the scales' shapes and dtypes, ``cache_head_start``, ``kv_layout``
     (devices: all CPU on the fast path). Errors are raised again on every call, never memoized."""
     memo_key = (key.shape, key.dtype, value.shape, value.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
                 v_cache.shape, v_cache.stride(), v_cache.dtype, slot_mapping.shape, slot_mapping.dtype,
-                cache_head_start, kv_layout,
+                cache_head_start, kv_layout, _shared(k_cache, v_cache),
                 None if k_scale is None else (k_scale.shape, k_scale.dtype, k_scale.is_cpu),
                 None if v_scale is None else (v_scale.shape, v_scale.dtype, v_scale.is_cpu))
     h0 = _memo.get(memo_key)
@@ -144,6 +144,13 @@ def _validated(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_s
             _memo.clear()
         _memo[memo_key] = h0
     return h0
+
+
+def _shared(k_cache, v_cache):
+    """The overlap check's input (kvops/_checks/overlap.py): None for caches on separate storages, else the offsets."""
+    if k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
+        return None
+    return k_cache.storage_offset(), v_cache.storage_offset()
 
 
 def _native_write(key, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale, kv_layout, fast_path) -> None:

@@ -124,6 +124,18 @@ def _cpu(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_co
     return reference.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale, row_counts)
 
 
+def _no_backward(ctx, grad_out, grad_lse):
+    raise RuntimeError(
+        "Trying to backward through kvops.packed_attention, which has no autograd formula: attention over a packed "
+        "(quantized) window is inference-only. Run it under torch.no_grad(), or attend dense K/V with "
+        "torch.nn.functional.scaled_dot_product_attention to train."
+    )
+
+
+# as kvops::paged_attention: the output requires grad when q does, and backward raises (never a silent q.grad=None)
+torch.library.register_autograd("kvops::packed_attention", _no_backward)
+
+
 @torch.library.impl("kvops::packed_attention", "CUDA")
 def _cuda(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_counts=None):
     sm_scale, _ = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale, row_counts)
