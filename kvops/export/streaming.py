@@ -135,8 +135,10 @@ def streaming_update(
         ``L = L + a - ev`` (as ``CausalKVCache``, which these results equal bit for bit).
 
     Raises:
-        ValueError (when called or traced): ``K + n > S`` (an evicting append would overwrite the sink), ``K >= S``,
-            ``W < 1``, and the write op's metadata errors (ranks, dtypes, head counts).
+        ValueError (when called or traced, before anything moves): ``K + n > S`` (an evicting append would
+            overwrite the sink), ``K >= S``, ``W < 1``, the write op's metadata errors (ranks, dtypes, key/value
+            lengths), key/value with fewer heads than the caches (a step writes all heads), cursors or
+            ``current_chunk_start`` on another device.
         RuntimeError (when run, before anything is written): cursors that are not ``0 <= L <= min(G, S)``;
             ``s > G`` (a gap); ``s`` negative or naming tokens already evicted (rows before row 0, or a rewrite onto
             the sink rows after eviction). The message names the argument, the values and the fix in eager code,

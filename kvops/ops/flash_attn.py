@@ -96,6 +96,9 @@ def flash_attn_with_kvcache(
         ValueError (rotary): tables without ``k`` (``"If rotary cos/sin are provided, new key / value to be appended
             to KV cache must also be provided"``), only one table, ``"cos/sin seqlen must be at least the seqlen of KV
             cache"``, ``"rotary_dim must be <= headdim"``, a table dtype other than q's.
+        ValueError (zero sizes): a cache with ``block_size`` (``seqlen_cache`` without ``block_table``),
+            ``num_kv_heads`` or ``head_dim`` 0. Every check, the attention's included, runs before ``k``/``v`` are
+            appended: a failing call changes no cache.
         NotImplementedError: ``cache_batch_idx``, ``cache_leftpad``,
             ``alibi_slopes``, or ``window_size[1] > 0`` without ``causal``.
         RuntimeError: value contracts (docs/semantics.md §7), before anything is written: a ``cache_seqlens``

@@ -60,7 +60,9 @@ def paged_cache_write(
             ``[P, H_kv, block_size, D]``). Slot semantics are the same in both.
 
     Raises:
-        ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; missing ``value``; ranks; ``slot_mapping`` not 1-D int32/int64;
+        ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; missing ``value``; ranks;
+            ``block_size``, ``H_kv`` or a ``head_dim`` of 0; caches that overlap in memory (``"k_cache and v_cache
+            overlap in memory"``, or one overlapping itself; joint K/V layouts are disjoint and fine); ``slot_mapping`` not 1-D int32/int64;
             ``key`` with fewer rows than ``slot_mapping`` (``N' < N``); dtype/device/head/head_dim mismatches;
             ``"... requires cache_head_start when cache heads (H_kv) differ from input heads (H_in)."`` (followed by
             "it may be an HND cache ...; if so, pass kv_layout=\"HND\"" when the other dim fits ``H_in``); a head slice

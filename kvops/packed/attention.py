@@ -79,7 +79,9 @@ def packed_attention(
         ValueError: no segments, different K and V segments, mixed packed formats, ``H_q`` not a multiple of
             ``H_kv``, a segment whose batch / heads / head_dim / tokens / device / layout does not match (messages
             name the segment), ``row_counts`` not int32 ``[total rows]`` on ``q``'s device, or (eager) negative.
-            Raised at trace time too (the values check: eager only).
+            Raised at trace time too (the values check: eager only). ``H_kv`` or a ``head_dim`` of 0.
+        RuntimeError: an int2 cluster id outside ``[0, C)``; ``backward()`` through the output (no autograd
+            formula: inference only).
     """
     if isinstance(k_segments, PackedSegments):
         row_counts = k_segments.row_counts if row_counts is None else row_counts
