@@ -115,6 +115,7 @@ def streaming_update(
     *,
     sink_tokens: int = 0,
     attention_window_size: int | None = None,
+    window_mode: str = "sink",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write a chunk at its global position (evicting after the sink as needed); return the visible rows' mask.
 
@@ -126,6 +127,9 @@ def streaming_update(
         current_chunk_start: int64 ``[]``, ``s``: global position of the chunk's first token.
         sink_tokens: ``K`` rows never evicted (Python int, part of the program).
         attention_window_size: ``W`` visible rows (default ``S``; Python int).
+        window_mode: ``"sink"`` (default: once ``W`` rows no longer hold every row in use, the sink rows then the
+            newest ``W - K``) or ``"tail"`` (the newest ``W`` rows only), as ``CausalKVCache``'s (docs/porting.md
+            "Window with a sink").
 
     Returns:
         ``(mask, new_cursors)``: bool ``[S]``, True for the rows the chunk attends to (docs/semantics.md §1.6), and int64
@@ -145,6 +149,8 @@ def streaming_update(
             exported programs (``torch.export``, saved and loaded) and ``torch.compile``; AOTInductor packages raise
             their wrapper's ``Expected u5 >= 0 but received -2`` for the same checks (lowering/inductor_checks.py).
     """
+    if window_mode not in ("sink", "tail"):
+        raise ValueError(f"{_OP}: window_mode must be 'sink' or 'tail' (docs/porting.md), got {window_mode!r}.")
     check_caches(_OP, k_cache, v_cache)
     for name, t in (("key", key), ("value", value)):
         require_ndim(_OP, name, t, 4, TOKENS_LAYOUT)
@@ -196,5 +202,8 @@ def streaming_update(
     new_l = l + added - evicted
     rows = torch.arange(cache_size, device=k_cache.device)
     start = new_l - window  # > 0: the window no longer holds every row in use
-    mask = (rows < new_l) & ((start <= 0) | (rows < sink) | (rows >= start + sink))
+    if window_mode == "tail":  # the plain tail [L' - W, L') (sglang's dense cache, Self-Forcing)
+        mask = (rows < new_l) & (rows >= start)
+    else:
+        mask = (rows < new_l) & ((start <= 0) | (rows < sink) | (rows >= start + sink))
     return mask, torch.stack([g + added, new_l])
