@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .overlap import check_caches_disjoint
 from .common import as_int, require_ndim, require_same_device, require_writable
 from .paged_write import layout_hint
 
@@ -59,6 +60,8 @@ def check_paged_kv_transfer(
             )
         if writes_caches:
             require_writable(op, f"caches[{i}]", c)
+    if writes_caches:
+        check_caches_disjoint(op, [(f"caches[{i}]", c) for i, c in enumerate(caches)])
     if block_table.dim() != 1 or block_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"{op}: block_table must be the request's 1-D int32 or int64 row [num_blocks_of_request], got shape "

@@ -106,7 +106,12 @@ def _without_build(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max
             softcap, sinks, k_scale, v_scale)
     if q.is_cpu and available() and _has_cpu_kernel():  # built just now (first kvops call of this process)
         return torch.ops.kvops._paged_attention_native.default(*args)
+    from .._checks.paged_attention import check_paged_attention
     from ..reference.paged_attention import paged_attention as composite
+
+    # a direct call (torch.ops.kvops._paged_attention_native) gets the op's contract, as the built kernel checks it
+    check_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
+                          window_left, softcap, sinks, k_scale, v_scale)
 
     return composite(*args)
 
