@@ -233,8 +233,8 @@ def main() -> None:
     parser.add_argument("--targets", default="", help="--aot: comma-separated, e.g. sm_80,sm_90 (default: all)")
     parser.add_argument("--workers", type=int, default=2, help="--aot: compile processes (at most 2)")
     parser.add_argument("--verbose", action="store_true", help="--aot: print every compile, not only failures")
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--skip-examples", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true", help="skip stage 1 (the Triton tests on CUDA)")
+    parser.add_argument("--skip-examples", action="store_true", help="skip stage 2 (the examples with --device cuda)")
     parser.add_argument("--budget-s", type=float, default=540, help="overall time budget for the test/example stages")
     args = parser.parse_args()
     if args.aot:
