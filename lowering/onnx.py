@@ -1,6 +1,6 @@
 """ONNX translations of the kvops ops, for ``torch.onnx.export(..., dynamo=True)`` (onnxscript, opset 18 ops).
 
-Usage (see README "Deployment")::
+Usage (see docs/deployment.md)::
 
     ep = kvops.export.functionalize(torch.export.export(model, args))     # writes -> functional kvops ops
     onnx_program = torch.onnx.export(ep, dynamo=True, custom_translation_table=kvops.onnx_translation_table())
@@ -39,9 +39,14 @@ from __future__ import annotations
 
 import math
 
-import onnx_ir as ir
 import torch
-from onnxscript import opset18 as op
+
+from kvops._extras import require
+
+require("onnx", "kvops' ONNX translations (kvops.onnx_translation_table)", "onnx", "onnx_ir", "onnxscript")
+
+import onnx_ir as ir  # noqa: E402
+from onnxscript import opset18 as op  # noqa: E402
 
 INT64, FLOAT, BOOL = ir.DataType.INT64, ir.DataType.FLOAT, ir.DataType.BOOL
 FP8 = ir.DataType.FLOAT8E4M3FN

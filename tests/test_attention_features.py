@@ -126,7 +126,7 @@ class TestFlashAttentionGrid(unittest.TestCase):
             [False, True],  # leftpad
             [torch.float32, torch.bfloat16],
         ))
-        cases = rng.sample(grid, 48)
+        cases = rng.sample(grid, 24)
         # every (alibi, local, paged, leftpad) combination at least once, in fp32
         cases += [((3, 57), c, lo, al, "gqa", pg, lp, torch.float32)
                   for c, lo, al, pg, lp in itertools.product([False, True], [False, True], [True], [None, 16],
@@ -221,12 +221,12 @@ class TestPagedFeatures(unittest.TestCase):
     def test_split_kv_decode_with_sinks_and_rope(self):
         """One long decode: the native kernel splits the KV range across threads; the sink pass runs once."""
         torch.manual_seed(0)
-        q, kc, vc, cu, lens, table = make_case(3, batch=1, q_lens=(1,), seq_lens=(1500,), width=100, h_q=4, h_kv=2,
+        q, kc, vc, cu, lens, table = make_case(3, batch=1, q_lens=(1,), seq_lens=(1500,), width=100, h_q=2, h_kv=2,
                                                d=32)
         for kw in (dict(sink_tokens=4, window_left=700), dict(rope_theta=1e4, sink_tokens=4, window_left=900,
                                                               alibi_slopes="h")):
             with self.subTest(kw=kw):
-                self.check(q, kc, vc, cu, lens, table, resolve(kw, 1, 4), torch.float32)
+                self.check(q, kc, vc, cu, lens, table, resolve(kw, 1, 2), torch.float32)
 
     def test_flashinfer_rope_llama_decode(self):
         """FlashInfer's batch decode with ``pos_encoding_mode="ROPE_LLAMA"``: un-rotated keys in an HND cache,
@@ -272,7 +272,7 @@ class TestTritonFeatures(unittest.TestCase):
         for q_lens in ((1, 1), (1, 4)):
             q, kc, vc, cu, lens, table = make_case(7, batch=2, block_size=8, h_q=3, h_kv=1, d=16, q_lens=q_lens,
                                                    seq_lens=(37, 20), width=5)
-            for i, kw in enumerate(FEATURES):
+            for i, kw in enumerate(FEATURES if q_lens == (1, 1) else FEATURES[1::2]):  # (interpreter time)
                 with self.subTest(q_lens=q_lens, kw=kw):
                     kw = resolve(kw, 2, 3, i)
                     if "cache_leftpad" in kw:

@@ -52,6 +52,17 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
                 f"[batch, seqlen_cache, num_kv_heads, head_dim] without; got shape {tuple(cache.shape)}."
             )
     batch, num_heads, num_kv_heads = q.shape[0], q.shape[2], k_cache.shape[2]
+    rows = "block_size" if block_table is not None else "seqlen_cache"
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for dim, what in ((1, rows), (2, "num_kv_heads"), (3, "head_dim")):
+            if cache.shape[dim] == 0:
+                raise ValueError(
+                    f"{OP}: {name} has {what} = 0 (shape {tuple(cache.shape)}, read as "
+                    f"{'[num_blocks, block_size' if block_table is not None else '[batch, seqlen_cache'}, "
+                    f"num_kv_heads, head_dim]); it must be >= 1. Allocate the cache with at least one "
+                    + {"block_size": "row per block", "seqlen_cache": "row (token) per sequence",
+                       "num_kv_heads": "KV head", "head_dim": "element per head"}[what] + "."
+                )
     if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32
                                      or tuple(alibi_slopes.shape) not in ((num_heads,), (batch, num_heads))):
         raise ValueError(
@@ -85,6 +96,9 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
             f"{OP}: without block_table, k_cache is [batch, seqlen_cache, num_kv_heads, head_dim] and its batch "
             f"({k_cache.shape[0]}) must equal q's ({batch}); cache_batch_idx is not supported."
         )
+    for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens), ("k_cache", k_cache)):
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{OP}: {name} is on {t.device} but q is on {q.device}. Move both to the same device.")
     if isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
             raise ValueError(

@@ -80,12 +80,12 @@ def check_paged_attention(
     require_dim_match(OP, "head_dim", "q", q, 2, "k_cache", k_cache, 3)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"{OP}: num_heads ({as_int(num_heads)}) must be a multiple of num_kv_heads ({as_int(num_kv_heads)}) "
-            f"(GQA: query head h reads KV head h // (num_heads // num_kv_heads)). Pass q with a multiple of "
-            f"{as_int(num_kv_heads)} heads."
-            + layout_hint(k_cache, kv_layout, f"{as_int(num_heads)} query heads", lambda h: num_heads % h == 0)
-        )
+        gqa = (f"num_heads ({as_int(num_heads)}) must be a multiple of num_kv_heads ({as_int(num_kv_heads)}) "
+               f"(GQA: query head h reads KV head h // (num_heads // num_kv_heads))")
+        hint = layout_hint(k_cache, kv_layout, f"{as_int(num_heads)} query heads", lambda h: num_heads % h == 0)
+        if hint:  # the swapped layout explains the head count: say so first
+            raise ValueError(f"{OP}:{hint} (Read as {kv_layout}, {gqa}.)")
+        raise ValueError(f"{OP}: {gqa}. Pass q with a multiple of {as_int(num_kv_heads)} heads.")
 
     _check_index("block_table", block_table, 2, "[batch, max_blocks_per_seq]", q)
     _check_index("seq_lens", seq_lens, 1, "[batch]", q)

@@ -77,8 +77,8 @@ _INDEX = (torch.int32, torch.int64)
 
 def cache_geometry(k_cache: torch.Tensor, kv_layout: str = "NHD") -> tuple[int, int] | None:
     """``(P, block_size)`` of a paged cache (``[P, block_size, H_kv, D]`` NHD or ``[P, H_kv, block_size, D]`` HND),
-    or None when it is not 4-D (the op's validator then raises its metadata error)."""
-    if k_cache.dim() != 4:
+    or None when it is not 4-D or has a zero-size dim (the op's validator then raises its metadata error)."""
+    if k_cache.dim() != 4 or any(n == 0 for n in k_cache.shape[1:]):
         return None
     return k_cache.shape[0], k_cache.shape[2 if kv_layout == "HND" else 1]
 
@@ -306,8 +306,9 @@ def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
     (``check_kvcache_capacity``)."""
     if mode is None:
         mode = _active(cache_seqlens) if block_table is None else _active(cache_seqlens, block_table)
-    if mode is None or (block_table is not None and block_table.device != cache_seqlens.device):
-        return None
+    if (mode is None or (block_table is not None and block_table.device != cache_seqlens.device)
+            or cache_geometry(k_cache) is None):
+        return None  # checks off, or a metadata error that the validator reports
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]  # FlashAttention's caches are NHD
     width = 1 if block_table is None else block_table.shape[1]
     capacity = width * block_size
@@ -342,3 +343,29 @@ def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
             f"in [0, {num_blocks}) (P = {num_blocks} blocks) for the blocks sequence {b} uses."
         )
     return None
+
+
+# --- rotary positions -------------------------------------------------------------------------------------------
+def check_rotary_positions(positions: torch.Tensor, num_tokens, rotary_cos: torch.Tensor, op: str,
+                           name: str = "positions") -> None:
+    """``0 <= positions[i] < seqlen_ro`` for the first ``num_tokens`` entries, in the current mode (a negative
+    position would index the tables from the end, a larger one past them). eager: ``RuntimeError`` naming the entry,
+    its value and the table length, before anything is written; async: ``torch._assert_async``; off: unchecked."""
+    if not _index(positions, 1) or rotary_cos.dim() != 2 or positions.device != rotary_cos.device:
+        return  # a metadata error that the op's validator reports
+    mode = _active(positions)
+    if mode is None:
+        return
+    seqlen_ro = rotary_cos.shape[0]
+    used = positions[:num_tokens]
+    bad = (used < 0) | (used >= seqlen_ro)
+    if mode == "async":
+        _assert(~bad.any(), f"{op}: {name} holds a position outside [0, seqlen_ro = {_known(seqlen_ro)}) (the rows "
+                            f"of rotary_cos/rotary_sin). Run with kvops.value_checks('eager') to see it.")
+        return
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise RuntimeError(
+            f"{op}: {name}[{i}] = {int(used[i])} is outside [0, {seqlen_ro}), the rows of rotary_cos/rotary_sin "
+            f"(seqlen_ro = {seqlen_ro}); nothing was written. Pass positions in [0, seqlen_ro), or extend the tables."
+        )

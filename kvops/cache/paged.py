@@ -211,8 +211,7 @@ class PagedKVCache:
         Raises ``OutOfBlocksError`` (allocating nothing) when the free blocks do not suffice.
         """
         seq = self._get(seq_id)
-        if num_tokens < 0:
-            raise ValueError(f"PagedKVCache: num_tokens must be >= 0, got {num_tokens} for sequence {seq_id!r}.")
+        _check_count("PagedKVCache.extend", num_tokens, seq_id)
         needed = self._blocks_needed(seq, num_tokens)
         if needed > len(self._free):
             self._raise_out_of_blocks(needed, f"extending sequence {seq_id!r} by {num_tokens} tokens")
@@ -253,6 +252,8 @@ class PagedKVCache:
         if child_id in self._seqs:
             raise ValueError(f"PagedKVCache: sequence {child_id!r} already exists; fork into a new id.")
         bs = self.block_size
+        if num_tokens is not None:
+            _check_count("PagedKVCache.fork", num_tokens, child_id)
         n = parent.length // bs * bs if num_tokens is None else num_tokens
         if n < 0 or n > parent.length or n % bs:
             raise ValueError(
@@ -311,8 +312,7 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache.prepare: a sequence appears twice in one step: {ids}.")
         seqs = [self._get(seq_id) for seq_id in ids]
         for seq_id, n in items:
-            if n < 0:
-                raise ValueError(f"PagedKVCache: num_tokens must be >= 0, got {n} for sequence {seq_id!r}.")
+            _check_count("PagedKVCache.prepare", n, seq_id)
         bs = self.block_size
         needed = sum(self._blocks_needed(seq, n) for seq, (_, n) in zip(seqs, items))
         evict = [self._evictable(seq) for seq in seqs]  # applied once every check passed
@@ -378,6 +378,7 @@ class PagedKVCache:
         given (naming ``num_kv_heads``: the caches are NHD by construction, so no layout hint), and every error of
         ``kvops.paged_cache_write``.
         """
+        self._check_layer("PagedKVCache.write", layer)
         if cache_head_start is None:
             _check_heads("PagedKVCache.write", "key", key, self.k_caches[layer].shape[2])
         paged_cache_write(key, value, self.k_caches[layer], self.v_caches[layer], step.slot_mapping,
@@ -392,6 +393,7 @@ class PagedKVCache:
         Raises ``ValueError`` when ``H_q`` is not a multiple of the cache's ``num_kv_heads`` (GQA), and every error of
         ``kvops.paged_attention``.
         """
+        self._check_layer("PagedKVCache.attention", layer)
         _check_heads("PagedKVCache.attention", "q", q, self.k_caches[layer].shape[2])
         if self.window_left >= 0:
             kwargs.setdefault("window_left", self.window_left)
@@ -399,6 +401,28 @@ class PagedKVCache:
         return paged_attention(q, self.k_caches[layer], self.v_caches[layer], step.cu_seqlens_q, step.seq_lens,
                                step.block_table, max(step.max_seqlen_q, 1), k_scale=self.k_scale,
                                v_scale=self.v_scale, **kwargs)
+
+
+    def _check_layer(self, where: str, layer) -> None:
+        """``layer`` indexes the cache's layers: an int in ``[0, num_layers)`` (a negative index would silently
+        address another layer; a float or tensor would raise a bare ``TypeError``)."""
+        num_layers = len(self.k_caches)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+            raise ValueError(
+                f"{where}: layer must be an int in [0, {num_layers}) (the cache holds num_layers={num_layers}), got "
+                f"{type(layer).__name__} {layer!r}. Pass the layer's index, or build PagedKVCache with more layers."
+            )
+
+
+def _check_count(where: str, n, seq_id) -> None:
+    """A token count: a non-negative Python int (1.5 or a tensor would raise bare ``TypeError``s deep inside)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(
+            f"{where}: num_tokens must be an int, got {type(n).__name__} {n!r} for sequence {seq_id!r}. Pass a "
+            f"whole number of tokens (int(n))."
+        )
+    if n < 0:
+        raise ValueError(f"PagedKVCache: num_tokens must be >= 0, got {n} for sequence {seq_id!r}.")
 
 
 def _check_heads(where: str, name: str, x: torch.Tensor, num_kv_heads: int) -> None:

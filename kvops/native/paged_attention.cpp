@@ -787,11 +787,72 @@ bool values_bad(const Index& x) {
   TORCH_CHECK(false, op, ": invalid index values");  // (unreachable: values_bad and the checks above agree)
 }
 
+// What the kernels address memory with besides the index values: ranks, dtypes, devices and sizes of the index
+// tensors. kvops::paged_attention's validator checks all of it first; these checks keep a direct call of the private
+// ops (torch.ops.kvops._paged_attention_native / _paged_attention_values_bad, e.g. from a graph or a traceback)
+// from reading out of bounds or dividing by zero.
+void check_index_tensors(const char* op, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                         const at::Tensor& block_table, int64_t num_tokens, int64_t num_blocks, int64_t block_size) {
+  for (const at::Tensor* t : {&cu_seqlens_q, &seq_lens, &block_table})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(), op,
+                ": cu_seqlens_q, seq_lens and block_table must be int32 CPU tensors, got ", t->scalar_type(), " on ",
+                t->device());
+  TORCH_CHECK(block_table.dim() == 2 && seq_lens.dim() == 1 && cu_seqlens_q.dim() == 1 &&
+                  seq_lens.size(0) == block_table.size(0) && cu_seqlens_q.size(0) == block_table.size(0) + 1,
+              op, ": expected block_table [B, max_blocks], seq_lens [B] and cu_seqlens_q [B + 1], got shapes ",
+              block_table.sizes(), ", ", seq_lens.sizes(), " and ", cu_seqlens_q.sizes());
+  TORCH_CHECK(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
+  TORCH_CHECK(num_blocks >= 0 && num_tokens >= 0, op, ": num_blocks (", num_blocks, ") and num_tokens (", num_tokens,
+              ") must be >= 0");
+}
+
+void check_attention_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                          int64_t window_left, const std::optional<at::Tensor>& sinks,
+                          const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  const char* op = "kvops::_paged_attention_native";
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, op,
+              ": expected q [T_q, H_q, D] and NHD caches [P, block_size, H_kv, D], got shapes ", q.sizes(), ", ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), op,
+              ": q and the caches must be CPU tensors");
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf, op, ": unsupported q dtype ", qt);
+  TORCH_CHECK((ct == qt || ct == at::kFloat8_e4m3fn) && v_cache.scalar_type() == ct, op,
+              ": caches must both have q's dtype or be float8_e4m3fn, got ", ct, " and ", v_cache.scalar_type(),
+              " for q ", qt);
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK(k_cache.size(i) == v_cache.size(i), op, ": k_cache ", k_cache.sizes(), " and v_cache ",
+                v_cache.sizes(), " must agree in [P, block_size, H_kv]");
+  TORCH_CHECK(k_cache.size(1) >= 1 && k_cache.size(2) >= 1 && k_cache.size(3) >= 1 && v_cache.size(3) >= 1, op,
+              ": block_size, num_kv_heads and head_dims must be >= 1, got k_cache ", k_cache.sizes(), " and v_cache ",
+              v_cache.sizes());
+  TORCH_CHECK(q.size(2) == k_cache.size(3), op, ": q head_dim ", q.size(2), " != k_cache head_dim ",
+              k_cache.size(3));
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, op, ": num_heads (", q.size(1),
+              ") must be a multiple of num_kv_heads (", k_cache.size(2), ")");
+  TORCH_CHECK(window_left >= -1, op, ": window_left must be >= -1, got ", window_left);
+  check_index_tensors(op, cu_seqlens_q, seq_lens, block_table, q.size(0), k_cache.size(0), k_cache.size(1));
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->device().is_cpu() &&
+                         sinks->numel() == q.size(1)),
+              op, ": sinks must be a float32 CPU tensor of ", q.size(1), " elements");
+  const bool fp8 = ct == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()) && (fp8 || (!k_scale && !v_scale)), op,
+              ": k_scale and v_scale are required for (and only for) float8_e4m3fn caches");
+  for (const auto* sc : {&k_scale, &v_scale})
+    if (sc->has_value())
+      TORCH_CHECK((*sc)->scalar_type() == at::kFloat && (*sc)->device().is_cpu() &&
+                      ((*sc)->numel() == 1 || (*sc)->numel() == k_cache.size(2)),
+                  op, ": k_scale/v_scale must be float32 CPU tensors of 1 or ", k_cache.size(2), " elements");
+}
+
 // Eager CPU calls' value check (kvops/_checks/values.py): true when a contract is violated (values.py then raises).
 bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                                 const at::Tensor& block_table, int64_t num_tokens, int64_t max_seqlen_q,
                                 int64_t num_blocks, int64_t block_size, int64_t window_left, int64_t sink_tokens,
                                 const std::optional<at::Tensor>& cache_leftpad) {
+  check_index_tensors("kvops::_paged_attention_values_bad", cu_seqlens_q, seq_lens, block_table, num_tokens,
+                      num_blocks, block_size);
   return values_bad(index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, max_seqlen_q, num_blocks, block_size,
                              window_left, sink_tokens, cache_leftpad));
 }
@@ -811,6 +872,22 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   // (q_len <= max_seqlen_q is not among them: it sizes CUDA grids, this kernel reads the lengths, and "off" means no
   // check beyond memory safety)
   (void)max_seqlen_q;
+  check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, window_left, sinks, k_scale,
+                       v_scale);
+  {  // the attention features' arguments (docs/attention_features.md), as the validator has them
+    const char* op = "kvops::_paged_attention_native";
+    const int64_t b = block_table.size(0), h = q.size(1);
+    TORCH_CHECK(!alibi_slopes || (alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->device().is_cpu() &&
+                                  (alibi_slopes->sizes() == at::IntArrayRef{h} ||
+                                   alibi_slopes->sizes() == at::IntArrayRef{b, h})),
+                op, ": alibi_slopes must be a float32 CPU tensor [H_q] or [B, H_q]");
+    TORCH_CHECK(!cache_leftpad || (cache_leftpad->scalar_type() == at::kInt && cache_leftpad->device().is_cpu() &&
+                                   cache_leftpad->dim() == 1 && cache_leftpad->size(0) == b),
+                op, ": cache_leftpad must be an int32 CPU tensor [B]");
+    TORCH_CHECK(window_right >= -1 && sink_tokens >= 0, op, ": window_right must be >= -1 and sink_tokens >= 0");
+    TORCH_CHECK(!rope_theta || (*rope_theta > 0 && rope_scale > 0 && q.size(2) % 2 == 0), op,
+                ": RoPE at read time needs rope_theta > 0, rope_scale > 0 and an even head_dim");
+  }
   const Index index = index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, std::numeric_limits<int64_t>::max(),
                                k_cache.size(0), k_cache.size(1), window_left, sink_tokens, cache_leftpad);
   if (values_bad(index)) raise_values(index);

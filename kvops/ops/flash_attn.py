@@ -13,6 +13,7 @@ import torch
 
 from .._checks import values
 from .._checks.flash_attn import OP, check_flash_attn_with_kvcache
+from .._checks.paged_attention import check_paged_attention
 from .paged_attention import paged_attention
 from .paged_write import paged_cache_write
 from .rotary import apply_rotary, rotary_paged_cache_write
@@ -105,6 +106,9 @@ def flash_attn_with_kvcache(
         ValueError (rotary): tables without ``k`` (``"If rotary cos/sin are provided, new key / value to be appended
             to KV cache must also be provided"``), only one table, ``"cos/sin seqlen must be at least the seqlen of KV
             cache"``, ``"rotary_dim must be <= headdim"``, a table dtype other than q's.
+        ValueError (zero sizes): a cache with ``block_size`` (``seqlen_cache`` without ``block_table``),
+            ``num_kv_heads`` or ``head_dim`` 0. Every check, the attention's included, runs before ``k``/``v`` are
+            appended: a failing call changes no cache.
         ValueError (features): ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``; ``cache_leftpad`` not int32
             ``[B]``; a ``window_size`` bound below -1. A negative ``cache_leftpad`` value is a value contract
             (``RuntimeError`` from ``kvops.paged_attention``).
@@ -137,6 +141,20 @@ def flash_attn_with_kvcache(
         base = cache_seqlens.to(torch.int64)
     else:
         base = torch.full((batch,), cache_seqlens, dtype=torch.int64, device=device)
+    seq_lens = (base + s_new).clamp(0, capacity).to(torch.int32)
+    cu_seqlens_q = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * s_q
+    right = 0 if causal else window_size[1]
+    features = {}  # only what is used: calls without the features keep the op's call of before them
+    if alibi_slopes is not None:
+        features["alibi_slopes"] = alibi_slopes
+    if cache_leftpad is not None:
+        features["cache_leftpad"] = cache_leftpad
+    if right > 0:
+        features["window_right"] = right
+    q_rows = q.reshape(batch * s_q, *q.shape[2:])
+    # the attention's contract too, before anything is written (a failing call changes nothing)
+    check_paged_attention(q_rows, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s_q, softmax_scale,
+                          right == 0, window_size[0], softcap, None, k_scale, v_scale, "NHD", **features)
     ok = values.check_kvcache(base, user_table, k_cache, s_new)  # value contract, docs/semantics.md §7
 
     if k is not None and s_new > 0:
@@ -159,16 +177,6 @@ def flash_attn_with_kvcache(
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos.expand(batch, s_q).clamp(0, rotary_cos.shape[0] - 1),
                          rotary_interleaved)
 
-    seq_lens = (base + s_new).clamp(0, capacity).to(torch.int32)
-    cu_seqlens_q = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * s_q
-    right = 0 if causal else window_size[1]
-    features = {}  # only what is used: calls without the features keep the op's call of before them
-    if alibi_slopes is not None:
-        features["alibi_slopes"] = alibi_slopes
-    if cache_leftpad is not None:
-        features["cache_leftpad"] = cache_leftpad
-    if right > 0:
-        features["window_right"] = right
     out, lse = paged_attention(
         q.reshape(batch * s_q, *q.shape[2:]), k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s_q,
         scale=softmax_scale, causal=right == 0, window_left=window_size[0], softcap=softcap, k_scale=k_scale,

@@ -207,8 +207,9 @@ def paged_attention(
         NaN/inf.
 
     Raises:
-        ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; ``H_q % H_kv != 0`` (the
-            message says when the cache may be in the other ``kv_layout``); ``head_dim`` of q vs ``k_cache``; index
+        ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; ``block_size``, ``H_kv`` or a
+            ``head_dim`` of 0; ``H_q % H_kv != 0`` (when the cache may be in the other ``kv_layout`` the message
+            leads with that); ``head_dim`` of q vs ``k_cache``; index
             tensors not int32 or of the wrong rank; ``block_table``/``seq_lens``/``cu_seqlens_q`` inconsistent with
             ``B``; K/V caches disagreeing in dtype, ``P``, ``block_size`` or ``H_kv``; a non-fp8 cache dtype
             different from q's; ``sinks`` not float32 ``[H_q]``; an fp8 cache without scales (or scales without

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton.launch import Launch, capability_of, run
 from ._checks import split_segments
 
 _KIND = {None: 0, "int8": 1, "fp8": 2, "int4": 3, "int2": 4}
@@ -167,26 +168,37 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
     m = torch.full((b * hkv, rows), float("-inf"), dtype=torch.float32, device=q.device)
     l = torch.zeros(b * hkv, rows, dtype=torch.float32, device=q.device)
     acc = torch.zeros(b * hkv, rows, d_v, dtype=torch.float32, device=q.device)
-    block_m = max(16, min(64, triton.next_power_of_2(rows)))
-    grid = (triton.cdiv(rows, block_m), b * hkv)
     counts = None if row_counts is None else row_counts.contiguous()
-    row = 0
-    for ks, vs, fmt in segments:
-        n = ks["codes"].shape[1]
-        row += n
-        if n == 0 or rows == 0 or b * hkv == 0:
-            continue
-        kp, kst, k_stages, k_group = _layout(ks, fmt)
-        vp, vst, v_stages, v_group = _layout(vs, fmt)
-        _segment_kernel[grid](
-            q, *kp, *vp, m, l, acc, m if counts is None else counts[row - n :],
-            *q.stride(), *kst, *vst, n, g, hkv, rows, d, d_v, k_stages, v_stages, scale,
-            KIND=_KIND[fmt], K_GROUP=k_group, V_GROUP=v_group, HAS_COUNTS=counts is not None,
-            BLOCK_M=block_m, BLOCK_N=16,
-            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
-        )
+    run(plan_packed_attention(q, segments, hkv, m, l, acc, counts, scale, capability_of(q)))
     has = l > 0
     out = torch.where(has[..., None], acc / torch.where(has, l, 1.0)[..., None], 0.0)
     lse = torch.where(has, m + torch.log(torch.where(has, l, 1.0)), float("-inf"))
     out = out.view(b, hkv, t, g, d_v).permute(0, 2, 1, 3, 4).reshape(b, t, hq, d_v).to(q.dtype)
     return out, lse.view(b, hkv, t, g).permute(0, 1, 3, 2).reshape(b, hq, t)
+
+
+def plan_packed_attention(q, segments, hkv: int, m, l, acc, counts, scale: float,
+                          capability: tuple[int, int]) -> list[Launch]:
+    """One launch per non-empty segment of :func:`packed_attention`: ``segments`` are ``(k, v, quant)`` dicts of
+    tensors, ``m``/``l [B·H_kv, R]`` and ``acc [B·H_kv, R, D_v]`` the fp32 online-softmax state, ``counts`` the
+    ``row_counts`` (or None)."""
+    b, t, hq, d = q.shape
+    bh, rows, d_v = acc.shape
+    g = hq // hkv
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    grid = (triton.cdiv(rows, block_m), bh)
+    launches, row = [], 0
+    for ks, vs, fmt in segments:
+        n = ks["codes"].shape[1]
+        row += n
+        if n == 0 or rows == 0 or bh == 0:
+            continue
+        kp, kst, k_stages, k_group = _layout(ks, fmt)
+        vp, vst, v_stages, v_group = _layout(vs, fmt)
+        launches.append(Launch(_segment_kernel, grid, (
+            q, *kp, *vp, m, l, acc, m if counts is None else counts[row - n :],
+            *q.stride(), *kst, *vst, n, g, hkv, rows, d, d_v, k_stages, v_stages, scale),
+            dict(KIND=_KIND[fmt], K_GROUP=k_group, V_GROUP=v_group, HAS_COUNTS=counts is not None,
+                 BLOCK_M=block_m, BLOCK_N=16,
+                 BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(d_v)))))
+    return launches

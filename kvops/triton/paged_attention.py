@@ -26,7 +26,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+
+from .launch import Launch, capability_of, run
 
 _TARGET_PROGRAMS = 256  # decode: aim for about this many (sequence, KV head, split) programs (~2 per SM on H100/H200)
 
@@ -399,17 +400,42 @@ def paged_attention(
     force_prefill: bool = False,
     num_splits: int | None = None,
     block_n: int | None = None,
-    block_m: int = 64,
+    block_m: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernels on validated arguments (see ``kvops.paged_attention``); returns ``(out, lse)``.
 
     ``out [T_q, H_q, D_v]`` in q's dtype, ``lse [H_q, T_q]`` fp32 (natural log, sinks included). Batches with
     ``max_seqlen_q == 1`` use split-KV decode + merge (``num_splits`` defaults to a heuristic filling about
-    ``_TARGET_PROGRAMS`` programs); others, or ``force_prefill=True``, use the prefill kernel. ``block_n`` is the KV
-    tile (tokens; default 64, 32 for head dims > 128), ``block_m`` the prefill program's rows (query tokens x padded
-    group heads). Rows of ``out`` that belong to no sequence (``cu_seqlens_q[-1] < T_q``, e.g. a padded CUDA-graph
+    ``_TARGET_PROGRAMS`` programs); others, or ``force_prefill=True``, use the prefill kernel. ``block_n`` (KV tile,
+    tokens) and ``block_m`` (prefill rows: query tokens x padded group heads) default to :func:`tile_config`'s choice
+    for the device. Rows of ``out`` that belong to no sequence (``cu_seqlens_q[-1] < T_q``, e.g. a padded CUDA-graph
     batch) are 0 with LSE ``-inf``.
     """
+    launches, out, lse = plan_paged_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
+        sinks, k_scale, v_scale, capability_of(q), force_prefill=force_prefill, num_splits=num_splits,
+        block_n=block_n, block_m=block_m, alibi_slopes=alibi_slopes, window_right=window_right,
+        cache_leftpad=cache_leftpad, sink_tokens=sink_tokens, rope_theta=rope_theta, rope_scale=rope_scale,
+    )
+    run(launches)
+    return out, lse
+
+
+def tile_config(kind: str, block_d: int, block_dv: int, is_fp32: bool, capability: tuple[int, int]) -> dict:
+    """``block_n``, ``block_m`` (prefill only), ``num_warps`` and ``num_stages`` of one kernel (``kind``: "decode"
+    or "prefill") for padded head dims ``block_d``/``block_dv`` on a device of compute ``capability``."""
+    return dict(block_n=64 if max(block_d, block_dv) <= 128 else 32, block_m=64, num_warps=4, num_stages=None)
+
+
+def plan_paged_attention(
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q: int, scale: float, causal: bool,
+    window_left: int, softcap: float, sinks, k_scale, v_scale, capability: tuple[int, int], *,
+    force_prefill: bool = False, num_splits: int | None = None, block_n: int | None = None,
+    block_m: int | None = None, alibi_slopes=None, window_right: int = -1, cache_leftpad=None, sink_tokens: int = 0,
+    rope_theta: float | None = None, rope_scale: float = 1.0,
+) -> tuple[list[Launch], torch.Tensor, torch.Tensor]:
+    """The launches of :func:`paged_attention` for a device of compute ``capability`` (also run on ``meta`` tensors
+    by the ahead-of-time check), with the allocated ``out`` and ``lse``."""
     num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
     # sizes that define the kernels specialize under tracing (constexpr tile sizes derive from them)
     num_heads, d = int(q.shape[1]), int(q.shape[2])
@@ -419,7 +445,7 @@ def paged_attention(
     out = torch.zeros((num_tokens, num_heads, d_v), dtype=q.dtype, device=q.device)
     lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or batch == 0:
-        return out, lse
+        return [], out, lse
     capacity = max_blocks * block_size
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
     # The kernels index the small metadata tensors as contiguous: make them so (never the caches, which keep their
@@ -434,13 +460,17 @@ def paged_attention(
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     block_g = _pow2(group)
     block_d, block_dv = _pow2(d), _pow2(d_v)
-    if block_n is None:  # keep a K/V tile of <= 64 x 128 fp32 values in registers
-        block_n = 64 if max(block_d, block_dv) <= 128 else 32
+    decode = max_seqlen_q == 1 and not force_prefill
+    cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, q.dtype == torch.float32, capability)
+    block_n = cfg["block_n"] if block_n is None else block_n
+    block_m = cfg["block_m"] if block_m is None else block_m
+    opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=True)
     common = dict(
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, IS_FP8=is_fp8, PREC=prec,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
     )
-    # attention features (docs/attention_features.md): constexpr flags, so calls without them compile as before
+    # attention features (docs/attention_features.md): constexpr flags (and their arguments, passed by name), so
+    # calls without them launch (and compile ahead of time) as before
     features = {}
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
@@ -451,7 +481,7 @@ def paged_attention(
         features.update(sink_tokens=sink_tokens, HAS_SINK_TOKENS=True)
     if rope_theta is not None:
         features.update(rope_coef=-2.0 * math.log2(rope_theta) / d, rope_inv_scale=1.0 / rope_scale, HAS_ROPE=True)
-    if max_seqlen_q == 1 and not force_prefill:
+    if decode:
         if num_splits is None:
             fill = triton.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
             num_splits = max(1, min(triton.cdiv(capacity, block_n), fill))
@@ -460,27 +490,25 @@ def paged_attention(
         num_splits = int(max(1, triton.cdiv(capacity, tokens_per_split)))
         part_o = torch.empty((batch, num_heads, num_splits, d_v), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        wrap_triton(_decode_split_kernel)[(batch, num_kv_heads, num_splits)](
+        split = Launch(_decode_split_kernel, (batch, num_kv_heads, num_splits), (
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_sc, v_sc, part_o, part_lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
             num_splits, block_size, capacity, group, d, d_v, tokens_per_split,
-            scale, softcap, window_left, **common, **features,
-        )
-        wrap_triton(_decode_merge_kernel)[(batch, num_heads)](
+            scale, softcap, window_left), {**common, **features}, **opts)
+        merge = Launch(_decode_merge_kernel, (batch, num_heads), (
             part_o, part_lse, sinks if sinks is not None else part_lse, cu_seqlens_q, out, lse,
-            *out.stride(), lse.stride(0), num_splits, d_v,
-            HAS_SINKS=sinks is not None, BLOCK_S=_pow2(num_splits, 1), BLOCK_DV=block_dv,
-        )
-        return out, lse
+            *out.stride(), lse.stride(0), num_splits, d_v),
+            dict(HAS_SINKS=sinks is not None, BLOCK_S=_pow2(num_splits, 1), BLOCK_DV=block_dv), wrap=True)
+        return [split, merge], out, lse
     block_g = triton.next_power_of_2(group)  # prefill rows are (token, head) pairs: only BLOCK_T * BLOCK_G >= 16
     block_t = max(block_m // block_g, triton.cdiv(16, block_g), 1)
     common["BLOCK_G"] = block_g
-    wrap_triton(_prefill_kernel)[(triton.cdiv(max_seqlen_q, block_t), batch, num_kv_heads)](
+    prefill = Launch(_prefill_kernel, (triton.cdiv(max_seqlen_q, block_t), batch, num_kv_heads), (
         q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_sc, v_sc,
         sinks if sinks is not None else q, out, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(), lse.stride(0),
-        block_size, capacity, group, d, d_v, scale, softcap, window_left,
-        CAUSAL=causal, HAS_SINKS=sinks is not None, BLOCK_T=block_t, **common, **features,
-        **({"window_right": window_right, "HAS_RIGHT": True} if not causal and window_right >= 0 else {}),
-    )
-    return out, lse
+        block_size, capacity, group, d, d_v, scale, softcap, window_left),
+        dict(CAUSAL=causal, HAS_SINKS=sinks is not None, BLOCK_T=block_t, **common, **features,
+             **({"window_right": window_right, "HAS_RIGHT": True} if not causal and window_right >= 0 else {})),
+        **opts)
+    return [prefill], out, lse
