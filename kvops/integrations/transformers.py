@@ -38,7 +38,12 @@ Tested versions: see the ``transformers`` extra in ``pyproject.toml``.
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
+
+from .._extras import require
+
+require("transformers", "kvops.integrations.transformers", "transformers")
+
+from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface
 
 import kvops
