@@ -131,7 +131,7 @@ class TestValidateBeforeWrite(expecttest.TestCase):
         table, lens = torch.tensor([[0, 1], [2, 3]], dtype=I32), torch.tensor([2, 3], dtype=I32)
         for what, q, kw, needles in (
             ("softcap", torch.randn(2, 1, 4, 8), dict(softcap=-1.0), ["softcap", "-1.0"]),
-            ("window", torch.randn(2, 1, 4, 8), dict(window_size=(-5, -1)), ["window_left", "-5"]),
+            ("window", torch.randn(2, 1, 4, 8), dict(window_size=(-5, -1)), ["window_size", "-5"]),
             ("head_dim", torch.randn(2, 1, 4, 16), {}, ["head_dim", "16"]),
             ("float64", torch.randn(2, 1, 4, 8).double(), {}, ["q", "float64"]),
             ("float16", torch.randn(2, 1, 4, 8).half(), {}, ["q dtype torch.float16"]),
