@@ -54,6 +54,15 @@ class TestNativeBuildNotice(unittest.TestCase):
         self.assertEqual(messages, [])
 
 
+class TestBuildAheadOfTime(unittest.TestCase):
+    def test_python_m_kvops_native(self):
+        out = subprocess.run([sys.executable, "-m", "kvops.native"], capture_output=True, text=True, timeout=900,
+                             cwd=ROOT)
+        self.assertEqual(out.returncode == 0, native.available(), out.stdout + out.stderr)
+        if native.available():
+            self.assertIn(f"native CPU kernels ready in {native.build_directory()}", out.stdout)
+
+
 class TestMissingExtras(unittest.TestCase):
     def test_each_extra_is_named(self):
         # One process: the transformers integration with transformers missing, the ONNX translations with onnx_ir
