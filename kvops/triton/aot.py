@@ -5,10 +5,9 @@ strides only; nothing is allocated) for each case of :mod:`kvops.triton.aot_case
 :class:`~kvops.triton.launch.Launch` is bound with Triton's own argument binder (the signature, the ``== 1`` and
 ``% 16`` specializations and the constexprs a real launch would get; tensors are taken as 16-byte aligned, as the
 CUDA caching allocator returns them) and compiled by ``triton.compile`` to a cubin for that target. Resources come
-from the cubin (``cuobjdump -res-usage``: registers, local memory = spills) and Triton's metadata (dynamic shared
+from the cubin (``cuobjdump -res-usage``: registers, stack and local bytes) and Triton's metadata (dynamic shared
 memory, ``num_warps``; ptxas' spill stores where the cubin has a stack frame). A kernel that fails to compile,
-spills registers, or needs more shared memory per
-block than the target allows is a failure.
+spills registers, or needs more shared memory per block than the target allows is a failure.
 
     python benchmarks/gpu_check.py --aot [--subset] [--targets sm_80,sm_90]
 
@@ -118,8 +117,9 @@ def ptxas_spills(ptx: str, cap: int) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        p = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(cap)}",
-                            f.name, "-o", os.devnull], capture_output=True, text=True, check=True)
+        cmd = [get_ptxas(cap).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(cap)}",
+               f.name, "-o", os.devnull]
+        p = subprocess.run(cmd, capture_output=True, text=True, check=True)
     finally:
         os.unlink(f.name)
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", p.stdout + p.stderr))
@@ -193,7 +193,8 @@ def plan_matrix(targets, subset: bool = False):
                 continue
             for launch in launches:
                 spec = bind(launch, cap)
-                jobs.setdefault((target_name, spec), []).append(f"{kernel_name(launch.kernel)} {label}")
+                kind = f" KIND={launch.constexprs['KIND']}" if "KIND" in launch.constexprs else ""  # packed segments
+                jobs.setdefault((target_name, spec), []).append(f"{kernel_name(launch.kernel)} {label}{kind}")
     return jobs, refusals
 
 
