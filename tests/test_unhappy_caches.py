@@ -246,7 +246,7 @@ class TestMessages(expecttest.TestCase):
         c = causal()
         msg = check_failing_call(self, lambda: c.update_and_get_attention_kv(rand(B, 3, H, D), rand(B, 3, H, D), -3),
                                  RuntimeError, state=c)
-        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[-8, -5), global_end=9, prev_local_end=8, kv_cache_size=8, num_new_tokens=3, current_start=-3, current_end=0 (current_start is negative: token positions start at 0; pass current_start >= 0 (current_start=9 appends the next chunk))""")
+        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[-4, -1), global_end=9, prev_local_end=8, kv_cache_size=8, num_new_tokens=3, current_start=-3, current_end=0 (current_start is negative: token positions start at 0; pass current_start >= 0 (current_start=9 appends the next chunk))""")
 
     def test_fractional_start(self):
         c = causal()
