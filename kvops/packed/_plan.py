@@ -79,6 +79,8 @@ def window_index(cache, ranges, positions_of, cur: int, base: dict) -> torch.Ten
     device = cache.k_ring.device
     rows = torch.cat([torch.arange(a, b, device=device) for a, b in ranges])
     pos = positions_of(rows)
+    if cache._pad:  # storage positions: the first chunk's slot is padded (PackedCausalKVCache._storage_pos)
+        pos = torch.where(pos >= cache.first_chunk_tokens, pos + cache._pad, pos)
     c = torch.div(pos, n, rounding_mode="floor")
     off = pos - c * n
     in_ring = c > cur - r_chunks

@@ -23,7 +23,7 @@ import torch
 
 from .._checks.common import as_int
 from .._checks.contiguous import check_cache_write
-from ..cache._clamp import relu, smin
+from ..cache._clamp import positive, relu, smin
 from ..cache.causal import CausalKVView
 from ..ops.contiguous import cache_write
 from ..cache._validate import check_position, check_window_mode, check_writer
@@ -74,7 +74,10 @@ class PackedCausalKVCache:
     Args:
         batch_size, cache_size, num_kv_heads, head_dim: ``B``, ``S`` (rows of the equivalent dense cache: the
             retained window), ``H``, ``D``.
-        chunk_tokens: ``N``, tokens per chunk; every append is exactly one chunk.
+        chunk_tokens: ``N``, tokens per chunk; every append is exactly one chunk (the first: ``first_chunk_tokens``).
+        first_chunk_tokens: ``f`` in ``[1, N]`` (default ``N``): the length of the chunk at position 0 (Self-Forcing's
+            ``independent_first_frame``: one frame, then blocks of three; sglang's QVG cache). Its storage slot is
+            padded to ``N`` rows (never shown); the visible rows are a dense ``CausalKVCache``'s of the same stream.
         quant: ``None`` (all dense: the bit-exact baseline), ``"int8"``, ``"fp8"``, ``"int4"`` or ``"int2"`` (see
             :func:`kvops.packed.packed_layout`).
         keep_recent_chunks: completed chunks kept dense besides the current one.
@@ -121,7 +124,8 @@ class PackedCausalKVCache:
         quant: str | None, keep_recent_chunks: int = 1, sink_tokens: int = 0, global_sink_tokens: int = 0,
         attention_window_size: int | None = None, quantize_sink: bool = False, pinnable: bool = False,
         group_size: int | None = None, stages: int = 1, num_clusters: int = 16, kmeans_iters: int = 4,
-        dtype: torch.dtype | None = None, device=None, window_mode: str = "sink", name: str = "PackedCausalKVCache",
+        dtype: torch.dtype | None = None, device=None, window_mode: str = "sink", first_chunk_tokens: int | None = None,
+        name: str = "PackedCausalKVCache",
     ) -> None:
         check_window_mode(name, window_mode)
         self.window_mode = window_mode
@@ -132,6 +136,14 @@ class PackedCausalKVCache:
                 f"{name}: chunk_tokens ({n}) must be >= 1, sink_tokens ({k}), global_sink_tokens ({gs}) and "
                 f"keep_recent_chunks ({keep_recent_chunks}) >= 0."
             )
+        f = n if first_chunk_tokens is None else first_chunk_tokens
+        if isinstance(f, bool) or not isinstance(f, int) or not 1 <= f <= n:
+            raise ValueError(
+                f"{name}: first_chunk_tokens must be an int in [1, chunk_tokens={n}] (the first chunk's length, e.g. "
+                f"one frame before blocks of three), got {first_chunk_tokens!r}."
+            )
+        # The first chunk's storage slot is padded to N rows: position p >= f is stored at p + pad (_storage_pos).
+        self.first_chunk_tokens, self._pad = f, n - f
         sink = max(k, gs)  # the effective sink without a pin (docs/semantics.md §1.2)
         if s < sink + n:
             raise ValueError(
@@ -146,11 +158,11 @@ class PackedCausalKVCache:
         self.num_kv_heads, self.head_dim = h, d
         self.kmeans_iters = kmeans_iters
         fmt = dict(group_size=group_size, stages=stages, num_clusters=num_clusters)
-        self.sink_chunks = _cdiv(sink, n)
+        self.sink_chunks = _cdiv(sink + (self._pad if sink > f else 0), n)  # storage chunks holding the sink
         self.quantize_sink = quantize_sink and quant is not None and self.sink_chunks > 0
         # non-sink chunks a full window touches (the current one included); with a pin the rows after the global
         # sink are contiguous positions (the pinned chunk's copy is kept apart)
-        retained = _cdiv(s - (gs if self.pinnable else sink), n)
+        retained = _cdiv(s - (gs if self.pinnable else sink), n) + (1 if self._pad else 0)
         self.ring_chunks = retained if quant is None else min(keep_recent_chunks + 1, retained)
         self.pool_chunks = retained - self.ring_chunks
         dense = lambda rows: torch.zeros(b, rows, h, d, dtype=dtype, device=device)  # noqa: E731
@@ -231,7 +243,12 @@ class PackedCausalKVCache:
     @property
     def pinned_chunk(self) -> int:
         """Index of the pinned chunk (-1 without a pin)."""
-        return self.pinned_position // self.chunk_tokens if self.pinned_len > 0 else -1
+        return self._storage_pos(self.pinned_position) // self.chunk_tokens if self.pinned_len > 0 else -1
+
+    def _storage_pos(self, p):
+        """Storage position of global position ``p`` (an int or SymInt): ``p``, plus the first chunk's padding
+        ``chunk_tokens - first_chunk_tokens`` once ``p >= first_chunk_tokens`` (branch-free)."""
+        return p + self._pad * positive(p - self.first_chunk_tokens + 1) if self._pad else p
 
     def reset_indices(self) -> None:
         """Start a new stream at position 0 and forget the pin (the buffers are not touched)."""
@@ -285,7 +302,7 @@ class PackedCausalKVCache:
                 f"sink_tokens."
             )
         self.pinned_position, self.pinned_len = g - num_tokens, min(self.sink_tokens, num_tokens)
-        cur = self.current_start // self.chunk_tokens
+        cur = self._storage_pos(self.current_start) // self.chunk_tokens
         if cur >= self.sink_chunks:  # (a sink chunk is kept anyway)
             self._keep_pinned(*self._chunk(cur, cur))
 
@@ -355,6 +372,8 @@ class PackedCausalKVCache:
         # FX graph cache hit, kvops/cache/_clamp.py).
         if abs(s - cur_start) * abs(s - g) > 0:  # neither the current chunk nor the global end
             self._raise_non_sequential(s, g, cur_start)
+        if self._pad and s == 0:  # the first chunk: first_chunk_tokens long
+            size = self.first_chunk_tokens
         if n != size:  # an append is exactly one chunk, so a rewrite (s == current start) of another size differs
             if g - s > 0:
                 raise NotImplementedError(
@@ -363,11 +382,13 @@ class PackedCausalKVCache:
                     f"{as_int(g - s)} tokens)"
                 )
             raise ValueError(
-                f"{name}: an appended chunk must have chunk_tokens={size} tokens, got {n} (key shape "
-                f"{tuple(key.shape)}); the packed cache stores chunk-aligned segments."
+                f"{name}: an appended chunk must have {size} tokens (chunk_tokens={self.chunk_tokens}, "
+                f"first_chunk_tokens={self.first_chunk_tokens} for the chunk at position 0), got {n} (key shape "
+                f"{tuple(key.shape)}); the packed cache stores chunk-aligned segments (a first chunk of another "
+                f"length: build it with first_chunk_tokens)."
             )
-        self._advance(s // size, relu(1 + s - g))  # 1 for an append (s == G), 0 for a rewrite
-        cur = s // size
+        cur = self._storage_pos(s) // self.chunk_tokens
+        self._advance(cur, relu(1 + s - g))  # 1 for an append (s == G), 0 for a rewrite
         k_rows, v_rows = self._chunk(cur, cur)
         cache_write(key, value, k_rows, v_rows, 0, None if cache_head_start is None else h0)
         pinned = self.pinned_chunk
