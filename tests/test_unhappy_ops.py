@@ -52,8 +52,8 @@ class TestGeneratedCases(unittest.TestCase):
         import kvops.native
 
         kvops.native.available()
-        found = {name for name in dir(torch.ops.kvops) if name.startswith("_") and not name.startswith("__")
-                 and isinstance(getattr(torch.ops.kvops, name, None), torch._ops.OpOverloadPacket)}
+        found = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("kvops::_")}
+        self.assertIn("_paged_write_native", found)
         self.assertEqual(found - set(PRIVATE_OPS), set())
 
 
@@ -287,21 +287,6 @@ class TestMessages(expecttest.TestCase):
                                  ValueError, ["HND"])
         self.assertTrue(msg.startswith("kvops.paged_attention: The cache of shape"))
         self.assertExpectedInline(msg, """kvops.paged_attention: The cache of shape (6, 2, 4, 8) read as kv_layout="NHD" has 4 heads, but its dim of size 2 fits the 6 query heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, pass kv_layout="HND". (Read as NHD, num_heads (6) must be a multiple of num_kv_heads (4) (GQA: query head h reads KV head h // (num_heads // num_kv_heads)).)""")  # noqa: B950
-
-    def test_private_op_head_offset(self):
-        """_paged_write_native with a head offset of 10**9 (a segfault on the old main): in a subprocess."""
-        proc = run_isolated("""
-            import torch, kvops, kvops.native
-            assert kvops.native.available()
-            c = torch.zeros(4, 4, 2, 8)
-            try:
-                torch.ops.kvops._paged_write_native(torch.randn(3, 2, 8), torch.randn(3, 2, 8), c, c.clone(),
-                                                    torch.tensor([0, 5, 9]), 10**9, None, None)
-            except RuntimeError as e:
-                print("RAISED", str(e).splitlines()[0])
-            """)
-        self.assertIn("RAISED kvops::_paged_write_native: head slice [1000000000, 1000000002) is outside the cache's "
-                      "heads [0, 2)", proc.stdout)
 
 
 if __name__ == "__main__":

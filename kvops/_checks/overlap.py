@@ -82,11 +82,14 @@ _self_memo: dict = {}
 
 def self_overlaps(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` share a byte (False when unknown or symbolic); memoized on the layout."""
-    if not _concrete(t) or t.numel() <= 1:
+    key = (t.shape, t.stride(), t.dtype)
+    try:
+        found = _self_memo.get(key)
+    except TypeError:  # symbolic sizes (SymInts do not hash): not checked
         return False
-    key = (tuple(t.shape), t.stride(), t.element_size())
-    found = _self_memo.get(key)
     if found is None:
+        if not _concrete(t) or t.numel() <= 1:
+            return False
         if len(_self_memo) >= 256:
             _self_memo.clear()
         found = _self_memo[key] = _self_overlaps(t)
@@ -138,14 +141,31 @@ def check_caches_disjoint(op: str, caches: list[tuple[str, torch.Tensor]]) -> No
     """``ValueError`` when a written cache holds two elements at one address, or two written caches share memory
     (the message names them); the documented joint K/V layouts are disjoint and pass. Pairs are compared only when
     they share a storage and their byte spans meet (layers of one allocation cost one sort)."""
+    if len(caches) == 2:  # the common case: one K and one V cache
+        (name_a, a), (name_b, b) = caches
+        for name, t in caches:
+            if self_overlaps(t):
+                _raise_self(op, name, t)
+        key_a = _storage_key(a)
+        if key_a is None or key_a != _storage_key(b):
+            return
+        try:
+            memo_key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype,
+                        b.storage_offset() * b.element_size() - a.storage_offset() * a.element_size())
+            found = _pair_memo.get(memo_key)
+        except TypeError:  # symbolic
+            return
+        if found is None:
+            if len(_pair_memo) >= 256:
+                _pair_memo.clear()
+            found = _pair_memo[memo_key] = overlap(a, b)
+        if found:
+            _raise_overlap(op, name_a, a, name_b, b)
+        return
     groups: dict = {}
     for name, t in caches:
         if self_overlaps(t):
-            raise ValueError(
-                f"{op}: {name} of shape {tuple(t.shape)} and strides {tuple(t.stride())} overlaps itself (two of its "
-                f"elements share memory), so what is written would not read back. Allocate the cache with its own "
-                f"storage (e.g. torch.zeros), or pass a view whose elements are distinct."
-            )
+            _raise_self(op, name, t)
         key = _storage_key(t)
         if key is not None and t.numel() > 0 and _concrete(t):
             groups.setdefault((key, t.device), []).append((name, t))
@@ -160,6 +180,17 @@ def check_caches_disjoint(op: str, caches: list[tuple[str, torch.Tensor]]) -> No
                 (name_a, a), (name_b, b) = members[min(i, j)], members[max(i, j)]
                 if overlap(a, b):
                     _raise_overlap(op, name_a, a, name_b, b)
+
+
+_pair_memo: dict = {}
+
+
+def _raise_self(op, name, t):
+    raise ValueError(
+        f"{op}: {name} of shape {tuple(t.shape)} and strides {tuple(t.stride())} overlaps itself (two of its "
+        f"elements share memory), so what is written would not read back. Allocate the cache with its own "
+        f"storage (e.g. torch.zeros), or pass a view whose elements are distinct."
+    )
 
 
 def _raise_overlap(op, name_a, a, name_b, b):
