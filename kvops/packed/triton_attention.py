@@ -179,15 +179,14 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
 
 def segment_config(block_d: int, block_dv: int, rows: int, quant, capability: tuple[int, int]) -> dict:
     """``block_m`` (rows: query tokens x group heads), ``block_n`` (tokens), ``num_warps``, ``num_stages`` of
-    ``_segment_kernel`` for padded head dims, the packed format ``quant`` (int4 dequantizes with one scale and zero
-    load per element: the most registers) on a device of compute ``capability``. Chosen so that no format spills
+    ``_segment_kernel`` for padded head dims and the packed format ``quant`` on a device of compute ``capability``. Chosen so that no format spills
     registers or needs more than 99 KB of shared memory (sm_86/sm_89), as ``python benchmarks/gpu_check.py --aot``
     checks."""
     width = max(block_d, block_dv)
     if width >= 256:
-        block_m, num_warps = 16, 8 if quant == "int4" else 4
+        block_m, num_warps = 16, 8
     elif width == 128:
-        block_m, num_warps = 16 if quant == "int4" else 32, 4
+        block_m, num_warps = 16, 4
     else:
         block_m, num_warps = 64, 4
     return dict(block_m=max(16, min(block_m, triton.next_power_of_2(rows))), block_n=16, num_warps=num_warps,

@@ -53,9 +53,16 @@ def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, fla
         table = meta((batch, blocks), torch.int32)
         sc = meta((1,), torch.float32) if fp8 else None
         sinks = meta((h_kv * group,), torch.float32) if flags.get("sinks") else None
+        features = dict(  # docs/attention_features.md
+            alibi_slopes=meta((h_kv * group,), torch.float32) if flags.get("alibi") else None,
+            window_right=64 if flags.get("right") else -1,
+            cache_leftpad=meta((batch,), torch.int32) if flags.get("leftpad") else None,
+            sink_tokens=4 if flags.get("sink_tokens") else 0,
+            rope_theta=10000.0 if flags.get("rope") else None)
         launches, _, _ = plan_paged_attention(
             q, k, v, cu, seq, table, q_len, d**-0.5, bool(flags.get("causal", mode == "decode")),
-            128 if flags.get("window") else -1, 30.0 if flags.get("softcap") else 0.0, sinks, sc, sc, cap)
+            128 if flags.get("window") else -1, 30.0 if flags.get("softcap") else 0.0, sinks, sc, sc, cap,
+            **features)
         return launches
 
     on = ",".join(k for k, v in flags.items() if v) or "-"
@@ -63,10 +70,15 @@ def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, fla
             make)
 
 
+FEATURES = dict(alibi=True, leftpad=True, sink_tokens=True, rope=True)  # docs/attention_features.md
+
+
 def attention_cases(subset: bool):
     all_on = dict(causal=True, window=True, softcap=True, sinks=True)
     off = dict(causal=False, window=False, softcap=False, sinks=False)
     if subset:  # the heaviest tiles, fp8 (sm_80 has no e4m3 hardware), one light shape
+        # (the attention features of docs/attention_features.md are in the full matrix only: at these tiles they
+        # spill on sm_80/86/90, see docs/gpu.md)
         yield _attention("fp32", 256, 8, 16, "NHD", all_on, "prefill")
         yield _attention("fp8", 80, 7, 1, "HND", off, "prefill")
         yield _attention("fp32", 256, 8, 16, "HND", all_on, "decode", batch=1, ctx=131072)
@@ -77,8 +89,10 @@ def attention_cases(subset: bool):
             ("decode", "prefill"), (*FLOATS, "fp8"), HEAD_DIMS, GROUPS, BLOCK_SIZES, ("NHD", "HND")):
         for flags in (off, all_on):
             yield _attention(dtype, d, group, bs, layout, flags, mode)
-    for mode, dtype, name in itertools.product(("decode", "prefill"), (*FLOATS, "fp8"), all_on):
+    for mode, dtype, name in itertools.product(("decode", "prefill"), (*FLOATS, "fp8"), (*all_on, *FEATURES, "right")):
         yield _attention(dtype, 256, 8, 16, "NHD", {**off, name: True}, mode)
+    for mode, dtype, d in itertools.product(("decode", "prefill"), (*FLOATS, "fp8"), HEAD_DIMS):
+        yield _attention(dtype, d, 8, 16, "NHD", {**all_on, **FEATURES}, mode)
     for dtype, d, (batch, ctx, h_kv) in itertools.product(
             (*FLOATS, "fp8"), HEAD_DIMS, ((1, 131072, 1), (1, 131072, 8), (4, 32768, 8), (256, 2048, 8))):
         yield _attention(dtype, d, 8, 16, "NHD", all_on, "decode", batch=batch, ctx=ctx, h_kv=h_kv)
@@ -228,7 +242,7 @@ def flag_coverage(subset: bool = False, capability: tuple[int, int] = (9, 0)) ->
     seen: dict[tuple[str, str], set] = {}
     for _, make in cases(subset):
         for launch in make(capability):
-            for name, value in launch.constexprs.items():
+            for name, value in launch.constexprs.items():  # (flags left at their kernel default are not seen)
                 if isinstance(value, bool):
                     seen.setdefault((kernel_name(launch.kernel), name), set()).add(value)
     return sorted(f"{k}.{f} only {sorted(v)}" for (k, f), v in seen.items() if len(v) < 2)

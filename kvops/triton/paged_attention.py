@@ -434,17 +434,17 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     """
     width = max(block_d, block_dv)
     if kind == "decode":  # 16 rows (the padded query heads of one KV head)
-        block_n = 64 if width <= 64 or (width <= 128 and operands == "16bit") else 32 if width <= 128 else 16
+        if operands == "fp8":  # the e4m3 decode keeps the integer bits and the fp32 values live
+            block_n = 32 if width <= 128 else 16
+        else:
+            block_n = 64 if width <= 64 or (width <= 128 and operands == "16bit") else 32 if width <= 128 else 16
         return dict(block_n=block_n, block_m=16, num_warps=4, num_stages=2)
-    if operands == "fp32" and width >= 128:  # IEEE products on CUDA cores hold both operands in registers
+    if operands == "fp32":  # IEEE products on CUDA cores hold both operands in registers
         return dict(block_n=16, block_m=16, num_warps=8, num_stages=2)
     if width >= 256:
-        block_m, block_n = 16, 32
-    elif width == 128:
-        block_m, block_n = (64, 32) if operands == "16bit" else (32, 32)
-    else:
-        block_m, block_n = (64, 64) if operands == "16bit" else (32, 64)
-    return dict(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2)
+        return dict(block_n=32, block_m=16, num_warps=8, num_stages=2)
+    block_m = 64 if operands == "16bit" else 32
+    return dict(block_n=32, block_m=block_m, num_warps=4, num_stages=2)
 
 
 def plan_paged_attention(
