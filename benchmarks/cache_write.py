@@ -33,6 +33,21 @@ import contextlib
 import statistics
 import time
 
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per case")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--clock", choices=("thread", "wall"), default=None,
+                        help="thread CPU time (default with --threads 1) or wall time")
+    parser.add_argument("--quick", action="store_true", help="N in {16, 512} and 7 rounds")
+    parser.add_argument("--tables", default="paged,contiguous,eager", help="comma-separated subset to run")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
 import torch
 from torch._inductor.utils import fresh_inductor_cache
 
@@ -144,15 +159,7 @@ def inner_for(n):
     return 200 if n <= 16 else (40 if n <= 512 else 4)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clock", choices=("thread", "wall"), default=None,
-                        help="thread CPU time (default with --threads 1) or wall time")
-    parser.add_argument("--quick", action="store_true", help="N in {16, 512} and 7 rounds")
-    parser.add_argument("--tables", default="paged,contiguous,eager", help="comma-separated subset to run")
-    args = parser.parse_args()
+def main(args) -> None:
     torch.set_num_threads(args.threads)
     global CLOCK
     clock = args.clock or ("thread" if args.threads == 1 else "wall")
@@ -236,4 +243,4 @@ def eager_paged(sizes, rounds, value_checks):
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -11,9 +11,18 @@ Stages, each guarded (a failing stage is reported and the next one runs) and tim
    * ``kvops.paged_cache_write`` (8192 tokens into a paged cache) and ``kvops.cache_write`` (contiguous cache),
    against the device's measured copy bandwidth (``copy_`` of 1 GiB, read + write);
 4. one summary table: stage, status, seconds, and for kernels time, GB/s of the bytes they must move, and the
-   fraction of copy bandwidth (and the ratio to the ideal for attention).
+   fraction of copy bandwidth (and the ratio to the ideal for attention);
+5. on the device: the launchers' plans for a few production shapes compiled by Triton for this device, with the
+   resources the loaded kernel handle reports (``n_regs``, ``n_spills``, ``metadata.shared``) next to what the
+   cubin says (``cuobjdump``), as the ahead-of-time check reads them.
+
+``--aot`` needs no GPU: it compiles every kernel and specialization the launchers plan (``kvops/triton/aot.py``,
+cases in ``kvops/triton/aot_cases.py``) to cubins for sm_80, sm_86, sm_89, sm_90 and sm_100, and prints one table per
+target (kernel, specialization, status, registers, spills, shared memory, num_warps, estimated occupancy); exit 1 if
+anything fails to compile, spills or exceeds the target's shared memory. ``--subset`` runs the CI subset.
 
     python benchmarks/gpu_check.py [--skip-tests] [--skip-examples] [--budget-s 540]
+    python benchmarks/gpu_check.py --aot [--subset] [--targets sm_80,sm_90] [--workers 2]
 """
 
 from __future__ import annotations
@@ -141,12 +150,95 @@ def write_timings():
     return "2 writes timed"
 
 
+def aot_tables(rows, refusals, verbose: bool) -> int:
+    """Print one table per target (every row with ``verbose``, else the failures and each kernel's worst case) and a
+    per-kernel summary; returns the number of failures."""
+    fails = [r for r in rows if r["status"] != "ok"]
+    fmt = "{:<22} {:<6} {:>4} {:>6} {:>7} {:>5} {:>5}  {}"
+    for target in dict.fromkeys(r["target"] for r in rows):
+        mine = [r for r in rows if r["target"] == target]
+        print(f"\n=== {target}: {len(mine)} compiles, {sum(r['status'] != 'ok' for r in mine)} failed ===")
+        print(fmt.format("kernel", "status", "regs", "spills", "shared", "warps", "occ", "specialization / cause"))
+        for r in mine:
+            if verbose or r["status"] != "ok":
+                print(fmt.format(r["kernel"], r["status"], r["regs"] if r["regs"] is not None else "-",
+                                 r["spills"] if r["spills"] is not None else "-",
+                                 r["shared"] if r["shared"] is not None else "-", r["num_warps"],
+                                 f"{r['occupancy']:.2f}" if r["occupancy"] is not None else "-",
+                                 r["spec"] + (f"  [{r['error']}]" if r["error"] else "")))
+    print("\n=== worst case per kernel and target (max registers / spills / shared, min occupancy) ===")
+    print(f"{'target':<7} {'kernel':<22} {'n':>4} {'fail':>4} {'regs':>5} {'spills':>6} {'shared':>7} {'occ':>5}")
+    for target in dict.fromkeys(r["target"] for r in rows):
+        for kernel in sorted({r["kernel"] for r in rows if r["target"] == target}):
+            ks = [r for r in rows if r["target"] == target and r["kernel"] == kernel]
+            ok = [r for r in ks if r["regs"] is not None]
+            worst = lambda key: max((r[key] for r in ok), default="-")  # noqa: E731
+            occ = min((r["occupancy"] for r in ok), default=None)
+            print(f"{target:<7} {kernel:<22} {len(ks):>4} {sum(r['status'] != 'ok' for r in ks):>4} "
+                  f"{worst('regs'):>5} {worst('spills'):>6} {worst('shared'):>7} "
+                  f"{f'{occ:.2f}' if occ is not None else '-':>5}")
+    for label, target, msg in refusals:
+        print(f"refused by design on {target}: {label}: {msg}")
+    return len(fails)
+
+
+def aot_main(args) -> None:
+    sys.path.insert(0, str(ROOT))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("gpu_check --aot: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
+    from kvops.triton import aot
+
+    t0 = time.perf_counter()
+    targets = args.targets.split(",") if args.targets else list(aot.TARGETS)
+    rows, refusals = aot.check(targets, subset=args.subset, workers=args.workers)
+    failed = aot_tables(rows, refusals, args.verbose)
+    print(f"\n{len(rows)} compiles for {', '.join(targets)} in {time.perf_counter() - t0:.0f} s: {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+def device_resources():
+    """Compile the launchers' plans for this device and compare the kernel handle's resources with the cubin's."""
+    import torch
+    import triton
+
+    from kvops.triton import aot, aot_cases
+
+    cap = torch.cuda.get_device_capability()
+    target = next((t for t in aot.TARGETS.values() if t.capability == cap), None)
+    lines, mismatches = [], 0
+    for label, make in aot_cases.cases(subset=True):
+        for launch in make(cap):
+            spec = aot.bind(launch, cap)
+            src = triton.compiler.ASTSource(launch.kernel, dict(spec.signature), dict(spec.constexprs),
+                                            {k: [list(a) for a in v] for k, v in spec.attrs})
+            ck = triton.compile(src, options=dict(spec.options))  # this device's target
+            ck._init_handles()  # loads the module: the driver reports registers, spills, shared memory
+            res = aot.cubin_resources(ck.asm["cubin"])
+            spills = res.get("LOCAL", 0) + res.get("STACK", 0)
+            same = ck.n_regs == res.get("REG") and (ck.n_spills > 0) == (spills > 0)
+            mismatches += not same
+            lines.append(f"{aot.kernel_name(launch.kernel):<22} device regs {ck.n_regs:>3} spills {ck.n_spills:>4} "
+                         f"shared {ck.metadata.shared:>6} | cubin regs {res.get('REG'):>3} stack+local "
+                         f"{spills:>4} {'' if same else 'MISMATCH '}{label}")
+    print("\n".join(lines))
+    if mismatches:
+        raise RuntimeError(f"{mismatches} kernels: device-reported resources differ from the cubin's")
+    return f"{len(lines)} kernels, device = cubin ({target.name if target else cap})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--skip-examples", action="store_true")
+    parser.add_argument("--aot", action="store_true", help="compile for sm_80..sm_100 without a GPU (see above)")
+    parser.add_argument("--subset", action="store_true", help="--aot: the CI subset only")
+    parser.add_argument("--targets", default="", help="--aot: comma-separated, e.g. sm_80,sm_90 (default: all)")
+    parser.add_argument("--workers", type=int, default=2, help="--aot: compile processes (at most 2)")
+    parser.add_argument("--verbose", action="store_true", help="--aot: print every compile, not only failures")
+    parser.add_argument("--skip-tests", action="store_true", help="skip stage 1 (the Triton tests on CUDA)")
+    parser.add_argument("--skip-examples", action="store_true", help="skip stage 2 (the examples with --device cuda)")
     parser.add_argument("--budget-s", type=float, default=540, help="overall time budget for the test/example stages")
     args = parser.parse_args()
+    if args.aot:
+        aot_main(args)
     import torch
 
     if not torch.cuda.is_available():
@@ -165,6 +257,7 @@ def main() -> None:
     stage("copy bandwidth", copy_bandwidth)
     stage("attention kernels (Triton)", attention_timings)
     stage("cache writes (Triton)", write_timings)
+    stage("kernel resources: device vs cubin", device_resources)
 
     print("\n=== gpu_check summary ===")
     print(f"{'stage':<44} {'status':<6} {'s':>7}  detail")

@@ -1,6 +1,6 @@
-"""Cost of the native CPU paged-attention kernel's own index check (kvops/native/paged_attention.cpp, issue 6).
+"""Cost of the native CPU paged-attention kernel's own index check (kvops/native/paged_attention.cpp).
 
-Since issue 6 the kernel checks, before any parallel region, every index value it addresses memory with
+The kernel checks, before any parallel region, every index value it addresses memory with
 (``cu_seqlens_q``, ``seq_lens``, the block ids of the first ``ceil(seq_len / block_size)`` entries of each
 ``block_table`` row), in every value-check mode and inside compiled graphs. That check is the function behind
 ``kvops::_paged_attention_values_bad`` (``values_bad``), so its cost is timed as that op alone (an upper bound: the op
@@ -22,6 +22,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds per case")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
 
 import torch
 
@@ -59,10 +69,7 @@ def reps_for(fn) -> int:
     return max(3, int(2e-3 / max(t, 1e-7)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=40)
-    args = parser.parse_args()
+def main(args) -> None:
     torch.set_num_threads(1)
     assert native.available(), "the native kernel could not be built"
     print(f"{'B':>3} {'context':>7} {'kernel us':>10} {'check us':>9} {'check/kernel':>13} {'[p25, p75]':>18}")
@@ -82,4 +89,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

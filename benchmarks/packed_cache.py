@@ -31,6 +31,21 @@ import math
 import statistics
 import time
 
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--quick", action="store_true", help="smaller accuracy/time cases, 3 runs")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared CPU, OpenMP threads mostly wait on each other)")
+    parser.add_argument("--tokens-per-frame", type=int, default=520, help="accuracy table (full scale: 1560)")
+    parser.add_argument("--time-tokens-per-frame", type=int, default=130, help="time table")
+    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per case")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
 import torch
 import torch.nn.functional as F
 
@@ -324,15 +339,7 @@ def table_attention(model: str, heads: int, dim: int, frame_tokens: int, reps: i
           "peak MiB: bytes allocated during the call and alive at once (fused: only out + LSE; dense: SDPA's output).")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller accuracy/time cases, 3 runs")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on a shared CPU, OpenMP threads mostly wait on each other)")
-    parser.add_argument("--tokens-per-frame", type=int, default=520, help="accuracy table (full scale: 1560)")
-    parser.add_argument("--time-tokens-per-frame", type=int, default=130, help="time table")
-    parser.add_argument("--reps", type=int, default=7)
-    args = parser.parse_args()
+def main(args) -> None:
     torch.set_num_threads(args.threads)
     if args.quick:
         args.tokens_per_frame, args.time_tokens_per_frame, args.reps = 130, 40, 3
@@ -348,4 +355,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

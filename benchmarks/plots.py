@@ -55,3 +55,13 @@ def save_ratio_plot(path, panels: dict, xlabel: str, ylabel: str, targets: dict 
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(
+        "benchmarks/plots.py is not a benchmark: it is the plotting helper the benchmarks import to save their ratio "
+        "plots (needs matplotlib: pip install -e '.[bench]').\nRun a benchmark instead, e.g. "
+        "python benchmarks/paged_decode.py --quick (python benchmarks/<name>.py --help lists its options)."
+    )

@@ -1,4 +1,4 @@
-"""Streaming-cache write cost: time and bytes per evicting append and per rewrite, roll vs ring vs minimum (issue 12 §3).
+"""Streaming-cache write cost: time and bytes per evicting append and per rewrite, roll vs ring vs minimum.
 
 Eager ``update_and_get_attention_kv`` of ``CausalKVCache`` (roll layout: rows after the sink move down on eviction)
 and of ``RingCausalKVCache`` (ring layout: rows after the sink form a ring, an evicting append writes the chunk only)
@@ -23,6 +23,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--reps", type=int, default=30, help="interleaved repetitions per case")
+    p.add_argument("--tokens-per-frame", type=int, default=64, help="tokens per video frame (1560 at 480x832)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="cache dtype")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
 
 import torch
 
@@ -103,13 +116,7 @@ def bench(heads, dim, sink_frames, tpf, chunk_frames, window_frames, reps, dtype
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--tokens-per-frame", type=int, default=64, help="1560 at 480x832")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    args = p.parse_args()
+def main(args) -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}, {args.tokens_per_frame} tokens/frame, "
@@ -128,4 +135,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -21,6 +21,17 @@ import argparse
 import statistics
 import time
 
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--rounds", type=int, default=100, help="interleaved rounds per case")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
 import torch
 
 import kvops
@@ -92,11 +103,7 @@ def quantile(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+def main(args) -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} interleaved rounds, "
           f"H_q {H_Q} / H_kv {H_KV} x D {HEAD_DIM}, block_size {BLOCK_SIZE}")
@@ -115,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -21,3 +21,24 @@ if not torch.cuda.is_available():
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
     import torch.utils.mkldnn  # noqa: F401
+
+
+# `python -m pytest -q -m quick tests`: a first check of the core (the contiguous and paged ops in eager, compile and
+# export, the cache classes, the README's code), a few minutes on 2 idle cores against the suite's ~8; CI runs the
+# whole suite. The marker is given here per module (pyproject.toml declares it), so test files stay unchanged.
+QUICK_MODULES = {
+    "test_contiguous_ops",
+    "test_paged_write",
+    "test_paged_attention",
+    "test_causal_cache",
+    "test_paged_cache",
+    "test_readme",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)

@@ -597,33 +597,33 @@ class TestErrors(expecttest.TestCase):
     def test_rewrite_of_evicted_chunk(self):
         c = streamed()  # rows [3, 4, 5, 6], global_end 6
         msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 0), tokens(1, 2, 3))
-        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[-2, 1), global_end=6, prev_local_end=4, kv_cache_size=4, num_new_tokens=3, current_start=0, current_end=3""")
+        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[-2, 1), global_end=6, prev_local_end=4, kv_cache_size=4, num_new_tokens=3, current_start=0, current_end=3 (positions [0, 2) were already evicted (rows [0, 4) hold positions [2, 6)); rewrite only tokens still cached (current_start >= 2) or append at current_start=6)""")
 
     def test_chunk_longer_than_cache(self):
         c = streamed(chunks=())
         msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 0), tokens(1, 2, 3, 4, 5))
-        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[-1, 4), global_end=0, prev_local_end=0, kv_cache_size=4, num_new_tokens=5, current_start=0, current_end=5""")
+        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[-1, 4), global_end=0, prev_local_end=0, kv_cache_size=4, num_new_tokens=5, current_start=0, current_end=5 (the chunk of 5 tokens is longer than the cache's 4 rows; use a larger cache, smaller chunks or allow_growth=True)""")
 
     def test_rewrite_of_evicted_chunk_onto_the_sink(self):
         c = streamed(size=6, chunks=((1, 1, 1), (2, 2, 2), (3, 3, 3)), sink_tokens=2)  # rows [1,1,2,3,3,3]
         msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 3), tokens(2, 2, 2))
-        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[0, 3), global_end=9, prev_local_end=6, kv_cache_size=6, num_new_tokens=3, current_start=3, current_end=6 (rows [0, 2) hold the sink; the chunk was already evicted)""")
+        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[0, 3), global_end=9, prev_local_end=6, kv_cache_size=6, num_new_tokens=3, current_start=3, current_end=6 (positions [3, 5) were already evicted (rows [0, 2) hold the sink, rows [2, 6) positions [5, 9)); rewrite only tokens still cached (current_start >= 5) or append at current_start=9)""")
 
     def test_evicting_append_would_overwrite_the_sink(self):
         c = streamed(size=6, chunks=((1, 1, 1), (2, 2, 2)), sink_tokens=4)  # rows [1,1,1,2,2,2], sink rows [0, 4)
         msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 6), tokens(3, 3, 3))
-        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[3, 6), global_end=6, prev_local_end=6, kv_cache_size=6, num_new_tokens=3, current_start=6, current_end=9 (the chunk does not fit after the sink rows [0, 4): sink + num_new_tokens must be <= kv_cache_size; use a larger cache or smaller chunks)""")
+        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[3, 6), global_end=6, prev_local_end=6, kv_cache_size=6, num_new_tokens=3, current_start=6, current_end=9 (the chunk does not fit after the sink rows [0, 4): sink + num_new_tokens must be <= kv_cache_size (4 + 3 > 6); use a larger cache or smaller chunks)""")
 
     def test_gap_after_global_end(self):
         c = streamed(size=8)
         msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 7), tokens(1))
-        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[7, 8), global_end=6, prev_local_end=6, kv_cache_size=8, num_new_tokens=1, current_start=7, current_end=8 (current_start is past global_end: positions [6, 7) would never be written)""")
+        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[7, 8), global_end=6, prev_local_end=6, kv_cache_size=8, num_new_tokens=1, current_start=7, current_end=8 (current_start is past global_end: positions [6, 7) would never be written; pass current_start <= 6)""")
 
     def test_recent_window_tokens_negative(self):
         c = streamed()
         msg = self.check(ValueError, lambda k: c.update_and_get_attention_kv(k, k, 6, recent_window_tokens=-1),
                          tokens(7))
-        self.assertExpectedInline(msg, """recent_window_tokens must be non-negative or None""")
+        self.assertExpectedInline(msg, """recent_window_tokens must be non-negative or None (got recent_window_tokens=-1; 0 shows the sink and the current chunk only)""")
 
     def test_dtype_mismatch(self):
         c = streamed()

@@ -55,14 +55,15 @@ class TestPackaging(unittest.TestCase):
         self.assertEqual(out.stdout.split(), ["True", "True", "PackedCausalKVCache", "False", "False"])
 
     def test_import_without_triton(self):
+        # sys.modules["triton"] = None: `import triton` raises ModuleNotFoundError and importlib.util.find_spec
+        # returns None, as where triton is not installed (torch 2.14 probes it with find_spec at import time, where a
+        # finder that raises would break `import torch` itself). Output: nothing beyond what a plain `import torch`
+        # prints in the same setup (torch 2.13 logged "Triton not available, find_triton_kernels = []" for
+        # kvops::paged_attention, torch 2.14 "triton not found; flop counting ..." for kvops' lowerings).
+        block = "import sys\nsys.modules['triton'] = None\n"
+        plain = _run(block + "import torch")
         out = _run(
-            "import sys\n"
-            "class Block:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'triton' or name.startswith('triton.'):\n"
-            "            raise ImportError('triton blocked for this test')\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "import torch, kvops\n"
+            block + "import torch, kvops\n"
             "from kvops.triton import HAS_TRITON\n"
             "k, v = torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2)\n"
             "kvops.cache_write(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), k, v, start=1)\n"
@@ -70,6 +71,7 @@ class TestPackaging(unittest.TestCase):
         )
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertEqual(out.stdout.strip(), "False [0.0, 1.0, 0.0, 0.0]")
+        self.assertEqual(out.stderr, plain.stderr)
 
     def test_wheel_ships_lowering_inside_kvops(self):
         import shutil

@@ -305,12 +305,12 @@ class TestErrors(expecttest.TestCase):
     def test_head_slice_requires_cache_head_start(self):
         c = self.cache()
         msg = self.check(ValueError, lambda k: c.update_and_get_attention_kv(k, k, 4), torch.ones(1, 2, 2, 32))
-        self.assertExpectedInline(msg, """PackedCausalKVCache: cache_head_start required for head slice""")
+        self.assertExpectedInline(msg, """PackedCausalKVCache: cache_head_start required for head slice (key has 2 heads, the cache 4; pass cache_head_start with 0 <= cache_head_start <= 2, or key/value with all 4 heads)""")
 
     def test_rewrite_size_changed(self):
         c = self.cache()
         msg = self.check(NotImplementedError, lambda k: c.update_and_get_attention_kv(k, k, 2), torch.ones(1, 3, 4, 32))
-        self.assertExpectedInline(msg, """PackedCausalKVCache: current-chunk rewrite size changed""")
+        self.assertExpectedInline(msg, """PackedCausalKVCache: current-chunk rewrite size changed (the current chunk at current_start=2 holds 2 tokens, the rewrite 3; rewrite it with the same 2 tokens)""")
 
     def test_non_sequential_write(self):
         c = self.cache()

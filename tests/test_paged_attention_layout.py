@@ -58,7 +58,7 @@ class TestLayoutErrors(expecttest.TestCase):
         fn, args = _call(inputs)
         # Read as NHD, block_size 2 also makes the table too short; the metadata error goes first (default mode).
         msg = raises_everywhere(self, ValueError, fn, args)
-        self.assertExpectedInline(msg, """kvops.paged_attention: num_heads (6) must be a multiple of num_kv_heads (4) (GQA: query head h reads KV head h // (num_heads // num_kv_heads)). Pass q with a multiple of 4 heads. The cache of shape (6, 2, 4, 8) read as kv_layout="NHD" has 4 heads, but its dim of size 2 fits the 6 query heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, pass kv_layout="HND".""")
+        self.assertExpectedInline(msg, """kvops.paged_attention: The cache of shape (6, 2, 4, 8) read as kv_layout="NHD" has 4 heads, but its dim of size 2 fits the 6 query heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, pass kv_layout="HND". (Read as NHD, num_heads (6) must be a multiple of num_kv_heads (4) (GQA: query head h reads KV head h // (num_heads // num_kv_heads)).)""")
 
     def test_unknown_layout(self):
         fn, args = _call(_base(), kv_layout="NDH")

@@ -172,6 +172,28 @@ class TestContracts(expecttest.TestCase):
                                 (self.staging, self.ks, self.vs, self.table))
         self.assertExpectedInline(msg, """kvops.paged_kv_scatter: head slice [4, 6) is outside the caches' heads [0, 4). Pass 0 <= cache_head_start <= 2 for 2 staged heads.""")  # noqa: B950
 
+    def test_staging_sharing_memory_with_a_cache(self):
+        # staging carved out of the same allocation as layer 1's K cache: rejected before layer 0 is written, the
+        # message naming both tensors (today: layer 0 written, then torch's "refer to a single memory location")
+        arena = torch.randn(2 * 5 * 2 * 8 * 2 + 6 * 4 * 4 * 8)
+        ks = [self.ks[0].clone(), arena[100 : 100 + 6 * 4 * 4 * 8].view(6, 4, 4, 8)]
+        staging = arena[: 2 * 2 * 5 * 2 * 8].view(staging_shape(2, 5, 2, 8))
+        before = [c.clone() for c in ks + self.vs] + [arena.clone()]
+        msg = raises_everywhere(self, ValueError, lambda k, v, t, s: kvops.paged_kv_gather(k, v, t, s, 0, 0),
+                                (ks, self.vs, self.table, staging))
+        self.assertExpectedInline(msg, """kvops.paged_kv_gather: staging (shape (2, 2, 5, 2, 8)) and caches[1] (the K cache of layer 1, shape (6, 4, 4, 8)) share memory: the gather would overwrite the cache it reads. Allocate staging as its own buffer (torch.empty([2, 2, 5, 2, 8], dtype=torch.float32)).""")  # noqa: B950
+        vs = [self.vs[0], arena[-6 * 4 * 4 * 8 :].view(6, 4, 4, 8)]  # V of layer 1 over the staging's tail
+        staging = arena[-6 * 4 * 4 * 8 - 100 : -6 * 4 * 4 * 8 + 220].view(staging_shape(2, 5, 2, 8))
+        msg = raises_everywhere(self, ValueError, lambda s, k, v, t: kvops.paged_kv_scatter(s, k, v, t, 0, 0),
+                                (staging, [self.ks[0], ks[0]], vs, self.table))
+        self.assertExpectedInline(msg, """kvops.paged_kv_scatter: staging (shape (2, 2, 5, 2, 8)) and caches[3] (the V cache of layer 1, shape (6, 4, 4, 8)) share memory: the scatter would overwrite the staging buffer it reads. Allocate staging as its own buffer (torch.empty([2, 2, 5, 2, 8], dtype=torch.float32)).""")  # noqa: B950
+        after = [c for c in ks + self.vs] + [arena]
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(before, after)))  # nothing written
+        # adjacent (not overlapping) views of one allocation are fine
+        arena = torch.zeros(320 + 768)
+        staging, k1 = arena[:320].view(staging_shape(2, 5, 2, 8)), arena[320:].view(6, 4, 4, 8)
+        kvops.paged_kv_gather([self.ks[0], k1], self.vs, self.table, staging, 0, 0)
+
 
 if __name__ == "__main__":
     unittest.main()

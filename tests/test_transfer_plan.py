@@ -73,7 +73,23 @@ class TestWorkedCases(expecttest.TestCase):
         self.assertEqual(staging_grid_tokens(100, 16), 96)  # whole pages
         self.assertEqual(staging_grid_tokens(8, 16), 16)  # at least one page
         self.assertEqual(compute_grid_segments(0, 14336, 0, 8192), [(0, 8192), (8192, 14336)])
-        self.assertEqual(compute_grid_segments(5, 5, 0, 8), [])
+        self.assertEqual(compute_grid_segments(0, 8, 0, 8), [(0, 8)])
+
+    def test_sglang_semantics(self):
+        # issue 20 §3, after sglang's staging helpers: an empty range is one empty segment (the metadata-only last
+        # chunk of a fully cached prompt), None means the default chunked-prefill size, a global decode rank maps
+        # to its rank in the TP group
+        self.assertEqual(compute_grid_segments(5, 5, 0, 8), [(5, 5)])
+        self.assertEqual(compute_grid_segments(4096, 4096, 0, 8192), [(4096, 4096)])
+        self.assertEqual(compute_grid_segments(0, 0, 0, 8), [(0, 0)])
+        self.assertEqual(staging_grid_tokens(None, 64), 8192)
+        self.assertEqual(staging_grid_tokens(None, 48), 8160)
+        self.assertEqual(staging_grid_tokens(None), 8192)
+        for p_tp, d_tp, heads in ((4, 2, 8), (2, 4, 8), (1, 4, 2), (8, 2, 2), (4, 8, 2)):
+            for global_rank in range(3 * d_tp):
+                self.assertEqual(compute_head_slice_params(p_tp, d_tp, global_rank, heads),
+                                 compute_head_slice_params(p_tp, d_tp, global_rank % d_tp, heads))
+        self.assertEqual(compute_head_slice_params(2, 4, 6, 8), (HeadSlice(1, 0, 2, 0),))  # global 6 = TP rank 2
         self.assertEqual(compute_grid_segments(3, 20, 0, 8), [(3, 8), (8, 16), (16, 20)])
         self.assertEqual(compute_grid_segments(3, 20, 2, 8), [(3, 10), (10, 18), (18, 20)])
         self.assertEqual(compute_grid_segments(0, 8, 0, 8), [(0, 8)])
@@ -111,8 +127,8 @@ class TestErrors(expecttest.TestCase):
             compute_head_slice_params(3, 2, 0, 8)
         self.assertExpectedInline(str(cm.exception), """total_kv_heads=8 cannot be split over prefill tp_size=3: need total_kv_heads % tp_size == 0 (each rank holds total_kv_heads // tp_size heads) or tp_size % total_kv_heads == 0 (each head replicated on tp_size // total_kv_heads ranks).""")  # noqa: B950
         with self.assertRaises(ValueError) as cm:
-            compute_head_slice_params(2, 2, 2, 8)
-        self.assertExpectedInline(str(cm.exception), """decode tp_rank=2 is outside [0, 2).""")
+            compute_head_slice_params(2, 2, -1, 8)
+        self.assertExpectedInline(str(cm.exception), """decode tp_rank=-1 must be a non-negative int (a TP rank, or a global rank, which is taken modulo decode tp_size=2).""")  # noqa: B950
         with self.assertRaises(ValueError) as cm:
             compute_grid_segments(4, 2, 0, 8)
         self.assertExpectedInline(str(cm.exception), """compute_grid_segments needs start <= end, got start=4, end=2.""")  # noqa: B950
@@ -172,4 +188,16 @@ class TestEndpointErrors(expecttest.TestCase):
         with self.assertRaises(ValueError) as cm:
             recv.receive("req-1", 4)
         self.assertExpectedInline(str(cm.exception), """request_id must be an int in [0, 1073741823] (it tags the request's messages), got 'req-1'.""")  # noqa: B950
+        for bad in (-3, 1.5, None):  # today: "compute_grid_segments needs start <= end ..." for -3
+            with self.assertRaises(ValueError) as cm:
+                recv.receive(7, bad)
+            self.assertIn("num_tokens must be a non-negative int", str(cm.exception))
+        self.assertExpectedInline(str(cm.exception), """num_tokens must be a non-negative int (the request's token count, 0 for a metadata-only request), got None.""")  # noqa: B950
         self.assertEqual(cache.seq_ids, [])  # nothing allocated
+        sender = KVSender(TransferGroups((0,), (1,)), 0, cache.k_caches, cache.v_caches, 2)
+        with self.assertRaises(ValueError) as cm:
+            sender.send(7, -3, torch.zeros(2, dtype=torch.int32))
+        self.assertIn("num_tokens must be a non-negative int", str(cm.exception))
+        with self.assertRaises(ValueError) as cm:
+            sender.send(7, 9, torch.zeros(2, dtype=torch.int32))
+        self.assertExpectedInline(str(cm.exception), """KVSender.send: block_table of shape (2,) covers 8 tokens (block_size 4) but num_tokens=9; pass the request's 1-D block table.""")  # noqa: B950

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .overlap import check_caches_disjoint
 from .common import (
     as_int,
     FP8_DTYPE,
@@ -54,7 +55,23 @@ def check_paged_caches(
         )
     layout, agree = KV_LAYOUTS[kv_layout]
     check_kv_pair(op, k_cache, v_cache, layout, agree)
-    return as_nhd(k_cache, v_cache, kv_layout)
+    k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)
+    check_nonzero_dims(op, k_cache, v_cache, layout)
+    return k_cache, v_cache
+
+
+def check_nonzero_dims(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) -> None:
+    """NHD views of paged caches: ``block_size``, ``num_kv_heads`` and both head dims must be >= 1 (a zero-size one
+    addresses nothing: ``slot // block_size`` and the GQA ratio divide by it)."""
+    for name, cache, dim, what in (("k_cache", k_cache, 1, "block_size"), ("k_cache", k_cache, 2, "num_kv_heads"),
+                                   ("k_cache", k_cache, 3, "head_dim"), ("v_cache", v_cache, 3, "head_dim")):
+        if cache.shape[dim] == 0:
+            raise ValueError(
+                f"{op}: {name} has {what} = 0 (shape {tuple(cache.shape)} read as {layout}); a paged cache needs "
+                f"{what} >= 1. Allocate the cache with at least one "
+                + {"block_size": "row per block", "num_kv_heads": "KV head", "head_dim": "element per head"}[what]
+                + "."
+            )
 
 
 def layout_hint(cache: torch.Tensor, kv_layout: str, heads: str, fits, nhd_only: str = "") -> str:
@@ -104,6 +121,7 @@ def check_paged_cache_write(
     k_cache, v_cache = check_paged_caches(op, k_cache, v_cache, kv_layout)
     require_writable(op, "k_cache", k_cache)
     require_writable(op, "v_cache", v_cache)
+    check_caches_disjoint(op, [("k_cache", k_cache), ("v_cache", v_cache)])
     if value is None:
         raise ValueError(f"{op}: value must be provided (got value=None with a v_cache); pass value [N, H_in, D_v].")
     require_ndim(op, "key", key, 3, TOKENS_LAYOUT)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .overlap import check_caches_disjoint
 from .common import as_int, require_ndim, require_same_device, require_writable
 from .paged_write import layout_hint
 
@@ -39,7 +40,8 @@ def check_paged_kv_transfer(
     1-D int32/int64 on the caches' device; a ``staging`` that is not 5-D ``[2, L, n, h, D]`` matching the caches
     (layers, ``head_dim``, dtype, device) or is not contiguous; a head slice ``[head_start, head_start + h)`` outside
     ``[0, H_kv)`` (the message names ``head_arg``, and says when the cache may be HND); a negative ``start``; tokens
-    ``[start, start + n)`` beyond the ``block_table``'s capacity (``blocks * block_size``).
+    ``[start, start + n)`` beyond the ``block_table``'s capacity (``blocks * block_size``); a ``staging`` that shares
+    memory with a cache (checked from storages and strides before anything is written; the message names both).
     """
     if len(caches) == 0 or len(caches) % 2:
         raise ValueError(
@@ -58,6 +60,8 @@ def check_paged_kv_transfer(
             )
         if writes_caches:
             require_writable(op, f"caches[{i}]", c)
+    if writes_caches:
+        check_caches_disjoint(op, [(f"caches[{i}]", c) for i, c in enumerate(caches)])
     if block_table.dim() != 1 or block_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"{op}: block_table must be the request's 1-D int32 or int64 row [num_blocks_of_request], got shape "
@@ -84,6 +88,15 @@ def check_paged_kv_transfer(
             f"{op}: staging of shape {tuple(staging.shape)} and strides {staging.stride()} is not contiguous; it is "
             f"sent as one buffer. Allocate it with torch.empty(shape) (or a contiguous slice of a larger buffer)."
         )
+    harm = "the scatter would overwrite the staging buffer it reads" if writes_caches else \
+        "the gather would overwrite the cache it reads"
+    for i, c in enumerate(caches):
+        if _overlaps(staging, c):
+            raise ValueError(
+                f"{op}: staging (shape {tuple(staging.shape)}) and caches[{i}] (the {'K' if i < num_layers else 'V'} "
+                f"cache of layer {i % num_layers}, shape {tuple(c.shape)}) share memory: {harm}. Allocate staging "
+                f"as its own buffer (torch.empty({list(staging.shape)}, dtype={staging.dtype}))."
+            )
     num_tokens, num_heads = staging.shape[2], staging.shape[3]
     if head_start < 0 or head_start + num_heads > num_kv_heads:
         fix = (
@@ -106,3 +119,20 @@ def check_paged_kv_transfer(
             f"of {as_int(block_table.shape[0])} blocks x block_size {as_int(block_size)} = {as_int(capacity)} tokens. "
             f"Pass a block_table covering start + num_tokens tokens."
         )
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Element range ``[first, last + 1)`` of ``t``'s storage that ``t`` can address (metadata only)."""
+    first = t.storage_offset()
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return first, first + extent + 1
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` can address a common element: same storage (also for fake tensors, whose storages
+    follow the real ones' sharing) and intersecting spans. Empty tensors overlap nothing."""
+    if a.numel() == 0 or b.numel() == 0 or not torch._C._is_alias_of(a, b):
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    ia, ib = a.element_size(), b.element_size()
+    return a0 * ia < b1 * ib and b0 * ib < a1 * ia

@@ -91,23 +91,40 @@ def plan_rows(n, s, g, l, capacity, allow_growth, protected) -> tuple[Plan, bool
 
 
 def raise_write_range(name, plan: Plan, s, g, l, protected) -> None:
-    """Raise the ``Invalid {name} write range`` error of an update :func:`plan_rows` rejected (concrete values)."""
+    """Raise the ``Invalid {name} write range`` error of an update :func:`plan_rows` rejected (concrete values).
+
+    The message starts with sglang's wording (``Invalid {name} write range: local=[ls, le), ...``) and ends with the
+    reason and the fix in parentheses."""
     ls, le, g, l, capacity, s = (int(x) for x in (plan.ls, plan.le, g, l, plan.capacity, s))
     n, e = plan.n, s + plan.n
-    reason = ""
-    if ls >= 0 and le <= capacity:
-        if s > g:
-            reason = f" (current_start is past global_end: positions [{g}, {s}) would never be written)"
-        elif e > g:
-            reason = (
-                f" (the chunk does not fit after the sink rows [0, {protected}): sink + num_new_tokens must be "
-                f"<= kv_cache_size; use a larger cache or smaller chunks)"
-            )
-        else:
-            reason = f" (rows [0, {protected}) hold the sink; the chunk was already evicted)"
+    oldest = g - l + protected if g > l else g - l  # oldest position a rewrite may address (rows past the sink)
+    if s < 0:
+        reason = (f"current_start is negative: token positions start at 0; pass current_start >= 0 "
+                  f"(current_start={g} appends the next chunk)")
+    elif s > g:
+        reason = f"current_start is past global_end: positions [{g}, {s}) would never be written; pass current_start <= {g}"
+    elif e > g and n > capacity and protected == 0:
+        reason = (f"the chunk of {n} tokens is longer than the cache's {capacity} rows; use a larger cache, smaller "
+                  f"chunks or allow_growth=True")
+    elif e > g and n > capacity - protected:
+        reason = (
+            f"the chunk does not fit after the sink rows [0, {protected}): sink + num_new_tokens must be "
+            f"<= kv_cache_size ({protected} + {n} > {capacity}); use a larger cache or smaller chunks"
+        )
+    elif g > l and s < oldest:
+        held = (f"rows [0, {protected}) hold the sink, rows [{protected}, {l}) positions [{oldest}, {g})" if protected
+                else f"rows [0, {l}) hold positions [{oldest}, {g})")
+        reason = (
+            f"the chunk starts before position {oldest}, the oldest one held after the sink: positions "
+            f"[{protected}, {oldest}) were already evicted ({held}); rewrite only tokens still cached "
+            f"(current_start >= {oldest}) or append at current_start={g}"
+        )
+    else:
+        reason = (f"the rows fall outside [0, {capacity}); rewrite only tokens still cached (current_start >= "
+                  f"{max(oldest, 0)}) or append at current_start={g}")
     raise RuntimeError(
         f"Invalid {name} write range: local=[{ls}, {le}), global_end={g}, prev_local_end={l}, "
-        f"kv_cache_size={capacity}, num_new_tokens={n}, current_start={s}, current_end={e}{reason}"
+        f"kv_cache_size={capacity}, num_new_tokens={n}, current_start={s}, current_end={e} ({reason})"
     )
 
 

@@ -22,6 +22,7 @@ def visible_rows(
     pinned_len: int = 0,
     chunk_start: int = 0,
     recent_window_tokens: int | None = None,
+    window_mode: str = "sink",
 ) -> list[tuple[int, int]]:
     """Row ranges ``[(start, end), ...]`` of the visible window, in increasing row order, disjoint, non-empty and
     not touching (touching ranges are merged), so one range means the view is a plain slice of the cache; the single
@@ -37,6 +38,8 @@ def visible_rows(
             a settled pin is part of ``sink``.
         chunk_start: ``ls``, the row the current chunk was written at (used with ``recent_window_tokens`` only).
         recent_window_tokens: ``r`` or ``None``.
+        window_mode: ``"sink"`` (default) or ``"tail"``: what the view is once the ``W`` rows no longer hold every
+            row in use (``r is None``; docs/porting.md "Window with a sink").
 
     Semantics (docs/semantics.md §1.6, as sglang's windowed cache with sinks and LongLive-2's ``_attention_view``):
 
@@ -49,11 +52,15 @@ def visible_rows(
     - ``r >= 0``: the sink rows ``[0, min(E, L'))``, a pin lying past the sink, and ``[max(min(E, L'), ls - r), L')``
       (``r = 0``: sink + the current chunk); all rows when they meet.
 
+    - ``window_mode="tail"`` and ``r is None``: the plain tail ``[max(0, L' - W), L')``, whatever the sink and a pin
+      (sglang's dense ``CausalSelfAttentionKVCache``, Self-Forcing's ``max_attention_size``): sink rows are still
+      never evicted, but they drop out of view once ``L' > W``.
+
     ``r < 0`` is the caller's error to raise (``"recent_window_tokens must be non-negative or None"``).
     """
     pin = pinned_len > 0 and pinned_start >= sink
     if recent_window_tokens is None:
-        if sink == 0 and not pin:  # one range without a guard on the window's start under torch.compile
+        if (sink == 0 and not pin) or window_mode == "tail":  # one range without a guard on the window's start under torch.compile
             return [(relu(local_end - window), local_end)]
         start = local_end - window
         if start <= 0:

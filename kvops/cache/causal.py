@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from .._checks.common import require_ndim
-from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write, check_caches
+from .._checks.contiguous import check_cache_write, check_caches
 from ..ops.contiguous import cache_roll, cache_write
+from .._checks.common import as_int
 from ._clamp import smax
 from ._plan import CausalKVView, _Cursors, eviction_moves, eviction_moves_with_pin, plan_rows, raise_write_range
+from ._validate import check_position, check_window_mode, check_writer
 from ._window import visible_rows
 
 __all__ = ["CausalKVCache", "CausalKVView"]
@@ -97,6 +98,13 @@ class CausalKVCache:
         global_sink_tokens: rows kept in front of a pinned chunk (default 0).
         attention_window_size: ``W``, the whole visible budget in rows, sink and pinned rows included (default
             ``S``); as sglang's windowed cache with sinks (docs/semantics.md §1.6).
+        window_mode: what the view is once ``W`` rows no longer hold every row in use (docs/porting.md "Window with
+            a sink"). ``"sink"`` (default): the sink rows (and an unsettled pinned chunk), then the newest rows, ``W``
+            in all (LongLive-2, sglang's QVG packed cache). ``"tail"``: the newest ``W`` rows ``[L' - W, L')`` only,
+            the sink rows dropping out of view (sglang's dense ``CausalSelfAttentionKVCache``, Self-Forcing's and
+            CausVid's ``max_attention_size``); sink rows are never evicted in either mode. Example: ``S = 16``,
+            ``K = 4``, ``W = 8``, chunks of 4 tokens ``1..20``: after the chunk at 16, ``"tail"`` shows tokens 13-20
+            and ``"sink"`` tokens 1-4 and 17-20. ``recent_window_tokens`` is the same in both modes.
         allow_growth: grow the buffers (to ``max(L + a, 2 S)`` rows, copying rows ``[0, L)``; new rows are zero)
             instead of evicting.
         name: used in error messages (default ``"CausalKVCache"``).
@@ -115,9 +123,11 @@ class CausalKVCache:
         global_sink_tokens: int = 0,
         attention_window_size: int | None = None,
         allow_growth: bool = False,
+        window_mode: str = "sink",
         name: str = "CausalKVCache",
     ) -> None:
         check_caches(name, k, v)
+        check_window_mode(name, window_mode)
         if sink_tokens < 0 or global_sink_tokens < 0:
             raise ValueError(
                 f"{name}: sink_tokens ({sink_tokens}) and global_sink_tokens ({global_sink_tokens}) must be >= 0."
@@ -138,6 +148,7 @@ class CausalKVCache:
         self.global_sink_tokens = global_sink_tokens
         self.attention_window_size = k.shape[1] if attention_window_size is None else attention_window_size
         self.allow_growth = allow_growth
+        self.window_mode = window_mode
         # Growth keeps K and V in one allocation when they share one.
         self._fused_kv = k.shape[3] == v.shape[3] and _share_storage(k, v)
         # Cursors per head slice; the full-head entry exists from the start (its ints are then seen by Dynamo on the
@@ -259,23 +270,26 @@ class CausalKVCache:
             return self.global_sink_tokens
         return max(self.global_sink_tokens, self.sink_tokens)
 
-    def _slice_cursors(self, h0: int, h1: int) -> _Cursors:
+    def _find_slice_cursors(self, h0: int, h1: int) -> tuple[_Cursors, list | None]:
+        """The cursors of head slice ``[h0, h1)`` and, for a slice seen for the first time, the slices they replace
+        (overlapping slices that never held tokens; ``None`` for a known slice), without changing anything: the caller
+        registers new cursors once the update is validated. Raises when the slice overlaps a slice holding tokens."""
         c = self._cursors.get((h0, h1))
-        if c is None:
-            for (a, b), other in list(self._cursors.items()):
-                if not (a < h1 and h0 < b):
-                    continue
-                if other.global_end == 0 and other.local_end == 0 and other.pinned_len == 0:
-                    del self._cursors[(a, b)]  # never written: another slicing of the heads takes over
-                else:
-                    raise ValueError(
-                        f"{self.name}: head slice [{h0}, {h1}) overlaps head slice [{a}, {b}), which holds tokens "
-                        f"(global_end={other.global_end}). Writers must use disjoint head slices (or the same one); "
-                        f"call reset_indices() before streaming with another slicing of the heads."
-                    )
-            c = _Cursors()
-            self._cursors[(h0, h1)] = c
-        return c
+        if c is not None:
+            return c, None
+        stale = []
+        for (a, b), other in self._cursors.items():
+            if not (a < h1 and h0 < b):
+                continue
+            if other.global_end == 0 and other.local_end == 0 and other.pinned_len == 0:
+                stale.append((a, b))  # never written: another slicing of the heads takes over
+            else:
+                raise ValueError(
+                    f"{self.name}: head slice [{h0}, {h1}) overlaps head slice [{a}, {b}), which holds tokens "
+                    f"(global_end={other.global_end}). Writers must use disjoint head slices (or the same one); "
+                    f"call reset_indices() before streaming with another slicing of the heads."
+                )
+        return _Cursors(), stale
 
     # --- the update ---------------------------------------------------------------------------------------------
     def update_and_get_attention_kv(
@@ -358,14 +372,21 @@ class CausalKVCache:
         rows evicted, the capacity after a planned growth). Shared with :class:`kvops.cache.ring.RingCausalKVCache`.
         """
         name = self.name
-        if recent_window_tokens is not None and recent_window_tokens < 0:
-            raise ValueError("recent_window_tokens must be non-negative or None")
-        require_ndim(name, "key", key, 4, TOKENS_LAYOUT)
-        require_ndim(name, "value", value, 4, TOKENS_LAYOUT)
+        check_position(name, "current_chunk_start", current_chunk_start)
+        if cache_head_start is not None:
+            check_position(name, "cache_head_start", cache_head_start)
+        if recent_window_tokens is not None:
+            check_position(name, "recent_window_tokens", recent_window_tokens)
+            if recent_window_tokens < 0:
+                raise ValueError(
+                    f"recent_window_tokens must be non-negative or None (got recent_window_tokens="
+                    f"{as_int(recent_window_tokens)}; 0 shows the sink and the current chunk only)"
+                )
+        check_writer(name, key, value, self.k.shape[2], cache_head_start)
         # Metadata contract of the write op, checked before anything moves (zero rows: the row range is ours).
         h0 = check_cache_write(key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k, self.v, 0, cache_head_start, op=name)
         h1 = h0 + key.shape[2]
-        c = self._slice_cursors(h0, h1)
+        c, stale = self._find_slice_cursors(h0, h1)
         # Branch-free (kvops.cache._plan): a rewrite, an append and an append that evicts run the same graph; only
         # the pin's state (none/unsettled/settled) and the shape of the visible window (a view or a cat) are Python
         # branches. Rows [0, protected) never follow position = G - L + row.
@@ -374,6 +395,11 @@ class CausalKVCache:
         plan, ok = plan_rows(key.shape[1], s, g, l, self.cache_size, self.allow_growth, protected)
         if not ok:
             raise_write_range(name, plan, s, g, l, protected)
+        # Validated: only now may a new head slicing replace the cursors of slices that never held tokens.
+        if stale is not None:
+            for old in stale:
+                del self._cursors[old]
+            self._cursors[(h0, h1)] = c
         return h0, h1, c, plan
 
     def _grow(self, new_size: int) -> None:
@@ -405,7 +431,8 @@ class CausalKVCache:
             ranges = [(0, end)]  # the window holds every row (L' <= S <= W): no clamp, no guard
         else:
             ranges = visible_rows(
-                end, self.attention_window_size, self._effective_sink(c), c.pinned_start, c.pinned_len, ls, recent
+                end, self.attention_window_size, self._effective_sink(c), c.pinned_start, c.pinned_len, ls, recent,
+                self.window_mode,
             )
         if len(ranges) == 1:
             (a, b), = ranges

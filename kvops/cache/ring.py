@@ -17,7 +17,7 @@ import torch
 from ..ops.contiguous import cache_write
 from ._clamp import smin
 from ._window import visible_rows
-from .causal import CausalKVCache, _Cursors
+from .causal import CausalKVCache
 
 __all__ = ["RingCausalKVCache", "RingKVView"]
 
@@ -77,8 +77,9 @@ class RingCausalKVCache(CausalKVCache):
     same :meth:`allocate`, same ``update_and_get_attention_kv(key, value, current_chunk_start, cache_head_start=None,
     recent_window_tokens=None)`` contract, cursors (``global_end``, ``local_end``), errors (the same validator and
     messages) and returned indices; head slices (``cache_head_start``), sinks (``sink_tokens``,
-    ``global_sink_tokens``: without a pin ``E = max(global_sink_tokens, sink_tokens)``), ``attention_window_size``
-    and ``recent_window_tokens`` are supported. The difference is the layout and the view's order:
+    ``global_sink_tokens``: without a pin ``E = max(global_sink_tokens, sink_tokens)``), ``attention_window_size``,
+    ``window_mode`` (``"sink"`` or ``"tail"``) and ``recent_window_tokens`` are supported. The difference is the
+    layout and the view's order:
 
     - rows ``[0, E)`` hold positions ``[0, E)`` as in the roll layout; the logical row ``E + j`` of the roll layout
       (position ``G - L + E + j``) is stored at physical row ``E + (offset + j) % (S - E)``. An evicting append of
@@ -137,21 +138,22 @@ class RingCausalKVCache(CausalKVCache):
         ls, le, added, evicted = plan.ls, plan.le, plan.added, plan.evicted
         sink = self._effective_sink(c)
         ring = self.cache_size - sink
-        c.ring_offset = (c.ring_offset + evicted) % ring
+        offset = (c.ring_offset + evicted) % ring  # committed with the cursors, after the writes
         head_start = None if cache_head_start is None else h0
         done = 0
-        for p, count in self._physical(c, sink, ls, le):
+        for p, count in self._physical(offset, sink, ls, le):
             cache_write(key.narrow(1, done, count), value.narrow(1, done, count), self.k, self.v, p, head_start)
             done += count
-        c.global_end, c.local_end = c.global_end + added, c.local_end + added - evicted
+        c.ring_offset, c.global_end, c.local_end = offset, c.global_end + added, c.local_end + added - evicted
 
         sliced = head_start is not None
         pieces = []  # (physical start, count, global start) in physical order
         first = c.global_end - c.local_end  # position of logical row 0 past the sink
-        for a, b in visible_rows(c.local_end, self.attention_window_size, sink, -1, 0, ls, recent_window_tokens):
+        for a, b in visible_rows(c.local_end, self.attention_window_size, sink, -1, 0, ls, recent_window_tokens,
+                                 self.window_mode):
             if b <= a:
                 continue
-            for p, count in self._physical(c, sink, a, b):
+            for p, count in self._physical(c.ring_offset, sink, a, b):
                 pieces.append((p, count, (a if a < sink else first + a)))
                 a += count
         pieces = [pieces[i] for i in _argsort([p for p, _, _ in pieces])]
@@ -181,8 +183,9 @@ class RingCausalKVCache(CausalKVCache):
             v = torch.cat([rows(self.v, a, b) for a, b in ranges], dim=1)
         return RingKVView(k, v, ls, le, c.local_end, c.global_end, tuple((n_, g) for n_, g in segments))
 
-    def _physical(self, c: _Cursors, sink: int, a: int, b: int) -> list[tuple[int, int]]:
-        """The physical row runs ``[(start, count), ...]`` holding logical rows ``[a, b)``, in logical order."""
+    def _physical(self, offset: int, sink: int, a: int, b: int) -> list[tuple[int, int]]:
+        """The physical row runs ``[(start, count), ...]`` holding logical rows ``[a, b)`` at ring offset ``offset``,
+        in logical order."""
         out = []
         if a < sink:
             end = smin(b, sink)
@@ -190,7 +193,7 @@ class RingCausalKVCache(CausalKVCache):
             a = end
         if a < b:
             size = self.cache_size
-            p = sink + (c.ring_offset + a - sink) % (size - sink)
+            p = sink + (offset + a - sink) % (size - sink)
             head = smin(b - a, size - p)
             out.append((p, head))
             if head < b - a:

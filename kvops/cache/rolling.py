@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from .._checks.contiguous import check_cache_write
 from ..ops import cache_write
+from ._validate import check_writer
 
 
 class RollingKVCache:
@@ -73,12 +75,21 @@ class RollingKVCache:
 
         The ring row of position ``g`` is ``g % W``. ``T == 1`` (decode) is a single write at that row; a longer
         chunk is split at the wrap point; a chunk longer than ``W`` writes only its last ``W`` tokens.
+
+        Raises (before anything is written or ``global_end`` moves): ``ValueError`` for a key/value that is not 4-D,
+        in SDPA's swapped layout, disagreeing in ``[B, T, H_kv]``, or mismatching the caches' dtype, device, batch,
+        heads or head_dim (the wording of ``kvops.cache_write``).
         """
+        # Everything the writes will check, before the cursor moves (issue 17 §2): a failing write changes nothing.
+        check_writer("RollingKVCache.write", key, value, self.k_cache.shape[2], None)
+        check_cache_write(key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k_cache, self.v_cache, 0, None,
+                          op="RollingKVCache.write")
         w, t, g = self.window_size, key.shape[1], self.global_end
-        self.global_end = g + t
         if t == 1:
             cache_write(key, value, self.k_cache, self.v_cache, g % w)
+            self.global_end = g + t
             return
+        self.global_end = g + t
         if t > w:  # only the last W tokens survive
             key, value, g, t = key[:, t - w:], value[:, t - w:], g + t - w, w
         row = g % w

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from .._checks.common import as_int, require_ndim
+from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write, check_caches
 from ..ops.contiguous import cache_roll, cache_write
 
 
@@ -78,6 +80,27 @@ def _stream_positions_fake(state, sink_tokens, kv_cache_size):
     return torch.empty_like(state)
 
 
+def _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start) -> None:
+    """The metadata contract of a step (the write's, plus the cursors' device and all heads), checked before the roll
+    so that a failing step moves and writes nothing."""
+    if key.shape[2] != k_cache.shape[2] or value.shape[2] != k_cache.shape[2]:
+        raise ValueError(
+            f"{_OP}: key has {as_int(key.shape[2])} heads and value {as_int(value.shape[2])}, but the caches hold "
+            f"{as_int(k_cache.shape[2])} (k_cache shape {tuple(k_cache.shape)}); a streaming step writes all heads. "
+            f"Pass key/value with {as_int(k_cache.shape[2])} heads (for a head slice use CausalKVCache with "
+            f"cache_head_start)."
+        )
+    # (traced by Dynamo, the write op's fake rule checks the overlap: at trace time, before anything runs)
+    check_cache_write(key, value, k_cache, v_cache, 0, None, op=_OP, overlap=not torch.compiler.is_compiling())
+    for name, t in (("cursors", cursors), ("current_chunk_start", current_chunk_start)):
+        if isinstance(t, torch.Tensor) and t.device != k_cache.device:
+            raise ValueError(
+                f"{_OP}: {name} is on {t.device} but the caches are on {k_cache.device}; the step's positions are "
+                f"computed next to the caches. Pass {name}.to({str(k_cache.device)!r}) (init_cursors(device) for a "
+                f"new stream)."
+            )
+
+
 def init_cursors(device=None) -> torch.Tensor:
     """Cursors of an empty stream: int64 ``[2]`` zeros ``(global_end, local_end)``."""
     return torch.zeros(2, dtype=torch.int64, device=device)
@@ -93,6 +116,7 @@ def streaming_update(
     *,
     sink_tokens: int = 0,
     attention_window_size: int | None = None,
+    window_mode: str = "sink",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write a chunk at its global position (evicting after the sink as needed); return the visible rows' mask.
 
@@ -104,6 +128,9 @@ def streaming_update(
         current_chunk_start: int64 ``[]``, ``s``: global position of the chunk's first token.
         sink_tokens: ``K`` rows never evicted (Python int, part of the program).
         attention_window_size: ``W`` visible rows (default ``S``; Python int).
+        window_mode: ``"sink"`` (default: once ``W`` rows no longer hold every row in use, the sink rows then the
+            newest ``W - K``) or ``"tail"`` (the newest ``W`` rows only), as ``CausalKVCache``'s (docs/porting.md
+            "Window with a sink").
 
     Returns:
         ``(mask, new_cursors)``: bool ``[S]``, True for the rows the chunk attends to (docs/semantics.md §1.6), and int64
@@ -113,14 +140,21 @@ def streaming_update(
         ``L = L + a - ev`` (as ``CausalKVCache``, which these results equal bit for bit).
 
     Raises:
-        ValueError (when called or traced): ``K + n > S`` (an evicting append would overwrite the sink), ``K >= S``,
-            ``W < 1``, and the write op's metadata errors (ranks, dtypes, head counts).
+        ValueError (when called or traced, before anything moves): ``K + n > S`` (an evicting append would
+            overwrite the sink), ``K >= S``, ``W < 1``, the write op's metadata errors (ranks, dtypes, key/value
+            lengths), key/value with fewer heads than the caches (a step writes all heads), cursors or
+            ``current_chunk_start`` on another device.
         RuntimeError (when run, before anything is written): cursors that are not ``0 <= L <= min(G, S)``;
             ``s > G`` (a gap); ``s`` negative or naming tokens already evicted (rows before row 0, or a rewrite onto
             the sink rows after eviction). The message names the argument, the values and the fix in eager code,
             exported programs (``torch.export``, saved and loaded) and ``torch.compile``; AOTInductor packages raise
             their wrapper's ``Expected u5 >= 0 but received -2`` for the same checks (lowering/inductor_checks.py).
     """
+    if window_mode not in ("sink", "tail"):
+        raise ValueError(f"{_OP}: window_mode must be 'sink' or 'tail' (docs/porting.md), got {window_mode!r}.")
+    check_caches(_OP, k_cache, v_cache)
+    for name, t in (("key", key), ("value", value)):
+        require_ndim(_OP, name, t, 4, TOKENS_LAYOUT)
     n, cache_size = key.shape[1], k_cache.shape[1]
     window = cache_size if attention_window_size is None else attention_window_size
     sink = sink_tokens
@@ -137,6 +171,7 @@ def streaming_update(
             f"current_chunk_start an int64 0-d tensor, got {cursors.dtype} {tuple(cursors.shape)} and "
             f"{current_chunk_start.dtype} {tuple(current_chunk_start.shape)}."
         )
+    _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start)  # all of it before the first mutation
     g, l = cursors[0], cursors[1]
     s = current_chunk_start
     e = s + n
@@ -168,5 +203,8 @@ def streaming_update(
     new_l = l + added - evicted
     rows = torch.arange(cache_size, device=k_cache.device)
     start = new_l - window  # > 0: the window no longer holds every row in use
-    mask = (rows < new_l) & ((start <= 0) | (rows < sink) | (rows >= start + sink))
+    if window_mode == "tail":  # the plain tail [L' - W, L') (sglang's dense cache, Self-Forcing)
+        mask = (rows < new_l) & (rows >= start)
+    else:
+        mask = (rows < new_l) & ((start <= 0) | (rows < sink) | (rows >= start + sink))
     return mask, torch.stack([g + added, new_l])

@@ -41,9 +41,14 @@ Tested versions: see the ``transformers`` extra in ``pyproject.toml``.
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
-from transformers.utils import logging
+
+from .._extras import require
+
+require("transformers", "kvops.integrations.transformers", "transformers")
+
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function  # noqa: E402
+from transformers.utils import logging  # noqa: E402
 
 import kvops
 

@@ -6,7 +6,11 @@ calls, ``kvops/_checks/values.py``). It is compiled by ``torch.utils.cpp_extensi
 runs (not at import), with the machine's C++ compiler (the one ``torch.compile`` on CPU needs too), into torch's
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the
 source, the flags and the CPU's instruction-set flags, so later processes load the cached build in well under a
-second, and differing sources or machines never share a binary.
+second, and differing sources or machines never share a binary. A build that is not cached yet says so once on the
+``kvops.native`` logger (about 30-40 s on 2 idle cores; where it is cached) and how long it took; ``python -m kvops.native``
+builds ahead of time. It is not built at install time: the binary is specific to the machine's CPU (``-march=native``)
+and to the torch it was compiled against, and a wheel or an install outlives both (torch upgrades, images moved
+between machines).
 
 The schema of ``kvops::_paged_attention_native`` is defined here at import, not by the build, with the composite
 kernel as its ``CompositeExplicitAutograd`` fallback: a graph that calls it (an Inductor graph reloaded from the
@@ -29,9 +33,11 @@ selects the composite without trying to build.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pathlib
 import sys
+import time
 import warnings
 
 import torch
@@ -47,6 +53,12 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
 _state: bool | None = None  # None: not tried yet in this process
+
+# The one-time build notice goes to this logger at WARNING, so Python's default handling prints it to stderr without
+# any logging set up (a warning category would turn it into an error under ``-W error`` and into noise in tests that
+# record warnings); logging.getLogger("kvops.native").setLevel(logging.ERROR) silences it.
+log = logging.getLogger("kvops.native")
+BUILD_SECONDS = "about 30-40 s on 2 idle CPU cores, longer on a busy machine"  # the issue measured 25-41 s
 
 
 def _cpu_flags() -> str:
@@ -79,7 +91,8 @@ _lib = torch.library.Library("kvops", "FRAGMENT")
 _lib.define(
     "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
     "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
-    "Tensor? sinks, Tensor? k_scale, Tensor? v_scale) -> (Tensor, Tensor)"
+    "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? alibi_slopes=None, SymInt window_right=-1, "
+    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0) -> (Tensor, Tensor)"
 )
 
 
@@ -89,32 +102,64 @@ def _has_cpu_kernel() -> bool:
 
 @torch.library.impl(_lib, "_paged_attention_native", "CompositeExplicitAutograd")
 def _without_build(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
-                   window_left, softcap, sinks, k_scale, v_scale):
+                   window_left, softcap, sinks, k_scale, v_scale, alibi_slopes=None, window_right=-1,
+                   cache_leftpad=None, sink_tokens=0, rope_theta=None, rope_scale=1.0):
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
-            softcap, sinks, k_scale, v_scale)
+            softcap, sinks, k_scale, v_scale, alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta,
+            rope_scale)
     if q.is_cpu and available() and _has_cpu_kernel():  # built just now (first kvops call of this process)
         return torch.ops.kvops._paged_attention_native.default(*args)
+    from .._checks.paged_attention import check_paged_attention
     from ..reference.paged_attention import paged_attention as composite
+
+    # a direct call (torch.ops.kvops._paged_attention_native) gets the op's contract, as the built kernel checks it
+    check_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
+                          window_left, softcap, sinks, k_scale, v_scale)
 
     return composite(*args)
 
 
 @torch.library.register_fake(OP_NAME)
 def _fake(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
-          softcap, sinks, k_scale, v_scale):
+          softcap, sinks, k_scale, v_scale, alibi_slopes=None, window_right=-1, cache_leftpad=None, sink_tokens=0,
+          rope_theta=None, rope_scale=1.0):
     return (q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3]),
             q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
 
 
+def build_directory(name: str | None = None) -> pathlib.Path:
+    """Where ``torch.utils.cpp_extension`` keeps this build (under ``$TORCH_EXTENSIONS_DIR``)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return pathlib.Path(_get_build_directory(name or build_name(), verbose=False))
+
+
 def _build(load=None) -> bool:
-    """Build (or load the cached build of) the extension and register its fake rule; False + one warning on failure."""
+    """Build (or load the cached build of) the extension and register its fake rule; False + one warning on failure.
+
+    A build that is not cached yet is announced once on the ``kvops.native`` logger (what it is, how long it takes,
+    where it goes) and its duration reported when it ends: the first CPU paged attention otherwise blocks silently.
+    """
     if os.environ.get("KVOPS_NATIVE", "1") == "0":
         return False
     try:
         if load is None:
             from torch.utils.cpp_extension import load
-        load(name=build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        name = build_name()
+        build_dir = build_directory(name)
+        fresh = not (build_dir / f"{name}.so").exists()
+        if fresh:
+            log.warning(
+                "kvops: compiling the native CPU kernels (kvops/native/*.cpp) on first use, once per machine and "
+                "torch version: %s. The build is cached in %s (set TORCH_EXTENSIONS_DIR to move it); "
+                "`python -m kvops.native` builds it ahead of time, KVOPS_NATIVE=0 skips it (slower composite kernels).",
+                BUILD_SECONDS, build_dir,
+            )
+        t0 = time.perf_counter()
+        load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
+        if fresh:
+            log.warning("kvops: native CPU kernels built in %.0f s", time.perf_counter() - t0)
         if not _has_cpu_kernel():
             raise RuntimeError(f"the built library does not register the CPU kernel of {OP_NAME}")
     except Exception as e:  # any build/load failure: fall back, never crash

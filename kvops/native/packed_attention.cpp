@@ -313,10 +313,97 @@ void run(const Problem& pb, const std::vector<Item>& items) {
   });
 }
 
+// Metadata of every tensor the kernel addresses (kvops/packed/_checks.py checks it all first, with better messages):
+// a direct call of this private op (torch.ops.kvops._packed_attention_native) gets these checks instead of a read out
+// of bounds. Shapes follow kvops.packed.packed_layout; returns the total rows.
+int64_t check_args(const at::Tensor& q, const std::vector<at::Tensor>& k_dense, const std::vector<at::Tensor>& v_dense,
+                   const std::vector<at::Tensor>& k_packed, const std::vector<at::Tensor>& v_packed,
+                   const std::string& quant, const std::optional<at::Tensor>& row_counts) {
+  const char* op = "kvops::_packed_attention_native";
+  TORCH_CHECK(q.dim() == 4 && q.device().is_cpu(), op, ": q must be a 4-D CPU tensor [B, T, H_q, D], got ",
+              q.sizes());
+  const auto qt = q.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf, op, ": unsupported q dtype ", qt);
+  const int64_t fields = quant == "int2" ? 5 : quant == "int4" ? 3 : 2;
+  TORCH_CHECK(k_dense.size() == v_dense.size() && k_packed.size() == v_packed.size() &&
+                  k_packed.size() % fields == 0 && (k_dense.size() + k_packed.size()) > 0,
+              op, ": need as many K as V segments (dense and packed, ", fields, " tensors per ", quant,
+              " segment) and at least one");
+  TORCH_CHECK(k_packed.empty() || quant == "int8" || quant == "fp8" || quant == "int4" || quant == "int2", op,
+              ": unknown quant ", quant);
+  const at::Tensor& k0 = !k_dense.empty() ? k_dense[0] : k_packed[0];
+  TORCH_CHECK(k0.dim() >= 3, op, ": segment tensors are [B, n, H_kv, ...], got ", k0.sizes());
+  const int64_t batch = q.size(0), hkv = k0.size(2), d = q.size(3);
+  TORCH_CHECK(hkv >= 1 && d >= 1 && q.size(2) % hkv == 0, op, ": num_heads (", q.size(2),
+              ") must be a multiple of num_kv_heads (", hkv, ") >= 1, and head_dim (", d, ") >= 1");
+  int64_t d_v = -1, rows = 0;
+  auto need = [&](const at::Tensor& t, at::ScalarType dtype, std::vector<int64_t> shape) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.sizes() == at::IntArrayRef(shape), op,
+                ": a segment tensor of shape ", t.sizes(), " and dtype ", t.scalar_type(), " should be ",
+                at::IntArrayRef(shape), " ", dtype, " on the CPU");
+  };
+  for (int side = 0; side < 2; ++side) {
+    const auto& dense = side ? v_dense : k_dense;
+    const auto& packed = side ? v_packed : k_packed;
+    for (size_t i = 0; i < dense.size(); ++i) {
+      const at::Tensor& x = dense[i];
+      TORCH_CHECK(x.dim() == 4, op, ": dense segments are [B, n, H_kv, D], got ", x.sizes());
+      const auto xt = x.scalar_type();
+      TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, op, ": dense segment dtype ", xt);
+      const int64_t dim = side ? (d_v < 0 ? x.size(3) : d_v) : d;
+      need(x, xt, {batch, side ? k_dense[i].size(1) : x.size(1), hkv, dim});
+      if (side) d_v = dim; else rows += x.size(1);
+    }
+    for (size_t i = 0; i < packed.size(); i += fields) {
+      const at::Tensor& codes = packed[i];
+      TORCH_CHECK(codes.dim() == (quant == "int2" ? 5 : 4), op, ": packed codes of shape ", codes.sizes());
+      const int64_t n = side ? k_packed[i].size(1) : codes.size(1);
+      if (!side) rows += n;
+      if (quant == "int8" || quant == "fp8") {
+        const int64_t dim = side ? (d_v < 0 ? codes.size(3) : d_v) : d;
+        if (side) d_v = dim;
+        need(codes, quant == "int8" ? at::kChar : at::kFloat8_e4m3fn, {batch, n, hkv, dim});
+        if (quant == "int8") need(packed[i + 1], at::kHalf, {batch, n, hkv});
+        else need(packed[i + 1], at::kFloat, {batch, hkv});
+      } else {
+        const int64_t per = quant == "int4" ? 2 : 4, last = codes.size(codes.dim() - 1) * per;
+        const int64_t dim = side ? (d_v < 0 ? last : d_v) : d;
+        if (side) d_v = dim;
+        const at::Tensor& sc = packed[i + 1];
+        const int64_t groups = sc.dim() >= 1 ? sc.size(sc.dim() - 1) : 0;
+        TORCH_CHECK(groups >= 1 && dim % groups == 0 && (dim / groups) % per == 0, op, ": scales ", sc.sizes(),
+                    " do not split head_dim ", dim, " into groups");
+        if (quant == "int4") {
+          need(codes, at::kByte, {batch, n, hkv, dim / 2});
+          need(sc, at::kHalf, {batch, n, hkv, groups});
+          need(packed[i + 2], at::kChar, {batch, n, hkv, groups});
+        } else {
+          const int64_t stages = codes.size(3);
+          need(codes, at::kByte, {batch, n, hkv, stages, dim / 4});
+          need(sc, at::kHalf, {batch, n, hkv, stages, groups});
+          need(packed[i + 2], at::kChar, {batch, n, hkv, stages, groups});
+          const at::Tensor& cent = packed[i + 3];
+          TORCH_CHECK(cent.dim() == 4 && cent.size(2) >= 1, op, ": centroids [B, H_kv, C, D] with C >= 1, got ",
+                      cent.sizes());
+          need(cent, at::kHalf, {batch, hkv, cent.size(2), dim});
+          need(packed[i + 4], at::kByte, {batch, n, hkv});
+        }
+      }
+    }
+  }
+  TORCH_CHECK(d_v >= 1, op, ": the value head_dim must be >= 1");
+  if (row_counts.has_value())
+    TORCH_CHECK(row_counts->scalar_type() == at::kInt && row_counts->dim() == 1 && row_counts->is_contiguous() &&
+                    row_counts->device().is_cpu() && row_counts->size(0) == rows,
+                op, ": row_counts must be a contiguous int32 CPU tensor [", rows, "], got ", row_counts->sizes());
+  return rows;
+}
+
 std::tuple<at::Tensor, at::Tensor> packed_attention_native(
     const at::Tensor& q, const std::vector<at::Tensor>& k_dense, const std::vector<at::Tensor>& v_dense,
     const std::vector<at::Tensor>& k_packed, const std::vector<at::Tensor>& v_packed, const std::string& quant,
     double scale, const std::optional<at::Tensor>& row_counts) {
+  check_args(q, k_dense, v_dense, k_packed, v_packed, quant, row_counts);
   Problem pb{};
   pb.batch = static_cast<int>(q.size(0));
   pb.tokens = static_cast<int>(q.size(1));

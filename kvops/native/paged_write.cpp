@@ -114,6 +114,45 @@ int64_t write_all(const I* slots, int64_t stride, int64_t n, int64_t capacity, i
 int64_t paged_write_native(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, int64_t h0, const std::optional<at::Tensor>& k_scale,
                            const std::optional<at::Tensor>& v_scale) {
+  // metadata: kvops.paged_cache_write's validator checks all of it first; a direct call of this private op
+  // (torch.ops.kvops._paged_write_native) gets these checks instead of a write out of bounds
+  const char* op = "kvops::_paged_write_native";
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, op,
+              ": expected key/value [N', H_in, D] and NHD caches [P, block_size, H_kv, D], got shapes ", key.sizes(),
+              ", ", value.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(slot_mapping.dim() == 1 &&
+                  (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong), op,
+              ": slot_mapping must be a 1-D int32/int64 tensor, got shape ", slot_mapping.sizes(), " and dtype ",
+              slot_mapping.scalar_type());
+  const at::Tensor* all[] = {&key, &value, &k_cache, &v_cache, &slot_mapping};
+  for (const at::Tensor* t : all)
+    TORCH_CHECK(t->device().is_cpu(), op, ": every tensor must be on the CPU, got one on ", t->device());
+  const auto ct = k_cache.scalar_type();
+  const bool fp8_cache = ct == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v_cache.scalar_type() == ct, op, ": k_cache and v_cache dtypes differ: ", ct, " and ",
+              v_cache.scalar_type());
+  for (const at::Tensor* t : {&key, &value}) {
+    const auto st = t->scalar_type();
+    TORCH_CHECK(fp8_cache ? (st == at::kFloat || st == at::kBFloat16 || st == at::kHalf) : st == ct, op,
+                ": key/value dtype ", st, " cannot be written into a ", ct, " cache");
+  }
+  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(2) && k_cache.size(1) >= 1,
+              op, ": k_cache ", k_cache.sizes(), " and v_cache ", v_cache.sizes(),
+              " must agree in [P, block_size, H_kv] with block_size >= 1");
+  TORCH_CHECK(key.size(0) >= slot_mapping.size(0) && value.size(0) >= slot_mapping.size(0) &&
+                  key.size(1) == value.size(1), op, ": key ", key.sizes(), " and value ", value.sizes(),
+              " need the same heads and at least one row per slot (", slot_mapping.size(0), " slots)");
+  TORCH_CHECK(key.size(2) == k_cache.size(3) && value.size(2) == v_cache.size(3), op, ": head_dim mismatch: key ",
+              key.sizes(), " / k_cache ", k_cache.sizes(), ", value ", value.sizes(), " / v_cache ", v_cache.sizes());
+  TORCH_CHECK(h0 >= 0 && h0 <= k_cache.size(2) - key.size(1), op, ": head slice [", h0, ", ", h0 + key.size(1),
+              ") is outside the cache's heads [0, ", k_cache.size(2), ")");
+  for (const auto* sc : {&k_scale, &v_scale})
+    if (sc->has_value())
+      TORCH_CHECK(fp8_cache && (*sc)->scalar_type() == at::kFloat && (*sc)->dim() == 1 && (*sc)->device().is_cpu() &&
+                      ((*sc)->size(0) == 1 || (*sc)->size(0) == k_cache.size(2)),
+                  op, ": k_scale/v_scale are float32 [1] or [", k_cache.size(2), "] CPU tensors for float8_e4m3fn "
+                  "caches only");
   const int64_t n = slot_mapping.size(0);
   if (n == 0) return -1;
   at::Tensor k_src = key, v_src = value;

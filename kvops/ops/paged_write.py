@@ -60,7 +60,9 @@ def paged_cache_write(
             ``[P, H_kv, block_size, D]``). Slot semantics are the same in both.
 
     Raises:
-        ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; missing ``value``; ranks; ``slot_mapping`` not 1-D int32/int64;
+        ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; missing ``value``; ranks;
+            ``block_size``, ``H_kv`` or a ``head_dim`` of 0; caches that overlap in memory (``"k_cache and v_cache
+            overlap in memory"``, or one overlapping itself; joint K/V layouts are disjoint and fine); ``slot_mapping`` not 1-D int32/int64;
             ``key`` with fewer rows than ``slot_mapping`` (``N' < N``); dtype/device/head/head_dim mismatches;
             ``"... requires cache_head_start when cache heads (H_kv) differ from input heads (H_in)."`` (followed by
             "it may be an HND cache ...; if so, pass kv_layout=\"HND\"" when the other dim fits ``H_in``); a head slice
@@ -129,11 +131,11 @@ def _fast_eager(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) ->
 
 def _validated(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout) -> int:
     """``check_paged_cache_write``'s result (the first cache head written), memoized on everything it reads: shapes,
-    dtypes, the caches' strides (stride-0 check), the scales' shapes and dtypes, ``cache_head_start``, ``kv_layout``
+    dtypes, the caches' strides (stride-0 check) and, when they share a storage, offsets (overlap check), the scales' shapes and dtypes, ``cache_head_start``, ``kv_layout``
     (devices: all CPU on the fast path). Errors are raised again on every call, never memoized."""
     memo_key = (key.shape, key.dtype, value.shape, value.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
                 v_cache.shape, v_cache.stride(), v_cache.dtype, slot_mapping.shape, slot_mapping.dtype,
-                cache_head_start, kv_layout,
+                cache_head_start, kv_layout, _shared(k_cache, v_cache),
                 None if k_scale is None else (k_scale.shape, k_scale.dtype, k_scale.is_cpu),
                 None if v_scale is None else (v_scale.shape, v_scale.dtype, v_scale.is_cpu))
     h0 = _memo.get(memo_key)
@@ -144,6 +146,13 @@ def _validated(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_s
             _memo.clear()
         _memo[memo_key] = h0
     return h0
+
+
+def _shared(k_cache, v_cache):
+    """The overlap check's input (kvops/_checks/overlap.py): None for caches on separate storages, else the offsets."""
+    if k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
+        return None
+    return k_cache.storage_offset(), v_cache.storage_offset()
 
 
 def _native_write(key, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale, kv_layout, fast_path) -> None:

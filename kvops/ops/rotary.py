@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
-from .._checks.rotary import check_rotary, check_rotary_paged_cache_write
+from .._checks import values
+from .._checks.rotary import OP, check_rotary, check_rotary_paged_cache_write
 from ..reference import rotary as cpu
 from ..reference.paged_write import unaliased
 from ..triton import HAS_TRITON
@@ -48,8 +49,11 @@ def rotary_paged_cache_write(
             ``[P, H_kv, block_size, D]`` pass its NHD view ``cache.transpose(1, 2)`` (no copy; ambiguous when
             ``H_kv == block_size``: read as NHD).
         slot_mapping: ``[N]`` int32/int64, ``block * block_size + row`` or negative (skip).
-        positions: ``[>= N]`` int32/int64 rotary positions (``0 <= positions[i] < seqlen_ro``; not checked on the
-            device: an out-of-range position raises ``IndexError`` on CPU and is undefined on CUDA).
+        positions: ``[>= N]`` int32/int64 rotary positions, ``0 <= positions[i] < seqlen_ro``: a value contract
+            (docs/semantics.md §7) checked per the value-check mode (``"eager"``: a ``RuntimeError`` naming
+            ``positions[i]``, its value and ``seqlen_ro`` before anything is written); unchecked (``"off"``,
+            compiled code in ``"eager"`` mode) the CPU kernel raises ``IndexError`` with the same facts, CUDA is
+            undefined.
         rotary_cos, rotary_sin: ``[seqlen_ro, rotary_dim / 2]``, key's dtype.
         rotary_interleaved: GPT-J pairs (FlashAttention's default in ``flash_attn_with_kvcache`` is ``True``; here
             the default is GPT-NeoX, the Llama/Qwen/Mistral convention).
@@ -64,6 +68,12 @@ def rotary_paged_cache_write(
     ``key``/``value`` may alias the caches: they are read before anything is written, as in compiled code (the
     kernels copy such a source first; docs/semantics.md §3).
     """
+    try:  # value contract (docs/semantics.md §7): positions within the tables
+        values.check_rotary_positions(positions, slot_mapping.shape[0], rotary_cos, OP)
+    except RuntimeError:  # a metadata error explains it better: it goes first
+        check_rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positions, rotary_cos, rotary_sin,
+                                       rotary_interleaved, cache_head_start, k_scale, v_scale)
+        raise
     torch.ops.kvops.rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positions, rotary_cos,
                                              rotary_sin, rotary_interleaved, cache_head_start, k_scale, v_scale)
 
@@ -86,6 +96,7 @@ def apply_rotary(x: torch.Tensor, rotary_cos: torch.Tensor, rotary_sin: torch.Te
             f"token), got {tuple(positions.shape)}."
         )
     check_rotary("kvops.apply_rotary", "x", x, rotary_cos, rotary_sin, positions.reshape(-1), positions.numel())
+    values.check_rotary_positions(positions.reshape(-1), positions.numel(), rotary_cos, "kvops.apply_rotary")
     return cpu.apply_rotary(x, rotary_cos, rotary_sin, positions.long(), rotary_interleaved)
 
 

@@ -57,8 +57,9 @@ def paged_kv_gather(
     Raises:
         ValueError: bad list lengths, ranks, mismatched caches, ``block_table`` dtype/rank, a staging buffer of the
             wrong shape/dtype or not contiguous, a head slice outside ``[0, H_kv)`` (the message says when a cache may
-            be HND), ``start < 0``, tokens beyond the ``block_table``'s capacity. Raised by the fake rule too (trace
-            time under compile/export).
+            be HND), ``start < 0``, tokens beyond the ``block_table``'s capacity, a ``staging`` sharing memory with a
+            cache (named in the message; nothing is written). Raised by the fake rule too (trace time under
+            compile/export).
         IndexError: (CPU kernel, eager) a used block id outside ``[0, P)``.
     """
     torch.ops.kvops.paged_kv_gather(list(k_caches) + list(v_caches), block_table, staging, start, head_start)

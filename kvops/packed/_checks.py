@@ -151,6 +151,8 @@ def check_quantize_kv(x, codes, scales, zeros, centroids, cluster_ids, quant: st
     if kmeans_iters < 0:
         raise ValueError(f"{op}: kmeans_iters must be >= 0, got {kmeans_iters}.")
     b, t, h, d = x.shape
+    if d == 0:
+        raise ValueError(f"{op}: x of shape {tuple(x.shape)} has head_dim D = 0; quantization needs D >= 1.")
     group, stages = _grouping(op, quant, d, scales)
     clusters = centroids.shape[2] if quant == "int2" and centroids is not None and centroids.dim() == 4 else 16
     check_format(op, quant, d, group, stages, clusters)
@@ -245,9 +247,15 @@ def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale
                                  f"shape {tuple(seg['codes'].shape)}.")
             shapes.append((f"packed {kind} segment {i}", *_check_packed(where, seg, quant), seg["codes"].device))
     hkv = shapes[0][3]
+    d_v = next(s[4] for s in shapes if s[0].split()[1] == "V")
+    for what, size in (("num_kv_heads", hkv), ("head_dim", d), ("value head_dim", d_v)):
+        if size == 0:
+            raise ValueError(
+                f"{op}: {what} is 0 (q of shape {tuple(q.shape)}, {shapes[0][0]} of {shapes[0][3]} KV heads); "
+                f"attention needs {what} >= 1. Pass segments with at least one KV head and q/K/V with head_dim >= 1."
+            )
     if hq % hkv != 0:
         raise ValueError(f"{op}: query heads ({hq}) must be a multiple of num_kv_heads ({hkv}) (GQA).")
-    d_v = next(s[4] for s in shapes if s[0].split()[1] == "V")
     for what, sb, _, sh, sd, dev in shapes:
         want_d = d if what.split()[1] == "K" else d_v
         if (sb, sh, sd) != (b, hkv, want_d):

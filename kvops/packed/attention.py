@@ -79,7 +79,9 @@ def packed_attention(
         ValueError: no segments, different K and V segments, mixed packed formats, ``H_q`` not a multiple of
             ``H_kv``, a segment whose batch / heads / head_dim / tokens / device / layout does not match (messages
             name the segment), ``row_counts`` not int32 ``[total rows]`` on ``q``'s device, or (eager) negative.
-            Raised at trace time too (the values check: eager only).
+            Raised at trace time too (the values check: eager only). ``H_kv`` or a ``head_dim`` of 0.
+        RuntimeError: an int2 cluster id outside ``[0, C)``; ``backward()`` through the output (no autograd
+            formula: inference only).
     """
     if isinstance(k_segments, PackedSegments):
         row_counts = k_segments.row_counts if row_counts is None else row_counts
@@ -122,6 +124,18 @@ def _cpu(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_co
             q, k_dense, v_dense, k_packed, v_packed, quant or "", sm_scale,
             None if row_counts is None else row_counts.contiguous())
     return reference.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale, row_counts)
+
+
+def _no_backward(ctx, grad_out, grad_lse):
+    raise RuntimeError(
+        "Trying to backward through kvops.packed_attention, which has no autograd formula: attention over a packed "
+        "(quantized) window is inference-only. Run it under torch.no_grad(), or attend dense K/V with "
+        "torch.nn.functional.scaled_dot_product_attention to train."
+    )
+
+
+# as kvops::paged_attention: the output requires grad when q does, and backward raises (never a silent q.grad=None)
+torch.library.register_autograd("kvops::packed_attention", _no_backward)
 
 
 @torch.library.impl("kvops::packed_attention", "CUDA")

@@ -21,11 +21,12 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks.common import require_ndim
-from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write
+from .._checks.common import as_int
+from .._checks.contiguous import check_cache_write
 from ..cache._clamp import relu, smin
 from ..cache.causal import CausalKVView
 from ..ops.contiguous import cache_write
+from ..cache._validate import check_position, check_window_mode, check_writer
 from ..cache._window import visible_rows
 from ._plan import alloc_pool, gather_window, pool_slot, row_positions, window_counts
 from .ops import PackedKV, dequantize_kv, quantize_kv
@@ -85,6 +86,8 @@ class PackedCausalKVCache:
         pinnable: allocate the pinned chunk's copy (one chunk) so that :meth:`pin_current_chunk` can be used.
         group_size, stages, num_clusters, kmeans_iters: format parameters (int4/int2; see ``quantize_kv``).
         dtype, device: of the dense rows and of the returned K/V.
+        window_mode: ``"sink"`` (default) or ``"tail"``, as :class:`kvops.CausalKVCache`'s (docs/porting.md "Window
+            with a sink").
         name: used in error messages (default ``"PackedCausalKVCache"``).
 
     Under ``torch.compile(fullgraph=True)`` use it as ``CausalKVCache`` (caches passed as an argument of the
@@ -118,8 +121,10 @@ class PackedCausalKVCache:
         quant: str | None, keep_recent_chunks: int = 1, sink_tokens: int = 0, global_sink_tokens: int = 0,
         attention_window_size: int | None = None, quantize_sink: bool = False, pinnable: bool = False,
         group_size: int | None = None, stages: int = 1, num_clusters: int = 16, kmeans_iters: int = 4,
-        dtype: torch.dtype | None = None, device=None, name: str = "PackedCausalKVCache",
+        dtype: torch.dtype | None = None, device=None, window_mode: str = "sink", name: str = "PackedCausalKVCache",
     ) -> None:
+        check_window_mode(name, window_mode)
+        self.window_mode = window_mode
         b, s, h, d, n = batch_size, cache_size, num_kv_heads, head_dim, chunk_tokens
         k, gs = sink_tokens, global_sink_tokens
         if n < 1 or k < 0 or gs < 0 or keep_recent_chunks < 0:
@@ -322,12 +327,23 @@ class PackedCausalKVCache:
     def _write(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
         """Validate, advance (quantize the chunk leaving the ring) and write; returns ``(h0, h1, cur, G, L, ls)``."""
         name = self.name
-        if recent_window_tokens is not None and recent_window_tokens < 0:
-            raise ValueError("recent_window_tokens must be non-negative or None")
-        require_ndim(name, "key", key, 4, TOKENS_LAYOUT)
-        require_ndim(name, "value", value, 4, TOKENS_LAYOUT)
+        check_position(name, "current_chunk_start", current_chunk_start)
+        if cache_head_start is not None:
+            check_position(name, "cache_head_start", cache_head_start)
+        if recent_window_tokens is not None:
+            check_position(name, "recent_window_tokens", recent_window_tokens)
+            if recent_window_tokens < 0:
+                raise ValueError(
+                    f"recent_window_tokens must be non-negative or None (got recent_window_tokens="
+                    f"{as_int(recent_window_tokens)}; 0 shows the sink and the current chunk only)"
+                )
+        check_writer(name, key, value, self.num_kv_heads, cache_head_start)
         if key.shape[2] != self.num_kv_heads and cache_head_start is None:
-            raise ValueError(f"{name}: cache_head_start required for head slice")
+            raise ValueError(
+                f"{name}: cache_head_start required for head slice (key has {as_int(key.shape[2])} heads, the cache "
+                f"{self.num_kv_heads}; pass cache_head_start with 0 <= cache_head_start <= "
+                f"{self.num_kv_heads - as_int(key.shape[2])}, or key/value with all {self.num_kv_heads} heads)"
+            )
         h0 = check_cache_write(
             key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k_ring, self.v_ring, 0, cache_head_start, op=name
         )
@@ -341,7 +357,11 @@ class PackedCausalKVCache:
             self._raise_non_sequential(s, g, cur_start)
         if n != size:  # an append is exactly one chunk, so a rewrite (s == current start) of another size differs
             if g - s > 0:
-                raise NotImplementedError(f"{name}: current-chunk rewrite size changed")
+                raise NotImplementedError(
+                    f"{name}: current-chunk rewrite size changed (the current chunk at current_start={as_int(s)} "
+                    f"holds {as_int(g - s)} tokens, the rewrite {as_int(n)}; rewrite it with the same "
+                    f"{as_int(g - s)} tokens)"
+                )
             raise ValueError(
                 f"{name}: an appended chunk must have chunk_tokens={size} tokens, got {n} (key shape "
                 f"{tuple(key.shape)}); the packed cache stores chunk-aligned segments."
@@ -366,11 +386,12 @@ class PackedCausalKVCache:
             settled = self.pinned_position - shift <= gs  # the pin sits right after the global sink
             pinned_row = gs if settled else self.pinned_position - shift  # max(gs, ...) on the guard already taken
             sink = gs + self.pinned_len if settled else gs
-            rows = visible_rows(local_end, self.attention_window_size, sink, pinned_row, self.pinned_len, ls, recent)
+            rows = visible_rows(local_end, self.attention_window_size, sink, pinned_row, self.pinned_len, ls, recent,
+                                self.window_mode)
             return rows, gs, shift, (gs, self.pinned_position, self.pinned_len) if settled else None
         sink = max(gs, self.sink_tokens)
         return visible_rows(local_end, self.attention_window_size, sink, chunk_start=ls,
-                            recent_window_tokens=recent), sink, shift, None
+                            recent_window_tokens=recent, window_mode=self.window_mode), sink, shift, None
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int, cache_head_start: int | None = None,

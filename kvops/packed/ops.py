@@ -113,8 +113,11 @@ def quantize_kv(
         :class:`PackedKV` (``out`` when given).
 
     Raises:
-        ValueError: unknown ``quant``, ``x`` not 4-D float, a group size not dividing ``D``, ``out`` tensors with
-            the wrong shape/dtype/device (messages name the expected layout). Raised at trace time too.
+        ValueError: unknown ``quant``, ``x`` not 4-D float, ``D == 0``, a group size not dividing ``D``, ``out``
+            tensors with the wrong shape/dtype/device (messages name the expected layout). Raised at trace time too.
+
+    Non-finite ``x`` (docs/semantics.md §2.0): scales come from the finite values only; ``±inf`` is stored as its
+    group's largest code of that sign, NaN as 0 (int2: both as 0), so no other value's code changes.
 
     Semantics: KIVI-style group quantization for int4; Quant VideoGen (arXiv 2602.02958) for int2. Rounding is
     round-half-to-even; scales are stored in fp16 (clamped to its normal range), int4/int2 zero points as int8 in
@@ -137,6 +140,7 @@ def dequantize_kv(packed: PackedKV, dtype: torch.dtype = torch.bfloat16) -> torc
 
     Raises:
         ValueError: inconsistent shapes/dtypes of the stored tensors, an unknown format, a non-float ``dtype``.
+        RuntimeError: an int2 cluster id outside ``[0, C)`` (``"cluster_ids[b, t, h] = id is not a centroid ..."``).
     """
     return torch.ops.kvops.dequantize_kv(*packed[1:], packed.quant, dtype)
 

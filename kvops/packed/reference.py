@@ -39,7 +39,7 @@ ZERO_MIN, ZERO_MAX = -128, 127  # zero points are stored as int8 ...
 ZERO_STEPS = 8  # ... in units of scale / 8 (fixed point with 3 fractional bits)
 
 
-def _affine(x: torch.Tensor, group: int, levels: int):
+def _affine(x: torch.Tensor, group: int, levels: int, x_codes: torch.Tensor | None = None):
     """Asymmetric min/max quantization of ``x [..., D]`` in groups of ``group`` along D with an 8-bit integer zero
     point (as GPTQ/AWQ store it, here in units of ``scale / 8``): ``x ≈ (code - zero / 8) · scale``. Returns (codes
     in ``[0, levels]``, scale rounded to its stored fp16 value, zero as an integer-valued fp32 in ``[-128, 127]``).
@@ -53,7 +53,8 @@ def _affine(x: torch.Tensor, group: int, levels: int):
     lo, hi = g.amin(-1), g.amax(-1)
     scale = _fp16_scale(torch.maximum((hi - lo) / levels, lo.abs() / (ZERO_MAX / ZERO_STEPS)))
     zero = torch.round(-lo / scale * ZERO_STEPS).clamp(ZERO_MIN, ZERO_MAX)
-    q = torch.round(g / scale[..., None] + zero[..., None] / ZERO_STEPS).clamp(0, levels)
+    gc = g if x_codes is None else x_codes.unflatten(-1, (-1, group))  # (saturated non-finite values)
+    q = torch.round(gc / scale[..., None] + zero[..., None] / ZERO_STEPS).clamp(0, levels)
     return q.flatten(-2), scale, zero
 
 
@@ -84,23 +85,34 @@ def kmeans(x: torch.Tensor, num_clusters: int, iters: int) -> tuple[torch.Tensor
     return cent, assign(cent)
 
 
+def _saturating(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-finite inputs (docs/semantics.md §2.0): ``(x for the scales, x for the codes)``. Scales are computed from
+    the finite values only (a non-finite value counts as 0), so an Inf or NaN never changes another value's code;
+    ``±inf`` saturates to the largest code of its sign, NaN is stored as 0 (int2: both as 0)."""
+    finite = xf.isfinite()  # (no branch on it: no host sync where this runs on CUDA, the int2 k-means)
+    big = torch.finfo(torch.float32).max
+    return torch.where(finite, xf, 0.0), torch.nan_to_num(xf, nan=0.0, posinf=big, neginf=-big)
+
+
 def quantize(x, codes, scales, zeros, centroids, cluster_ids, quant: str, kmeans_iters: int) -> None:
     """Quantize ``x [B, T, H, D]`` into the given output tensors (layouts: ``packed_layout``)."""
-    xf = x.float()
+    xf, xc = _saturating(x.float())
     if quant == "int8":
         scale = _fp16_scale(xf.abs().amax(-1) / 127.0)
-        codes.copy_(torch.round(xf / scale[..., None]).clamp(-127, 127).to(torch.int8))
+        codes.copy_(torch.round(xc / scale[..., None]).clamp(-127, 127).to(torch.int8))
         scales.copy_(scale)
     elif quant == "fp8":
-        scale = (xf.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [B, H]
-        codes.copy_((xf / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+        b, t, h, _ = xf.shape
+        amax = xf.abs().amax(dim=(1, 3)) if t > 0 else xf.new_zeros(b, h)  # [B, H]; no tokens: any scale
+        scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        codes.copy_((xc / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
         scales.copy_(scale)
     elif quant == "int4":
-        q, scale, zero = _affine(xf, xf.shape[-1] // scales.shape[-1], 15)
+        q, scale, zero = _affine(xf, xf.shape[-1] // scales.shape[-1], 15, xc)
         codes.copy_(_pack(q, 4))
         scales.copy_(scale)
         zeros.copy_(zero)
-    else:  # int2: k-means per (batch, head), then progressive 2-bit residual stages
+    else:  # int2: k-means per (batch, head), then progressive 2-bit residual stages (non-finite values as 0)
         b, t, h, d = xf.shape
         rows = xf.permute(0, 2, 1, 3).reshape(b * h, t, d)
         cent, ids = kmeans(rows, centroids.shape[2], kmeans_iters)
@@ -117,6 +129,21 @@ def quantize(x, codes, scales, zeros, centroids, cluster_ids, quant: str, kmeans
             residual = residual - _ungroup(q, scale, zero)
 
 
+def check_cluster_ids(cluster_ids: torch.Tensor, clusters: int, op: str) -> None:
+    """int2 cluster ids index the centroids: ``RuntimeError`` naming the first id ``>= clusters`` (the native
+    kernel's check and wording; a PackedKV is a public tuple). CPU tensors only (no device sync)."""
+    if clusters >= 256 or type(cluster_ids) is not torch.Tensor or not cluster_ids.is_cpu or cluster_ids.numel() == 0:
+        return  # (traced, e.g. Inductor's decomposition of dequantize_kv: compiled code has Inductor's index assert)
+    bad = cluster_ids.to(torch.int64) >= clusters
+    if bool(bad.any()):
+        b, t, h = (int(i) for i in bad.nonzero()[0])
+        raise RuntimeError(
+            f"{op}: cluster_ids[{b}, {t}, {h}] = {int(cluster_ids[b, t, h])} is not a centroid of its segment: cluster "
+            f"ids must be in [0, {clusters}) (centroids [B, H, {clusters}, D]). Pass the cluster_ids that "
+            f"kvops.packed.quantize_kv wrote with those centroids."
+        )
+
+
 def _gather_centroids(cent: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``cent [B, H, C, D]``, ``ids [B, T, H]`` -> ``[B, T, H, D]``: each token's centroid."""
     b, h, c, d = cent.shape
@@ -126,8 +153,11 @@ def _gather_centroids(cent: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out.view(b, h, -1, d).transpose(1, 2)
 
 
-def dequantize(codes, scales, zeros, centroids, cluster_ids, quant: str, dtype: torch.dtype) -> torch.Tensor:
-    """Dense ``[B, T, H, D]`` in ``dtype`` from a packed tensor (math in fp32)."""
+def dequantize(codes, scales, zeros, centroids, cluster_ids, quant: str, dtype: torch.dtype,
+               op: str = "kvops.dequantize_kv") -> torch.Tensor:
+    """Dense ``[B, T, H, D]`` in ``dtype`` from a packed tensor (math in fp32); int2 cluster ids are checked."""
+    if quant == "int2":
+        check_cluster_ids(cluster_ids, centroids.shape[2], op)
     if quant == "int8":
         x = codes.float() * scales.float()[..., None]
     elif quant == "fp8":
@@ -180,8 +210,9 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
         n = ks.shape[1] if isinstance(ks, torch.Tensor) else ks["codes"].shape[1]
         counts = None if row_counts is None else row_counts[row : row + n]
         row += n
-        k = ks if isinstance(ks, torch.Tensor) else dequantize(*ks.values(), quant, q.dtype)
-        v = vs if isinstance(vs, torch.Tensor) else dequantize(*vs.values(), quant, q.dtype)
+        op = "kvops.packed_attention"
+        k = ks if isinstance(ks, torch.Tensor) else dequantize(*ks.values(), quant, q.dtype, op)
+        v = vs if isinstance(vs, torch.Tensor) else dequantize(*vs.values(), quant, q.dtype, op)
         d_v = v.shape[3]
         if counts is not None:
             keep = torch.arange(n, device=k.device).repeat_interleave(counts.long())

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton.launch import Launch, capability_of, run
 from . import reference
 
 SCALE_MIN, SCALE_MAX = reference.SCALE_MIN, reference.SCALE_MAX
@@ -136,42 +137,58 @@ def _int2_dequant_kernel(c_ptr, s_ptr, z_ptr, m_ptr, id_ptr, o_ptr, T, H, G, STA
 
 
 def quantize(x, codes, scales, zeros, centroids, cluster_ids, quant: str, kmeans_iters: int) -> None:
+    launches = plan_quantize(x, codes, scales, zeros, quant, capability_of(x))
+    if not launches:  # fp8 and int2 (and empty rows): torch ops
+        reference.quantize(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters)
+        return
+    run(launches)
+
+
+def plan_quantize(x, codes, scales, zeros, quant: str, capability: tuple[int, int]) -> list[Launch]:
+    """The launch of :func:`quantize` (none where torch ops do the work: fp8, int2, no rows)."""
     b, t, h, d = x.shape
     rows = b * t * h
     if rows == 0 or quant not in ("int8", "int4"):
-        reference.quantize(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters)
-        return
+        return []
     if quant == "int8":
-        _int8_quant_kernel[(rows,)](x, codes, scales, t, h, d, *x.stride(), *codes.stride(), *scales.stride(),
-                                    SMIN=SCALE_MIN, SMAX=SCALE_MAX, BLOCK_D=triton.next_power_of_2(d))
-        return
+        return [Launch(_int8_quant_kernel, (rows,), (x, codes, scales, t, h, d, *x.stride(), *codes.stride(),
+                                                      *scales.stride()),
+                       dict(SMIN=SCALE_MIN, SMAX=SCALE_MAX, BLOCK_D=triton.next_power_of_2(d)))]
     groups = scales.shape[-1]
-    _int4_quant_kernel[(rows,)](
-        x, codes, scales, zeros, t, h, groups, *x.stride(), *codes.stride(), *scales.stride()[:3], scales.stride(3),
-        SMIN=SCALE_MIN, SMAX=SCALE_MAX, BLOCK_G=triton.next_power_of_2(groups), HALF=d // groups // 2,
-    )
+    return [Launch(_int4_quant_kernel, (rows,), (
+        x, codes, scales, zeros, t, h, groups, *x.stride(), *codes.stride(),
+        *scales.stride()[:3], scales.stride(3)),
+        dict(SMIN=SCALE_MIN, SMAX=SCALE_MAX, BLOCK_G=triton.next_power_of_2(groups), HALF=d // groups // 2))]
 
 
 def dequantize(codes, scales, zeros, centroids, cluster_ids, quant: str, dtype: torch.dtype) -> torch.Tensor:
     b, t, h = codes.shape[:3]
     d = codes.shape[-1] * {"int8": 1, "fp8": 1, "int4": 2, "int2": 4}[quant]
-    group = d // scales.shape[-1] if quant in ("int4", "int2") else d
-    if b * t * h == 0 or quant == "fp8" or group & (group - 1):  # fp8, and non-power-of-2 groups: torch ops
-        return reference.dequantize(codes, scales, zeros, centroids, cluster_ids, quant, dtype)
     out = torch.empty(b, t, h, d, dtype=dtype, device=codes.device)
+    launches = plan_dequantize(codes, scales, zeros, centroids, cluster_ids, quant, out, capability_of(codes))
+    if not launches:  # fp8, and non-power-of-2 groups: torch ops
+        return reference.dequantize(codes, scales, zeros, centroids, cluster_ids, quant, dtype)
+    run(launches)
+    return out
+
+
+def plan_dequantize(codes, scales, zeros, centroids, cluster_ids, quant: str, out, capability: tuple[int, int]):
+    """The launch of :func:`dequantize` into ``out [B, T, H, D]`` (none where torch ops do the work)."""
+    b, t, h = codes.shape[:3]
+    d = out.shape[-1]
+    group = d // scales.shape[-1] if quant in ("int4", "int2") else d
+    if b * t * h == 0 or quant == "fp8" or group & (group - 1):
+        return []
     rows = b * t * h
     if quant == "int8":
-        _int8_dequant_kernel[(rows,)](codes, scales, out, t, h, d, *codes.stride(), *scales.stride(),
-                                      BLOCK_D=triton.next_power_of_2(d))
-    elif quant == "int4":
-        g = scales.shape[-1]
-        _int4_dequant_kernel[(rows,)](codes, scales, zeros, out, t, h, g, *codes.stride(), *scales.stride(),
-                                      BLOCK_G=triton.next_power_of_2(g), PER_GROUP=group)
-    else:
-        g = scales.shape[-1]
-        _int2_dequant_kernel[(rows,)](
-            codes, scales, zeros, centroids, cluster_ids, out, t, h, g, codes.shape[3],
-            *codes.stride(), *scales.stride(), *centroids.stride(), *cluster_ids.stride(),
-            BLOCK_G=triton.next_power_of_2(g), PER_GROUP=group,
-        )
-    return out
+        return [Launch(_int8_dequant_kernel, (rows,), (codes, scales, out, t, h, d, *codes.stride(), *scales.stride()),
+                       dict(BLOCK_D=triton.next_power_of_2(d)))]
+    g = scales.shape[-1]
+    if quant == "int4":
+        return [Launch(_int4_dequant_kernel, (rows,), (codes, scales, zeros, out, t, h, g, *codes.stride(),
+                                                        *scales.stride()),
+                       dict(BLOCK_G=triton.next_power_of_2(g), PER_GROUP=group))]
+    return [Launch(_int2_dequant_kernel, (rows,), (
+        codes, scales, zeros, centroids, cluster_ids, out, t, h, g, codes.shape[3],
+        *codes.stride(), *scales.stride(), *centroids.stride(), *cluster_ids.stride()),
+        dict(BLOCK_G=triton.next_power_of_2(g), PER_GROUP=group))]

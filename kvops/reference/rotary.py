@@ -29,9 +29,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
+def check_positions(positions: torch.Tensor, seqlen_ro: int) -> None:
+    """The kernel's own bounds check (any value-check mode; a CPU kernel reads host memory, so no device sync):
+    ``IndexError`` naming the first position outside ``[0, seqlen_ro)`` (negative ones would index from the end)."""
+    bad = (positions < 0) | (positions >= seqlen_ro)
+    if positions.numel() and bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(
+            f"kvops.rotary_paged_cache_write: positions[{i}] = {int(positions[i])} is outside [0, {seqlen_ro}), the "
+            f"rows of rotary_cos/rotary_sin; nothing was written. Pass positions in [0, seqlen_ro)."
+        )
+
+
 def rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positions, cos, sin, interleaved: bool,
                              h0: int, k_scale, v_scale) -> None:
     """Rotate ``key[:N]`` at ``positions[:N]``, then the paged write (``N = len(slot_mapping)``; validated args)."""
     n = slot_mapping.shape[0]
+    check_positions(positions[:n], cos.shape[0])
     rotated = apply_rotary(key[:n], cos, sin, positions[:n].to(torch.int64), interleaved)
     paged_write.paged_cache_write(rotated, value, k_cache, v_cache, slot_mapping, h0, k_scale, v_scale)

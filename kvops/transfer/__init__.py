@@ -2,8 +2,10 @@
 
 - :mod:`kvops.transfer.plan`: the planner (pure Python): head placement, writers per decode rank
   (:func:`compute_head_slice_params`), bytes per writer, staging grid, metadata checks.
-- :mod:`kvops.transfer.transport`: the transfer over ``torch.distributed`` (gloo on CPU, NCCL on GPU) with the
-  staging ops ``kvops.paged_kv_gather`` / ``kvops.paged_kv_scatter``.
+- :mod:`kvops.transfer.transport` (protocol, shared parts), :mod:`~kvops.transfer.sender` (``KVSender``),
+  :mod:`~kvops.transfer.receiver` (``KVReceiver``), :mod:`~kvops.transfer.wire` (what travels): the transfer over
+  ``torch.distributed`` (gloo on CPU, NCCL on GPU) with the staging ops ``kvops.paged_kv_gather`` /
+  ``kvops.paged_kv_scatter``; docs/transfer.md.
 """
 
 from .plan import (
@@ -19,7 +21,9 @@ from .plan import (
     staging_grid_tokens,
     writer_bytes,
 )
-from .transport import KVReceiver, KVSender, KVTransferError, TransferGroups, TransferStats
+from .receiver import KVReceiver
+from .sender import KVSender
+from .transport import KVTransferError, TransferGroups, TransferStats
 
 __all__ = [
     "KVReceiver",

@@ -82,16 +82,25 @@ def compute_head_slice_params(
     ``(src_rank, dst_rank)`` pair and leaves writer selection to its callers; this returns the whole list for a
     decode rank, so a head replicated on several prefill ranks is assigned to exactly one of them here.
 
+    ``decode_tp_rank`` may be a global rank: as sglang (``dst_tp_rank % dst_attn_tp_size``), it is taken modulo
+    ``decode_tp_size``, i.e. mapped to its rank in the TP group (rank 5 of a world with decode TP 4 is TP rank 1).
+    It must be a non-negative int.
+
     Worked cases (``P_tp, D_tp, H``): ``(4, 2, 8)``: each decode rank has 2 writers with ``cache_head_start``
     ``[0, 2]``; ``(2, 4, 8)``: decode ranks take ``src_head_start`` 0, 2, 0, 2; ``(1, 4, 2)``: 0, 0, 1, 1;
     ``(8, 2, 2)``: one writer per decode rank (prefill ranks 0 and 4), no duplicate bytes.
 
     Raises:
-        ValueError: non-positive sizes, ``H`` not splittable over a TP size, ``decode_tp_rank`` out of range.
+        ValueError: non-positive sizes, ``H`` not splittable over a TP size, a negative ``decode_tp_rank``.
     """
     _check_split(total_kv_heads, prefill_tp_size, "prefill")
     _check_split(total_kv_heads, decode_tp_size, "decode")
-    _check_rank(decode_tp_rank, decode_tp_size, "decode")
+    if not isinstance(decode_tp_rank, int) or decode_tp_rank < 0:
+        raise ValueError(
+            f"decode tp_rank={decode_tp_rank!r} must be a non-negative int (a TP rank, or a global rank, which is "
+            f"taken modulo decode tp_size={decode_tp_size})."
+        )
+    decode_tp_rank %= decode_tp_size
     ds, de = rank_head_range(total_kv_heads, decode_tp_size, decode_tp_rank)
     src_n = max(1, total_kv_heads // prefill_tp_size)
     src_rep = max(1, prefill_tp_size // total_kv_heads)
@@ -126,9 +135,15 @@ def writer_bytes(num_tokens: int, num_heads: int, bytes_per_head_token: int, num
     return num_tokens * num_heads * bytes_per_head_token * num_layers * 2
 
 
-def staging_grid_tokens(chunked_prefill_size: int = 8192, page_size: int = 1) -> int:
+DEFAULT_CHUNKED_PREFILL_SIZE = 8192  # sglang's default chunked-prefill size (and its staging grid's fallback)
+
+
+def staging_grid_tokens(chunked_prefill_size: int | None = DEFAULT_CHUNKED_PREFILL_SIZE, page_size: int = 1) -> int:
     """Tokens per staging-grid cell: ``max(1, chunked_prefill_size // page_size) * page_size`` (a whole number of
-    pages, about one prefill chunk). Raises ``ValueError`` for non-positive arguments."""
+    pages, about one prefill chunk). ``chunked_prefill_size=None`` means sglang's default chunked-prefill size,
+    8192 tokens (as sglang's ``staging_grid_tokens``). Raises ``ValueError`` for non-positive arguments."""
+    if chunked_prefill_size is None:
+        chunked_prefill_size = DEFAULT_CHUNKED_PREFILL_SIZE
     if chunked_prefill_size <= 0 or page_size <= 0:
         raise ValueError(
             f"staging_grid_tokens needs positive chunked_prefill_size and page_size, got {chunked_prefill_size} and "
@@ -140,14 +155,17 @@ def staging_grid_tokens(chunked_prefill_size: int = 8192, page_size: int = 1) ->
 def compute_grid_segments(start: int, end: int, base: int, grid_tokens: int) -> list[tuple[int, int]]:
     """Split the token range ``[start, end)`` at the grid boundaries ``base + k * grid_tokens``.
 
-    Returns ``[(s0, e0), (s1, e1), ...]`` covering ``[start, end)`` in order; an empty range yields ``[]``. Example:
-    ``compute_grid_segments(0, 14336, 0, 8192) == [(0, 8192), (8192, 14336)]``.
+    Returns ``[(s0, e0), (s1, e1), ...]`` covering ``[start, end)`` in order. An empty range yields one empty
+    segment ``[(start, start)]`` (as sglang: a fully cached prompt still sends its metadata-only last chunk).
+    Example: ``compute_grid_segments(0, 14336, 0, 8192) == [(0, 8192), (8192, 14336)]``.
     Raises ``ValueError`` when ``grid_tokens <= 0`` or ``end < start``.
     """
     if grid_tokens <= 0:
         raise ValueError(f"compute_grid_segments needs grid_tokens > 0, got {grid_tokens}.")
     if end < start:
         raise ValueError(f"compute_grid_segments needs start <= end, got start={start}, end={end}.")
+    if start == end:
+        return [(start, start)]
     segments = []
     s = start
     while s < end:

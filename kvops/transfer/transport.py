@@ -1,24 +1,45 @@
 """Prefill→decode KV transfer over ``torch.distributed`` point-to-point (gloo on CPU, NCCL on GPU).
 
+The protocol and the parts both endpoints share; the endpoints are :class:`~kvops.transfer.sender.KVSender`
+(``sender.py``) and :class:`~kvops.transfer.receiver.KVReceiver` (``receiver.py``).
+
 One world holds a prefill TP group and a decode TP group (their global ranks are given by :class:`TransferGroups`).
 Each prefill rank runs a :class:`KVSender` over its paged caches, each decode rank a :class:`KVReceiver` over its
 ``kvops.PagedKVCache``. Both sides compute the same plan (``kvops.transfer.plan``) and first exchange
 :class:`~kvops.transfer.plan.KVArgs` with every peer (:meth:`connect`): a layout mismatch raises ``ValueError`` on
-both sides before any KV byte moves. Per request, both sides split ``[0, num_tokens)`` at the staging grid
-(``staging_grid_tokens(chunked_prefill_size, block_size)``); per segment each writer gathers its head slice of all
-layers into one contiguous staging buffer (``kvops.paged_kv_gather``) and sends it; the decode rank receives its
-writers' buffers back to back (writer-major) with ``batch_isend_irecv`` and scatters each into its own pages at the
-writer's ``cache_head_start`` (``kvops.paged_kv_scatter``). Messages are tagged with the request id, so requests
-never mix (gloo matches tags; NCCL ignores them and matches in posting order, so with NCCL both sides must handle
-requests in the same order, and a pair on which a request failed should not be reused).
+both sides before any KV byte moves. The protocol per request (``docs/transfer.md``; wire format:
+:mod:`kvops.transfer.wire`):
 
-Faults (decode side): a writer that dies (peer connection closed) or whose message does not arrive within
-``timeout_s`` seconds (per segment) fails the request: the receiver still posts the receives of the request's
-remaining segments (into discard buffers, so every writer's sends can complete, a stalled one's once it resumes),
-frees the request's blocks, never marks it ready and raises :class:`KVTransferError`. A request's data only ever
-lands in its own blocks, and only after every writer's slice of a segment arrived, so other requests' KV is never
-touched. With ``decode_group`` given, the decode ranks agree on the outcome (a request is ready only when every
-decode rank received its part).
+1. **Metadata.** Each writer sends each of its decode ranks a fixed-size header (request id, token count, layers,
+   heads, head_dim, dtype, staging grid, payload bytes, checksum flag); the decode rank, having placed the request
+   (allocated its blocks), answers each writer with what it expects and a status. Both compare field by field: a
+   difference, a refusal (out of blocks, duplicate request id) or a missing header makes *both* sides raise
+   :class:`KVTransferError` before any KV moves; the decode rank releases the blocks. A request of 0 tokens
+   completes here (one empty segment: metadata only, as sglang's sender).
+2. **KV.** Both sides split ``[0, num_tokens)`` at the staging grid (``staging_grid_tokens(chunked_prefill_size,
+   block_size)``); per segment each writer gathers its head slice of all layers into one contiguous staging buffer
+   (``kvops.paged_kv_gather``) and sends it with an end marker (and, with ``checksum=True``, a payload checksum);
+   the decode rank receives its writers' messages with ``batch_isend_irecv``, checks each marker (a short message or
+   one of another request or segment is rejected) and scatters each into its own pages at the writer's
+   ``cache_head_start`` (``kvops.paged_kv_scatter``).
+3. **Agreement** (with ``decode_group``): one ``all_reduce`` of the decode ranks' outcomes, under the same deadline.
+
+Messages are tagged with the request id, so requests never mix (gloo matches tags; NCCL ignores them and matches in
+posting order, so with NCCL both sides must handle requests in the same order, and a pair on which a request failed
+should not be reused). Reuse a failed request's id only once its peers are known to be done with it: a receive given
+up on stays posted under that tag.
+
+Faults. A writer that dies (peer connection closed) or whose message does not arrive within ``timeout_s`` seconds
+(per step: the metadata, each segment, the agreement) fails the request on that decode rank: the receiver still
+posts the receives of the request's remaining segments (into discard buffers, so every writer's sends can complete,
+a stalled one's once it resumes), frees the request's blocks, never marks it ready and raises
+:class:`KVTransferError`; it then serves the next request as before. A request's data only ever lands in its own
+blocks, and only after every writer's slice of a segment arrived whole, so other requests' KV is never touched.
+With ``decode_group`` given, the decode ranks agree on the outcome (a request is ready only when every decode rank
+received its part); a decode rank that stalls or dies there fails the request on the others within ``timeout_s``.
+A decode rank that gives up on the agreement cannot retract its vote: a peer that stalled past the deadline and
+then completes may still see the request ready (no bounded-time protocol avoids this); the serving layer treats a
+request as ready only when no decode rank raised.
 
 Timeouts are enforced by joining a waiter thread against a deadline, never with
 ``Work.wait(timeout)``: gloo answers a timed-out wait by closing *every* connection of the process ("Application
@@ -30,30 +51,23 @@ posted; its buffer is kept alive until it completes.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..ops.transfer import paged_kv_gather, paged_kv_scatter, staging_shape
-from .plan import (
-    KVArgs,
-    check_transfer_metadata,
-    compute_grid_segments,
-    compute_head_slice_params,
-    heads_per_rank,
-    plan_for_writer,
-    staging_grid_tokens,
-)
+from ..ops.transfer import staging_shape
+from . import wire
+from .plan import KVArgs, heads_per_rank, rank_head_range, staging_grid_tokens, writer_bytes
 
 _HANDSHAKE_TAG = 2**30
 MAX_REQUEST_ID = 2**30 - 1
 
 
 class KVTransferError(RuntimeError):
-    """A request's KV transfer failed (a peer died, stalled past the timeout, or the request could not be placed).
-    On the decode side the request's blocks have been released and it is not ready."""
+    """A request's KV transfer failed (a peer died or stalled past the timeout, the two sides' metadata differ, the
+    request could not be placed, or a message arrived short or corrupted). On the decode side the request's blocks
+    have been released and it is not ready; both endpoints keep serving later requests."""
 
 
 @dataclass(frozen=True)
@@ -87,18 +101,24 @@ class TransferStats:
         return sum(self.bytes_per_peer.values())
 
 
-def _check_request_id(request_id) -> None:
+def _check_request(request_id, num_tokens) -> None:
     if not isinstance(request_id, int) or not 0 <= request_id <= MAX_REQUEST_ID:
         raise ValueError(
             f"request_id must be an int in [0, {MAX_REQUEST_ID}] (it tags the request's messages), got "
             f"{request_id!r}."
+        )
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+        raise ValueError(
+            f"num_tokens must be a non-negative int (the request's token count, 0 for a metadata-only request), got "
+            f"{num_tokens!r}."
         )
 
 
 class _Endpoint:
     side = ""
 
-    def __init__(self, groups, tp_rank, k_caches, v_caches, total_kv_heads, chunked_prefill_size, timeout_s):
+    def __init__(self, groups, tp_rank, k_caches, v_caches, total_kv_heads, chunked_prefill_size, timeout_s,
+                 checksum):
         ranks = groups.prefill_ranks if self.side == "prefill" else groups.decode_ranks
         if not 0 <= tp_rank < len(ranks):
             raise ValueError(f"{self.side} tp_rank={tp_rank} is outside [0, {len(ranks)}).")
@@ -121,11 +141,14 @@ class _Endpoint:
         self.dtype = k_caches[0].dtype
         self.grid_tokens = staging_grid_tokens(chunked_prefill_size, self.block_size)
         self.timeout_s = float(timeout_s)
+        self.checksum = bool(checksum)
+        self.device = k_caches[0].device
+        self.head_offset = rank_head_range(total_kv_heads, len(ranks), tp_rank)[0]  # first global head held here
         self._abandoned: list = []  # (waiter thread, works, buffers) given up on but still posted
         self.kv_args = KVArgs(total_kv_heads, local_heads, self.head_dim, str(self.dtype).removeprefix("torch."),
                               self.block_size, self.num_layers, len(ranks))
 
-    def _handshake(self, peers: list[int], peer_side_ranks) -> list[KVArgs]:
+    def _handshake(self, peers: list[int], peer_side_ranks, timeout_s) -> list[KVArgs]:
         """Exchange ``KVArgs`` with each peer (TP ranks of the other side); returns theirs."""
         mine = torch.tensor(self.kv_args.encode(), dtype=torch.int64, device=self.k_caches[0].device)
         theirs = [torch.zeros_like(mine) for _ in peers]
@@ -135,7 +158,8 @@ class _Endpoint:
                     dist.P2POp(dist.irecv, buf, peer_side_ranks[p], tag=_HANDSHAKE_TAG)]
         if ops:
             bufs = [b for t in theirs for b in (mine, t)]
-            for peer, reason in zip([p for p in peers for _ in (0, 1)], self._wait(dist.batch_isend_irecv(ops), bufs)):
+            reasons = self._wait(dist.batch_isend_irecv(ops), bufs, timeout_s)
+            for peer, reason in zip([p for p in peers for _ in (0, 1)], reasons):
                 if reason is not None:
                     raise KVTransferError(
                         f"KV transfer handshake of {self.side} rank {self.tp_rank} with peer rank {peer} failed: "
@@ -143,11 +167,41 @@ class _Endpoint:
                     )
         return [KVArgs.decode(t.tolist()) for t in theirs]
 
-    def _alloc(self, numel: int) -> torch.Tensor:
-        return torch.empty(numel, dtype=self.dtype, device=self.k_caches[0].device)
+    def _header(self, request_id: int, num_tokens: int, head_start: int, num_heads: int, status: int) -> torch.Tensor:
+        return wire.encode(dict(
+            request_id=request_id, num_tokens=num_tokens, num_layers=self.num_layers, head_start=head_start,
+            num_heads=num_heads, head_dim=self.head_dim, dtype=wire.dtype_code(self.dtype),
+            grid_tokens=self.grid_tokens,
+            payload_bytes=writer_bytes(num_tokens, num_heads, self.head_dim * self.dtype.itemsize, self.num_layers),
+            checksum=int(self.checksum), status=status), self.device)
 
-    def _wait(self, works: list, buffers: list) -> list[str | None]:
-        """Wait for the works until ``timeout_s`` after the call; returns per work ``None`` (done) or why it failed.
+    def _message(self, num_tokens: int, num_heads: int):
+        """A KV message for ``num_tokens`` tokens of ``num_heads`` heads: ``(buffer, payload_bytes, staging view)``."""
+        shape = staging_shape(self.num_layers, num_tokens, num_heads, self.head_dim)
+        payload = 2 * self.num_layers * num_tokens * num_heads * self.head_dim * self.dtype.itemsize
+        buf = torch.empty(wire.message_bytes(payload), dtype=torch.uint8, device=self.device)
+        return buf, payload, wire.split(buf, payload, self.dtype, shape)[0]
+
+    def _post(self, ops: list) -> tuple[list, str | None]:
+        """``batch_isend_irecv(ops)``: the works, or ``[]`` and why posting failed (e.g. a peer's connection is
+        already closed)."""
+        if not ops:
+            return [], None
+        try:
+            return dist.batch_isend_irecv(ops), None
+        except RuntimeError as err:
+            return [], f"connection failed: {err}"
+
+    def _keep(self, works: list, buffers: list) -> None:
+        """Keep posted works (and their buffers) alive, never waited on, until they complete."""
+        if works:
+            thread = threading.Thread(target=_wait_all, args=(works, buffers, [None] * len(works)), daemon=True)
+            thread.start()
+            self._abandoned.append((thread, works, buffers))
+
+    def _wait(self, works: list, buffers: list, timeout_s: float | None = None) -> list[str | None]:
+        """Wait for the works until ``timeout_s`` (default: the endpoint's) after the call; returns per work ``None``
+        (done) or why it failed.
 
         One daemon thread waits on the works in order (``Work.wait()`` without a timeout: gloo's works report
         completion only through ``wait``) while the caller waits for it against the deadline. When the deadline
@@ -155,15 +209,18 @@ class _Endpoint:
         posted and are kept (with their buffers and the thread) until they complete, so no message ever lands in a
         freed buffer.
         """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self._abandoned = [x for x in self._abandoned if x[0].is_alive()]
+        if not works:
+            return []
         results: list = [None] * len(works)  # filled by the thread: "" (done) or the error text
         thread = threading.Thread(target=_wait_all, args=(works, buffers, results), daemon=True)
         thread.start()
-        thread.join(self.timeout_s)
+        thread.join(timeout_s)
         if thread.is_alive():
             self._abandoned.append((thread, works, buffers))
         return [
-            f"no message within {self.timeout_s:g} s" if r is None else (None if r == "" else f"connection failed: {r}")
+            f"no message within {timeout_s:g} s" if r is None else (None if r == "" else f"connection failed: {r}")
             for r in results
         ]
 
@@ -177,170 +234,3 @@ def _wait_all(works, buffers, results: list) -> None:
             results[i] = ""
         except RuntimeError as err:
             results[i] = str(err) or type(err).__name__
-
-
-class KVSender(_Endpoint):
-    """Prefill side: sends one request's KV (its head slices, all layers) to the decode ranks the plan assigns.
-
-    Args:
-        groups: the world's prefill and decode ranks. tp_rank: this rank's index in ``groups.prefill_ranks``.
-        k_caches, v_caches: this rank's ``L`` paged caches ``[P, block_size, H // P_tp (or 1), D]`` each.
-        total_kv_heads: ``H`` (see ``resolve_total_kv_heads``). chunked_prefill_size: staging grid size in tokens
-            (rounded to whole pages). timeout_s: seconds each segment's messages (and the handshake) may take.
-    """
-
-    side = "prefill"
-
-    def __init__(self, groups: TransferGroups, tp_rank: int, k_caches, v_caches, total_kv_heads: int, *,
-                 chunked_prefill_size: int = 8192, timeout_s: float = 30.0) -> None:
-        super().__init__(groups, tp_rank, k_caches, v_caches, total_kv_heads, chunked_prefill_size, timeout_s)
-        self.targets = plan_for_writer(self.prefill_tp, self.decode_tp, tp_rank, total_kv_heads)
-        self._slices = sorted({(s.src_head_start, s.num_heads) for _, s in self.targets})
-
-    def connect(self) -> None:
-        """Exchange layouts with every decode rank this rank writes to; ``ValueError`` on any mismatch."""
-        peers = sorted({d for d, _ in self.targets})
-        for theirs in self._handshake(peers, self.groups.decode_ranks):
-            check_transfer_metadata(self.kv_args, theirs)
-
-    def send(self, request_id: int, num_tokens: int, block_table: torch.Tensor) -> TransferStats:
-        """Send tokens ``[0, num_tokens)`` of the request whose pages are ``block_table`` (1-D int32/int64).
-
-        Raises ``KVTransferError`` when a decode rank is gone or does not receive within ``timeout_s``.
-        """
-        _check_request_id(request_id)
-        t0 = time.perf_counter()
-        segments = compute_grid_segments(0, num_tokens, 0, self.grid_tokens)
-        stats = TransferStats(request_id, num_tokens, segments, {d: 0 for d, _ in self.targets})
-        for s, e in segments:
-            bufs = {}
-            for h0, nh in self._slices:  # one gather per distinct slice, sent to every decode rank needing it
-                buf = self._alloc(2 * self.num_layers * (e - s) * nh * self.head_dim)
-                bufs[h0, nh] = buf.view(staging_shape(self.num_layers, e - s, nh, self.head_dim))
-                paged_kv_gather(self.k_caches, self.v_caches, block_table, bufs[h0, nh], s, h0)
-            sends = [bufs[sl.src_head_start, sl.num_heads] for _, sl in self.targets]
-            ops = [dist.P2POp(dist.isend, buf, self.groups.decode_ranks[d], tag=request_id)
-                   for (d, _), buf in zip(self.targets, sends)]
-            try:
-                reasons = self._wait(dist.batch_isend_irecv(ops), sends) if ops else []
-            except RuntimeError as err:  # posting failed (e.g. the peer's connection is already closed)
-                reasons = [f"connection failed: {err}"] * len(ops)
-            failed = [(d, r) for (d, _), r in zip(self.targets, reasons) if r is not None]
-            if failed:
-                raise KVTransferError(
-                    f"KV transfer of request {request_id} failed on prefill rank {self.tp_rank}: sending tokens "
-                    f"[{s}, {e}) to decode rank {failed[0][0]} did not complete ({failed[0][1]})."
-                )
-            for d, sl in self.targets:
-                stats.bytes_per_peer[d] += bufs[sl.src_head_start, sl.num_heads].numel() * self.dtype.itemsize
-        stats.seconds = time.perf_counter() - t0
-        return stats
-
-
-class KVReceiver(_Endpoint):
-    """Decode side: receives requests' KV into a ``kvops.PagedKVCache`` (its layers' caches, this rank's heads).
-
-    Args:
-        groups, tp_rank: as :class:`KVSender` (``tp_rank`` indexes ``groups.decode_ranks``).
-        cache: the decode rank's ``PagedKVCache`` (``num_kv_heads = max(1, H // D_tp)``); blocks are allocated per
-            request in :meth:`receive`.
-        total_kv_heads, chunked_prefill_size, timeout_s: as :class:`KVSender` (must match the senders).
-        decode_group: optional process group of the decode ranks; then a request is ready only if every decode rank
-            received its part (one ``all_reduce`` per request).
-
-    Attributes:
-        ready: ids of the requests whose KV is complete on this rank (and, with ``decode_group``, on all).
-        writers: ``compute_head_slice_params(P_tp, D_tp, tp_rank, H)``, the staging buffer's writer order.
-    """
-
-    side = "decode"
-
-    def __init__(self, groups: TransferGroups, tp_rank: int, cache, total_kv_heads: int, *,
-                 chunked_prefill_size: int = 8192, timeout_s: float = 30.0, decode_group=None) -> None:
-        super().__init__(groups, tp_rank, cache.k_caches, cache.v_caches, total_kv_heads, chunked_prefill_size,
-                         timeout_s)
-        self.cache = cache
-        self.decode_group = decode_group
-        self.writers = compute_head_slice_params(self.prefill_tp, self.decode_tp, tp_rank, total_kv_heads)
-        self.ready: set[int] = set()
-        self._dead: set[int] = set()  # writers whose connection failed (closed or timed out): never waited on again
-
-    def connect(self) -> None:
-        """Exchange layouts with every writer; ``ValueError`` on any mismatch (no KV moves)."""
-        for theirs in self._handshake([s.writer for s in self.writers], self.groups.prefill_ranks):
-            check_transfer_metadata(theirs, self.kv_args)
-
-    def receive(self, request_id: int, num_tokens: int) -> TransferStats:
-        """Allocate the request's blocks (sequence id ``request_id``), receive and scatter its KV, mark it ready.
-
-        Raises ``KVTransferError`` (after draining healthy writers and freeing the request's blocks; the request is
-        not ready) when a writer is dead, stalls past ``timeout_s``, the cache is out of blocks, or (with
-        ``decode_group``) another decode rank failed.
-        """
-        _check_request_id(request_id)
-        t0 = time.perf_counter()
-        segments = compute_grid_segments(0, num_tokens, 0, self.grid_tokens)
-        stats = TransferStats(request_id, num_tokens, segments, {s.writer: 0 for s in self.writers})
-        failure = None
-        block_table = None
-        added = False
-        try:
-            self.cache.add_sequence(request_id)
-            added = True
-            self.cache.extend(request_id, num_tokens)
-            block_table = torch.tensor(self.cache.block_ids(request_id), dtype=torch.int32,
-                                       device=self.cache.device)
-        except (RuntimeError, ValueError) as err:  # OutOfBlocksError, duplicate id: drain, then fail
-            failure = f"its {num_tokens} tokens could not be placed ({err})"
-        for s, e in segments:
-            views, ops = [], []
-            flat = self._alloc(sum(2 * self.num_layers * (e - s) * w.num_heads * self.head_dim for w in self.writers))
-            offset = 0
-            for w in self.writers:
-                view = flat[offset : offset + 2 * self.num_layers * (e - s) * w.num_heads * self.head_dim]
-                views.append(view.view(staging_shape(self.num_layers, e - s, w.num_heads, self.head_dim)))
-                offset += view.numel()
-            live = [i for i, w in enumerate(self.writers) if w.writer not in self._dead]
-            ops = [dist.P2POp(dist.irecv, views[i], self.groups.prefill_ranks[self.writers[i].writer], tag=request_id)
-                   for i in live]
-            try:
-                works = dist.batch_isend_irecv(ops) if ops else []
-            except RuntimeError as err:  # posting failed: treat every writer of the segment as gone
-                self._dead.update(self.writers[i].writer for i in live)
-                failure = failure or f"posting receives for tokens [{s}, {e}) failed ({err})"
-                break
-            if failure is not None:  # draining: writers' messages are received into discard buffers, never waited
-                self._abandoned += [(work, views[i]) for i, work in zip(live, works)]
-                continue
-            for i, reason in zip(live, self._wait(works, [views[i] for i in live])):
-                w = self.writers[i]
-                if reason is None:
-                    stats.bytes_per_peer[w.writer] += views[i].numel() * self.dtype.itemsize
-                    continue
-                if reason.startswith("connection failed"):
-                    self._dead.add(w.writer)
-                failure = failure or (
-                    f"prefill rank {w.writer} (global rank {self.groups.prefill_ranks[w.writer]}) sent no data for "
-                    f"tokens [{s}, {e}): {reason}"
-                )
-            if failure is None and len(live) == len(self.writers):
-                # every writer's slice of this segment arrived: write them into the request's pages
-                for w, view in zip(self.writers, views):
-                    paged_kv_scatter(view, self.k_caches, self.v_caches, block_table, s, w.cache_head_start)
-        if failure is None and any(w.writer in self._dead for w in self.writers):
-            failure = f"prefill ranks {sorted(self._dead)} are gone (their connections failed earlier)"
-        if self.decode_group is not None:
-            ok = torch.tensor([0 if failure else 1], dtype=torch.int32, device=self.k_caches[0].device)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.decode_group)
-            if failure is None and int(ok) == 0:
-                failure = "another decode rank of the group failed to receive its part"
-        stats.seconds = time.perf_counter() - t0
-        if failure is not None:
-            if added:
-                self.cache.free(request_id)
-            raise KVTransferError(
-                f"KV transfer of request {request_id} failed on decode rank {self.tp_rank}: {failure}. Its blocks "
-                f"were released and it is not ready; other requests' KV is untouched."
-            )
-        self.ready.add(request_id)
-        return stats

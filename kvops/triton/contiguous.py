@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..reference.paged_write import overlaps, unaliased
+from .launch import Launch, capability_of, run
 
 _TILE = 4096  # elements per program: a head block of one token row (keeps registers bounded for wide caches)
 
@@ -33,14 +34,19 @@ def _copy_rows_kernel(
 
 def copy_rows(src: torch.Tensor, dst: torch.Tensor, dst_row0: int, dst_head0: int) -> None:
     """``dst[:, dst_row0:dst_row0+T, dst_head0:dst_head0+H] = src`` for ``src [B, T, H, D]`` (any strides)."""
+    run(plan_copy_rows(src, dst, dst_row0, dst_head0, capability_of(dst)))
+
+
+def plan_copy_rows(src, dst, dst_row0: int, dst_head0: int, capability: tuple[int, int]) -> list[Launch]:
+    """The launch of :func:`copy_rows` (none for an empty source)."""
     b, t, h, d = src.shape
     if b * t == 0:
-        return
+        return []
     block_d = triton.next_power_of_2(d)
     block_h = min(triton.next_power_of_2(h), max(1, _TILE // block_d))  # <= _TILE elements per program
-    _copy_rows_kernel[(b * t, triton.cdiv(h, block_h))](
-        src, dst, t, h, d, *src.stride(), *dst.stride(), dst_row0, dst_head0, BLOCK_H=block_h, BLOCK_D=block_d,
-    )
+    return [Launch(_copy_rows_kernel, (b * t, triton.cdiv(h, block_h)), (
+        src, dst, t, h, d, *src.stride(), *dst.stride(), dst_row0, dst_head0),
+        dict(BLOCK_H=block_h, BLOCK_D=block_d))]
 
 
 def cache_write(key, value, k_cache, v_cache, start: int, h0: int) -> None:

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ..reference.paged_write import unaliased
+from .launch import Launch, capability_of, run
 
 _TILE = 4096  # elements per program: a head block of one token (keeps registers bounded for wide caches)
 
@@ -66,9 +67,14 @@ def scatter_tokens(
     src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, h0: int, scale: torch.Tensor | None
 ) -> None:
     """Scatter ``src [N', H_in, D]`` rows ``[0, N)`` into ``cache [P, block_size, H_kv, D]`` (any strides)."""
+    run(plan_scatter_tokens(src, cache, slot_mapping, h0, scale, capability_of(cache)))
+
+
+def plan_scatter_tokens(src, cache, slot_mapping, h0: int, scale, capability: tuple[int, int]) -> list[Launch]:
+    """The launch of :func:`scatter_tokens` (none for an empty ``slot_mapping``)."""
     n = slot_mapping.shape[0]
     if n == 0:
-        return
+        return []
     _, h, d = src.shape
     slot_mapping = slot_mapping.contiguous()  # the kernel reads slot i at slot_ptr + i (metadata, never the cache)
     scale_arg = scale if scale is not None else slot_mapping  # unused pointer when QUANT is off
@@ -77,14 +83,9 @@ def scatter_tokens(
         cache = cache.view(torch.uint8)
     block_d = triton.next_power_of_2(d)
     block_h = min(triton.next_power_of_2(h), max(1, _TILE // block_d))  # <= _TILE elements per program
-    _paged_scatter_kernel[(n, triton.cdiv(h, block_h))](
-        src, cache, slot_mapping, scale_arg,
-        h, d, cache.shape[1],
-        *src.stride(), *cache.stride(),
-        h0, scale_stride,
-        QUANT=scale is not None,
-        BLOCK_H=block_h, BLOCK_D=block_d,
-    )
+    return [Launch(_paged_scatter_kernel, (n, triton.cdiv(h, block_h)), (
+        src, cache, slot_mapping, scale_arg, h, d, cache.shape[1], *src.stride(), *cache.stride(), h0, scale_stride),
+        dict(QUANT=scale is not None, BLOCK_H=block_h, BLOCK_D=block_d))]
 
 
 def paged_cache_write(key, value, k_cache, v_cache, slot_mapping, h0: int, k_scale, v_scale) -> None:

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, capability_of, run
 from .paged_write import _TILE, _e4m3_bits, scatter_tokens
 
 
@@ -60,18 +61,25 @@ def rotary_paged_cache_write(key, value, k_cache, v_cache, slot_mapping, positio
                              h0: int, k_scale, v_scale) -> None:
     """Launcher with the CPU kernel's signature (arguments already validated; slots and positions are not
     bounds-checked on the device, as in vLLM: use ``kvops.check_slot_mapping``)."""
-    n = slot_mapping.shape[0]
-    if n:
-        _, h, d = key.shape
-        slots, pos = slot_mapping.contiguous(), positions.contiguous()
-        cache = k_cache if k_scale is None else k_cache.view(torch.uint8)  # fp8: store encoded bytes
-        scale_stride = 0 if k_scale is None or k_scale.shape[0] == 1 else k_scale.stride(0)
-        block_d = triton.next_power_of_2(d)
-        block_h = min(triton.next_power_of_2(h), max(1, _TILE // block_d))
-        _rotary_scatter_kernel[(n, triton.cdiv(h, block_h))](
-            key, cache, slots, pos, cos, sin, k_scale if k_scale is not None else slots,
-            h, d, cache.shape[1], *key.stride(), *cache.stride(), *cos.stride(), *sin.stride(), h0,
-            scale_stride,
-            HALF=cos.shape[1], INTERLEAVED=interleaved, QUANT=k_scale is not None, BLOCK_H=block_h, BLOCK_D=block_d,
-        )
+    run(plan_rotary_write(key, k_cache, slot_mapping, positions, cos, sin, interleaved, h0, k_scale,
+                          capability_of(k_cache)))
     scatter_tokens(value, v_cache, slot_mapping, h0, v_scale)
+
+
+def plan_rotary_write(key, k_cache, slot_mapping, positions, cos, sin, interleaved: bool, h0: int, k_scale,
+                      capability: tuple[int, int]) -> list[Launch]:
+    """The key's launch of :func:`rotary_paged_cache_write` (the value goes through ``plan_scatter_tokens``)."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return []
+    _, h, d = key.shape
+    slots, pos = slot_mapping.contiguous(), positions.contiguous()
+    cache = k_cache if k_scale is None else k_cache.view(torch.uint8)  # fp8: store encoded bytes
+    scale_stride = 0 if k_scale is None or k_scale.shape[0] == 1 else k_scale.stride(0)
+    block_d = triton.next_power_of_2(d)
+    block_h = min(triton.next_power_of_2(h), max(1, _TILE // block_d))
+    return [Launch(_rotary_scatter_kernel, (n, triton.cdiv(h, block_h)), (
+        key, cache, slots, pos, cos, sin, k_scale if k_scale is not None else slots,
+        h, d, cache.shape[1], *key.stride(), *cache.stride(), *cos.stride(), *sin.stride(), h0, scale_stride),
+        dict(HALF=cos.shape[1], INTERLEAVED=interleaved, QUANT=k_scale is not None, BLOCK_H=block_h,
+             BLOCK_D=block_d))]

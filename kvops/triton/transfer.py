@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, capability_of, run
+
 _BLOCK = 1024  # elements per program
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -44,19 +46,24 @@ def _staging_kernel(
 
 
 def _launch(caches, block_table, start: int, head0: int, staging: torch.Tensor, to_staging: bool) -> None:
-    n, h, d = staging.shape[2], staging.shape[3], staging.shape[4]
+    n, h = staging.shape[2], staging.shape[3]
     if n == 0 or h == 0:
         return
     dev = staging.device
-    int_dtype = _INT[staging.dtype.itemsize]
     ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=dev)
     strides = torch.tensor([list(c.stride()) for c in caches], dtype=torch.int64, device=dev)
-    grid = (len(caches) * n, triton.cdiv(h * d, _BLOCK))
-    _staging_kernel[grid](
-        ptrs, strides, block_table.contiguous(), staging.view(int_dtype),
-        start, n, caches[0].shape[1], head0, h * d, d,
-        TO_STAGING=to_staging, BLOCK=_BLOCK,
-    )
+    run(plan_staging(ptrs, strides, caches[0].shape[1], block_table, start, head0, staging, to_staging,
+                     capability_of(staging)))
+
+
+def plan_staging(ptrs, strides, block_size: int, block_table, start: int, head0: int, staging, to_staging: bool,
+                 capability: tuple[int, int]) -> list[Launch]:
+    """The launch of :func:`_launch`: ``ptrs [2L]`` int64 data pointers and ``strides [2L, 4]`` of the caches."""
+    n, h, d = staging.shape[2], staging.shape[3], staging.shape[4]
+    grid = (ptrs.shape[0] * n, triton.cdiv(h * d, _BLOCK))
+    return [Launch(_staging_kernel, grid, (
+        ptrs, strides, block_table.contiguous(), staging.view(_INT[staging.dtype.itemsize]),
+        start, n, block_size, head0, h * d, d), dict(TO_STAGING=to_staging, BLOCK=_BLOCK))]
 
 
 def paged_kv_gather(caches, block_table, start: int, head_start: int, staging: torch.Tensor) -> None:

@@ -1,0 +1,162 @@
+"""Cost of the optional payload checksum of the KV transfer (``checksum=True``, docs/transfer.md), on CPU.
+
+Geometry: one prefill/decode rank pair of Llama-3.2-1B (8 KV heads x head_dim 64, models.md) served at TP 4 -> TP 4
+(2 KV heads per rank, one writer per decode rank), 16 layers, bfloat16, block_size 16, one request of ``--tokens``
+tokens split at a staging grid of ``--chunk`` tokens. Synthetic ``randn`` KV. Two tables, each cell the median of
+per-round ratios (a candidate over its baseline *in the same round*; rounds interleave the candidates, so machine
+noise hits all alike) with the 25th-75th percentile spread. Nothing is asserted.
+
+* **local** (one process, one thread, ``time.thread_time``): per message, ``wire.checksum`` (computed once by the
+  sender and once by the receiver) vs the gather of the same bytes (``kvops.paged_kv_gather``, which the transfer
+  does anyway) and vs a plain copy of the message (``Tensor.copy_``).
+* **transfer** (2 processes, gloo over loopback, wall clock): ``KVSender.send`` + ``KVReceiver.receive`` of the
+  request with ``checksum=True`` vs the same with ``checksum=False`` (both with the per-request metadata step and end
+  markers), and the plain transfer vs one raw gloo message of the same bytes.
+
+    python benchmarks/transfer_checksum.py [--rounds 15] [--tokens 2048] [--chunk 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per table row")
+    p.add_argument("--inner", type=int, default=5, help="calls per candidate per round (local table)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of the one request transferred")
+    p.add_argument("--chunk", type=int, default=512, help="staging grid in tokens (the request is split at it)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
+import torch  # noqa: E402
+
+LAYERS, H_LOCAL, HEAD_DIM, BLOCK, DTYPE = 16, 2, 64, 16, torch.bfloat16
+
+
+def spread(ratios):
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return f"{statistics.median(ratios):.3f}x (p25 {q[0]:.3f}, p75 {q[2]:.3f})"
+
+
+def caches(num_blocks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda: torch.randn(num_blocks, BLOCK, H_LOCAL, HEAD_DIM, generator=g).to(DTYPE)  # noqa: E731
+    return [make() for _ in range(LAYERS)], [make() for _ in range(LAYERS)]
+
+
+def local(args):
+    import kvops
+    from kvops.ops.transfer import staging_shape
+    from kvops.transfer import wire
+
+    torch.set_num_threads(1)
+    n = args.chunk
+    ks, vs = caches(-(-n // BLOCK) + 4)
+    table = torch.randperm(ks[0].shape[0])[: -(-n // BLOCK)].to(torch.int32)
+    payload = 2 * LAYERS * n * H_LOCAL * HEAD_DIM * DTYPE.itemsize
+    msg = torch.empty(wire.message_bytes(payload), dtype=torch.uint8)
+    staging = wire.split(msg, payload, DTYPE, staging_shape(LAYERS, n, H_LOCAL, HEAD_DIM))[0]
+    other = torch.empty_like(msg)
+    kvops.paged_kv_gather(ks, vs, table, staging)
+    candidates = {"gather": lambda: kvops.paged_kv_gather(ks, vs, table, staging),
+                  "copy": lambda: other.copy_(msg),
+                  "checksum": lambda: wire.checksum(msg, payload)}
+    times = {k: [] for k in candidates}
+    for _ in range(args.rounds):
+        for name, fn in candidates.items():
+            t0 = time.thread_time()
+            for _ in range(args.inner):
+                fn()
+            times[name].append((time.thread_time() - t0) / args.inner)
+    ck = times["checksum"]
+    print(f"local, one message of {n} tokens x {LAYERS} layers x {H_LOCAL} heads x {HEAD_DIM} ({payload / 1e6:.2f} "
+          f"MB), {args.rounds} rounds x {args.inner} calls, 1 thread, thread CPU time:")
+    print(f"  checksum: median {statistics.median(ck) * 1e3:.3f} ms ({payload / statistics.median(ck) / 1e9:.2f} GB/s)")
+    print(f"  checksum / gather: {spread([c / g for c, g in zip(ck, times['gather'])])}")
+    print(f"  checksum / copy:   {spread([c / g for c, g in zip(ck, times['copy'])])}")
+
+
+def worker(rank, port, args, out):
+    import torch.distributed as dist
+
+    from kvops.cache import PagedKVCache
+    from kvops.transfer import KVReceiver, KVSender, TransferGroups
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    groups = TransferGroups((0,), (1,))
+    kw = dict(chunked_prefill_size=args.chunk, timeout_s=120)
+    nbytes = 2 * LAYERS * args.tokens * H_LOCAL * HEAD_DIM * DTYPE.itemsize
+    raw = torch.empty(nbytes, dtype=torch.uint8)
+    if rank == 0:
+        ks, vs = caches(-(-args.tokens // BLOCK) + 4)
+        table = torch.randperm(ks[0].shape[0])[: -(-args.tokens // BLOCK)].to(torch.int32)
+        ends = {c: KVSender(groups, 0, ks, vs, H_LOCAL, checksum=c, **kw) for c in (False, True)}
+    else:
+        cache = PagedKVCache(-(-args.tokens // BLOCK) + 4, BLOCK, H_LOCAL, HEAD_DIM, num_layers=LAYERS, dtype=DTYPE)
+        ends = {c: KVReceiver(groups, 0, cache, H_LOCAL, checksum=c, **kw) for c in (False, True)}
+    for end in ends.values():
+        end.connect()
+    times = {"plain": [], "checksum": [], "raw": []}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for name in times:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "raw":
+                (dist.send if rank == 0 else dist.recv)(raw, 1 - rank)
+            elif rank == 0:
+                ends[name == "checksum"].send(r * 10 + len(name), args.tokens, table)
+            else:
+                ends[name == "checksum"].receive(r * 10 + len(name), args.tokens)
+                cache.free(r * 10 + len(name))
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    if rank == 1:
+        out.put((times, nbytes))
+    dist.destroy_process_group()
+
+
+def transfer(args):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["kvops"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times, nbytes = out.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    plain, ck, raw = times["plain"], times["checksum"], times["raw"]
+    print(f"transfer of one request: {args.tokens} tokens ({nbytes / 1e6:.2f} MB), grid {args.chunk} tokens, 1 -> 1 "
+          f"rank, gloo loopback, {args.rounds} rounds, wall clock (decode side, after a barrier):")
+    print(f"  plain: median {statistics.median(plain) * 1e3:.2f} ms ({nbytes / statistics.median(plain) / 1e9:.2f} "
+          f"GB/s); checksum: median {statistics.median(ck) * 1e3:.2f} ms; raw message: median "
+          f"{statistics.median(raw) * 1e3:.2f} ms")
+    print(f"  checksum / plain: {spread([c / p for c, p in zip(ck, plain)])}")
+    print(f"  plain / raw:      {spread([p / r for p, r in zip(plain, raw)])}")
+
+
+def main(args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    local(args)
+    transfer(args)
+
+
+if __name__ == "__main__":
+    main(ARGS)

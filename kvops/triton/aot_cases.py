@@ -1,0 +1,234 @@
+"""The cases of the ahead-of-time check (``kvops/triton/aot.py``): shapes a serving engine launches, on ``meta``
+tensors, passed to the launchers' own ``plan_*`` functions, which choose the grid, tiles and options.
+
+Axes (issue 19): dtypes fp16/bf16/fp32 and fp8 e4m3 caches; head_dim 64, 80, 96, 128, 256; block_size 1, 16, 32,
+64, 128; GQA groups 1, 4, 7, 8; NHD and HND cache strides; every feature flag (causal, window, softcap, sinks; LSE
+is always produced), decode (split-KV + merge, short and 128K contexts) and prefill; rotary styles; every packed
+format. The full product of the attention axes is large, so it is covered as: every (dtype, head_dim, group,
+block_size, layout) with all flags off and all flags on, plus every single flag alone at the heaviest tiles.
+:func:`flag_coverage` checks that every boolean constexpr of every kernel is compiled both ways, so a flag added to
+a kernel without a case here fails the check.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .aot import meta
+
+FLOATS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+HEAD_DIMS = (64, 80, 96, 128, 256)
+BLOCK_SIZES = (1, 16, 32, 64, 128)
+GROUPS = (1, 4, 7, 8)
+H_KV = 8
+
+
+def _cache(pages: int, block_size: int, heads: int, d: int, dtype, layout: str) -> torch.Tensor:
+    if layout == "HND":  # [P, H_kv, block_size, D] storage seen as [P, block_size, H_kv, D]
+        return meta((pages, heads, block_size, d), dtype).transpose(1, 2)
+    return meta((pages, block_size, heads, d), dtype)
+
+
+def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, flags: dict, mode: str,
+               batch: int = 32, ctx: int = 4096, h_kv: int = H_KV):
+    from .paged_attention import plan_paged_attention
+
+    fp8 = dtype == "fp8"
+    q_dtype = torch.bfloat16 if fp8 else FLOATS[dtype]
+    kv_dtype = torch.float8_e4m3fn if fp8 else q_dtype
+    q_len = 1 if mode == "decode" else 512
+    if mode == "prefill":
+        batch = 4
+    blocks = -(-ctx // block_size)
+    pages = batch * blocks
+
+    def make(cap):
+        q = meta((batch * q_len, h_kv * group, d), q_dtype)
+        k = _cache(pages, block_size, h_kv, d, kv_dtype, layout)
+        v = _cache(pages, block_size, h_kv, d, kv_dtype, layout)
+        cu = meta((batch + 1,), torch.int32)
+        seq = meta((batch,), torch.int32)
+        table = meta((batch, blocks), torch.int32)
+        sc = meta((1,), torch.float32) if fp8 else None
+        sinks = meta((h_kv * group,), torch.float32) if flags.get("sinks") else None
+        launches, _, _ = plan_paged_attention(
+            q, k, v, cu, seq, table, q_len, d**-0.5, bool(flags.get("causal", mode == "decode")),
+            128 if flags.get("window") else -1, 30.0 if flags.get("softcap") else 0.0, sinks, sc, sc, cap)
+        return launches
+
+    on = ",".join(k for k, v in flags.items() if v) or "-"
+    return (f"{mode} {dtype} D={d} G={group} bs={block_size} {layout} B={batch} ctx={ctx} Hkv={h_kv} flags={on}",
+            make)
+
+
+def attention_cases(subset: bool):
+    all_on = dict(causal=True, window=True, softcap=True, sinks=True)
+    off = dict(causal=False, window=False, softcap=False, sinks=False)
+    if subset:  # the heaviest tiles, fp8 (sm_80 has no e4m3 hardware), one light shape
+        yield _attention("fp32", 256, 8, 16, "NHD", all_on, "prefill")
+        yield _attention("fp8", 80, 7, 1, "HND", off, "prefill")
+        yield _attention("fp32", 256, 8, 16, "HND", all_on, "decode", batch=1, ctx=131072)
+        yield _attention("fp8", 128, 7, 1, "NHD", all_on, "decode")
+        yield _attention("bf16", 64, 1, 16, "NHD", off, "decode")
+        return
+    for mode, dtype, d, group, bs, layout in itertools.product(
+            ("decode", "prefill"), (*FLOATS, "fp8"), HEAD_DIMS, GROUPS, BLOCK_SIZES, ("NHD", "HND")):
+        for flags in (off, all_on):
+            yield _attention(dtype, d, group, bs, layout, flags, mode)
+    for mode, dtype, name in itertools.product(("decode", "prefill"), (*FLOATS, "fp8"), all_on):
+        yield _attention(dtype, 256, 8, 16, "NHD", {**off, name: True}, mode)
+    for dtype, d, (batch, ctx, h_kv) in itertools.product(
+            (*FLOATS, "fp8"), HEAD_DIMS, ((1, 131072, 1), (1, 131072, 8), (4, 32768, 8), (256, 2048, 8))):
+        yield _attention(dtype, d, 8, 16, "NHD", all_on, "decode", batch=batch, ctx=ctx, h_kv=h_kv)
+
+
+def _write(dtype: str, d: int, heads: int, block_size: int, layout: str, rotary: str | None, n: int = 8192):
+    from .paged_write import plan_scatter_tokens
+    from .rotary import plan_rotary_write
+
+    fp8 = dtype == "fp8"
+    src_dtype = torch.bfloat16 if fp8 else FLOATS[dtype]
+    cache_dtype = torch.float8_e4m3fn if fp8 else src_dtype
+
+    def make(cap):
+        key = meta((n, heads, d), src_dtype)
+        cache = _cache(n // block_size + 8, block_size, heads, d, cache_dtype, layout)
+        slots = meta((n,), torch.int64)
+        scale = meta((heads,), torch.float32) if fp8 else None
+        if rotary is None:
+            return plan_scatter_tokens(key, cache, slots, 0, scale, cap)
+        half = d // 2 if rotary != "partial" else d // 4
+        cos, sin = meta((32768, half), torch.float32), meta((32768, half), torch.float32)
+        return [*plan_rotary_write(key, cache, slots, meta((n,), torch.int64), cos, sin, rotary == "gptj", 0, scale,
+                                   cap),
+                *plan_scatter_tokens(key, cache, slots, 0, scale, cap)]  # the value, as rotary_paged_cache_write
+
+    return f"{dtype} D={d} H={heads} bs={block_size} {layout} rotary={rotary or '-'}", make
+
+
+def write_cases(subset: bool):
+    if subset:
+        yield _write("fp8", 256, 8, 16, "NHD", "neox")
+        yield _write("bf16", 80, 7, 1, "HND", "gptj")
+        return
+    for dtype, d, bs, layout, rot in itertools.product(
+            (*FLOATS, "fp8"), HEAD_DIMS, BLOCK_SIZES, ("NHD", "HND"), (None, "neox", "gptj", "partial")):
+        yield _write(dtype, d, 8, bs, layout, rot)
+    for dtype, heads in itertools.product((*FLOATS, "fp8"), (1, 7, 32, 128)):
+        yield _write(dtype, 128, heads, 16, "NHD", None)
+
+
+def _copy(dtype: str, d: int, heads: int):
+    from .contiguous import plan_copy_rows
+
+    def make(cap):
+        src = meta((4, 2048, heads, d), FLOATS[dtype])
+        dst = meta((4, 8192, heads, d), FLOATS[dtype])
+        return plan_copy_rows(src, dst, 1024, 0, cap)
+
+    return f"{dtype} D={d} H={heads}", make
+
+
+def _transfer(dtype, d: int, heads: int, to_staging: bool):
+    from .transfer import plan_staging
+
+    def make(cap):
+        layers = 32
+        staging = meta((2, layers, 4096, heads, d), dtype)
+        return plan_staging(meta((2 * layers,), torch.int64), meta((2 * layers, 4), torch.int64), 16,
+                            meta((256,), torch.int32), 0, 0, staging, to_staging, cap)
+
+    return f"{str(dtype).removeprefix('torch.')} D={d} H={heads} {'gather' if to_staging else 'scatter'}", make
+
+
+def data_movement_cases(subset: bool):
+    dts = ("bf16",) if subset else tuple(FLOATS)
+    for dtype, d, heads in itertools.product(dts, (80, 256) if subset else HEAD_DIMS, (8,) if subset else (1, 8, 32)):
+        yield _copy(dtype, d, heads)
+    item_dtypes = (torch.bfloat16,) if subset else (torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64)
+    for dtype, d, to in itertools.product(item_dtypes, (128,) if subset else HEAD_DIMS, (True, False)):
+        yield _transfer(dtype, d, 8, to)
+
+
+def _packed_attention(fmt: str | None, dtype: str, d: int, group: int, t: int, n: int, counts: bool,
+                      group_size: int = 64, stages: int = 1):
+    from ..packed._checks import packed_layout
+    from ..packed.triton_attention import plan_packed_attention
+
+    def make(cap):
+        b, h_kv = 2, 8
+        dense = dict(codes=meta((b, n, h_kv, d), FLOATS[dtype]), scales=None, zeros=None, centroids=None,
+                     cluster_ids=None)
+        segments = [(dense, dense, None)]
+        if fmt is not None:
+            lay = packed_layout(fmt, b, n, h_kv, d, group_size=group_size, stages=stages)
+            seg = {k: meta(s.shape, s.dtype) if s is not None else None for k, s in lay.items()}
+            segments.append((seg, seg, fmt))
+        q = meta((b, t, h_kv * group, d), FLOATS[dtype])
+        rows = t * group
+        m, l, acc = meta((b * h_kv, rows)), meta((b * h_kv, rows)), meta((b * h_kv, rows, d))
+        cnt = meta((len(segments) * n,), torch.int32) if counts else None
+        return plan_packed_attention(q, segments, h_kv, m, l, acc, cnt, d**-0.5, cap)
+
+    return (f"{fmt or 'dense'} {dtype} D={d} G={group} T={t} N={n} group_size={group_size} stages={stages} "
+            f"counts={counts}", make)
+
+
+def _quant(fmt: str, dtype: str, d: int, group_size: int = 64, stages: int = 1, direction: str = "quantize"):
+    from ..packed._checks import packed_layout
+    from ..packed.triton_quant import plan_dequantize, plan_quantize
+
+    def make(cap):
+        b, t, h = 2, 4096, 8
+        lay = packed_layout(fmt, b, t, h, d, group_size=group_size, stages=stages)
+        p = {k: meta(s.shape, s.dtype) if s is not None else None for k, s in lay.items()}
+        x = meta((b, t, h, d), FLOATS[dtype])
+        if direction == "quantize":
+            return plan_quantize(x, p["codes"], p["scales"], p["zeros"], fmt, cap)
+        return plan_dequantize(p["codes"], p["scales"], p["zeros"], p["centroids"], p["cluster_ids"], fmt, x, cap)
+
+    return f"{fmt} {direction} {dtype} D={d} group_size={group_size} stages={stages}", make
+
+
+def packed_cases(subset: bool):
+    if subset:
+        yield _packed_attention("int4", "fp32", 128, 8, 512, 4096, True, group_size=32)
+        yield _packed_attention("fp8", "bf16", 128, 7, 1, 4096, False)
+        yield _quant("int4", "bf16", 128, group_size=32)
+        yield _quant("int2", "fp16", 256, group_size=32, stages=2, direction="dequantize")
+        yield _quant("int4", "fp32", 256, group_size=128, direction="dequantize")
+        yield _quant("int8", "bf16", 80)
+        yield _quant("int8", "fp16", 256, direction="dequantize")
+        return
+    for fmt, dtype, d, group, t, counts in itertools.product(
+            (None, "int8", "fp8", "int4", "int2"), FLOATS, (64, 128, 256), (1, 8), (1, 512), (False, True)):
+        yield _packed_attention(fmt, dtype, d, group, t, 4096, counts)
+    for fmt, gs, stages in (("int4", 32, 1), ("int4", 128, 1), ("int2", 32, 1), ("int2", 64, 2), ("int2", 32, 3)):
+        yield _packed_attention(fmt, "fp32", 256, 8, 512, 4096, True, group_size=gs, stages=stages)
+    for fmt, dtype, d, gs, direction in itertools.product(
+            ("int8", "int4", "int2"), FLOATS, (64, 128, 256), (32, 64, 128), ("quantize", "dequantize")):
+        if (fmt == "int8" and gs != 64) or gs > d:
+            continue
+        yield _quant(fmt, dtype, d, group_size=gs, stages=2 if fmt == "int2" else 1, direction=direction)
+
+
+def cases(subset: bool = False):
+    """``(label, make)`` pairs; ``make(capability)`` returns the launches the launchers plan for that device."""
+    for family in (attention_cases, write_cases, data_movement_cases, packed_cases):
+        for label, make in family(subset):
+            yield label, make
+
+
+def flag_coverage(subset: bool = False, capability: tuple[int, int] = (9, 0)) -> list[str]:
+    """Boolean constexprs of a kernel that the cases compile only one way (``[]`` when every flag is covered)."""
+    from .aot import kernel_name
+
+    seen: dict[tuple[str, str], set] = {}
+    for _, make in cases(subset):
+        for launch in make(capability):
+            for name, value in launch.constexprs.items():
+                if isinstance(value, bool):
+                    seen.setdefault((kernel_name(launch.kernel), name), set()).add(value)
+    return sorted(f"{k}.{f} only {sorted(v)}" for (k, f), v in seen.items() if len(v) < 2)

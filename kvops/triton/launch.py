@@ -1,0 +1,61 @@
+"""One launch of a Triton kernel, as planned by a launcher: kernel, grid, arguments and compile options.
+
+Every launcher in ``kvops/triton/`` and ``kvops/packed/triton_*.py`` is split in two: a ``plan_*`` function that
+computes the grid, ``num_warps``, ``num_stages`` and the ``BLOCK_*`` constexprs from the arguments' shapes, dtypes and
+the target's compute capability and returns :class:`Launch` records, and the launcher proper, which runs them. The
+ahead-of-time check (``kvops/triton/aot.py``, ``python benchmarks/gpu_check.py --aot``) calls the same ``plan_*``
+functions on ``meta`` tensors and compiles each record for real CUDA targets, so what it checks is what a launch runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# what a launch on a non-CUDA device (the Triton interpreter on CPU tensors) plans for: an H100/H200
+DEFAULT_CAPABILITY = (9, 0)
+
+
+def capability_of(t: torch.Tensor) -> tuple[int, int]:
+    """Compute capability of ``t``'s CUDA device; :data:`DEFAULT_CAPABILITY` for other devices (interpreter)."""
+    if t.device.type == "cuda":
+        return tuple(torch.cuda.get_device_capability(t.device))
+    return DEFAULT_CAPABILITY
+
+
+@dataclass
+class Launch:
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)``.
+
+    ``wrap`` launches through ``torch.library.wrap_triton`` (inside a ``triton_op``, so ``torch.compile`` sees the
+    kernel). ``num_stages=None`` keeps Triton's default (3).
+    """
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int | None = None
+    wrap: bool = False
+
+    @property
+    def options(self) -> dict:
+        opts = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            opts["num_stages"] = self.num_stages
+        return opts
+
+    def __call__(self) -> None:
+        kernel = self.kernel
+        if self.wrap:
+            from torch.library import wrap_triton
+
+            kernel = wrap_triton(kernel)
+        kernel[self.grid](*self.args, **self.constexprs, **self.options)
+
+
+def run(launches) -> None:
+    for launch in launches:
+        launch()

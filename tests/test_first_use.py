@@ -1,0 +1,82 @@
+"""What a new user sees first: the native build notice, import output without Triton, missing-extra messages."""
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+from unittest import mock
+
+import kvops.native as native
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Makes a module (and its submodules) unimportable, as if not installed (import raises ModuleNotFoundError naming
+# it, importlib.util.find_spec returns None); prepended to the scripts below.
+BLOCK = "import sys\nsys.modules[{0!r}] = None\n"
+
+
+def _python(script: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS",)}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+
+
+class TestNativeBuildNotice(unittest.TestCase):
+    def _build(self, ext_dir):
+        calls = []
+        with mock.patch.dict(os.environ, {"TORCH_EXTENSIONS_DIR": ext_dir, "KVOPS_NATIVE": "1"}), \
+                mock.patch.object(native, "_has_cpu_kernel", lambda: True):
+            with self.assertLogs("kvops.native", level="INFO") as logs:
+                logging.getLogger("kvops.native").info("start")  # assertLogs needs one record
+                self.assertTrue(native._build(load=lambda **kw: calls.append(kw)))
+            build_dir = native.build_directory()
+        self.assertEqual(len(calls), 1)
+        return [r.getMessage() for r in logs.records[1:]], build_dir
+
+    def test_first_build_says_what_how_long_and_where(self):
+        with tempfile.TemporaryDirectory() as d:
+            messages, build_dir = self._build(d)
+        self.assertEqual(len(messages), 2, messages)
+        self.assertIn("compiling the native CPU kernels", messages[0])
+        self.assertIn("about 30-40 s", messages[0])
+        self.assertIn(str(build_dir), messages[0])
+        self.assertTrue(str(build_dir).startswith(d))
+        self.assertRegex(messages[1], r"^kvops: native CPU kernels built in \d+ s$")
+
+    def test_cached_build_is_silent(self):
+        with tempfile.TemporaryDirectory() as d:
+            with mock.patch.dict(os.environ, {"TORCH_EXTENSIONS_DIR": d}):
+                build_dir = native.build_directory()
+            build_dir.mkdir(parents=True, exist_ok=True)
+            (build_dir / f"{native.build_name()}.so").write_bytes(b"")
+            messages, _ = self._build(d)
+        self.assertEqual(messages, [])
+
+
+class TestMissingExtras(unittest.TestCase):
+    def test_each_extra_is_named(self):
+        # One process: the transformers integration with transformers missing, the ONNX translations with onnx_ir
+        # (a dependency of onnxscript, not named by kvops) missing.
+        cases = [("transformers", "import kvops.integrations.transformers", "transformers"),
+                 ("onnx_ir", "kvops.onnx_translation_table()", "onnx")]
+        script = "".join(BLOCK.format(blocked) for blocked, _, _ in cases) + "import kvops\n"
+        for blocked, statement, _ in cases:
+            script += ("try:\n"
+                       f"    {statement}\n"
+                       "    print('NO ERROR')\n"
+                       "except ModuleNotFoundError as e:\n"
+                       "    print('NAME', e.name, '|', e)\n")
+        out = _python(script)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        lines = out.stdout.splitlines()
+        self.assertEqual(len(lines), 2, out.stdout)
+        for line, (blocked, _, extra) in zip(lines, cases):
+            self.assertTrue(line.startswith(f"NAME {blocked} | "), line)
+            self.assertIn(f"needs the optional dependencies of kvops' '{extra}' extra", line)
+            self.assertIn(f"pip install 'kvops[{extra}]'", line)
+            self.assertIn(f"from a clone of kvops: pip install -e '.[{extra}]'", line)
+
+
+if __name__ == "__main__":
+    unittest.main()
