@@ -320,12 +320,13 @@ def main(args) -> None:
     emit("ideal = SDPA over the same K/V stored contiguously (query heads folded, K/V read once, no block table): the "
          "attention without paging. It is a bar, not a bound: kvops' decode kernel (context split across threads, "
          "vectorized bf16 loads, prefetch) can beat torch's general SDPA kernel, so ratios < 1 are possible.")
-    emit("cells: candidate time / ideal time per round, median [25th-75th percentile]; 'noisy': the kvops spread is "
-         f"wider than {NOISY:.0%} of its median (rerun on an idle machine); gather = gather-then-SDPA; flex = compiled "
-         "FlexAttention + PagedAttention (decode rows)")
+    emit("cells: candidate time / ideal time per round, median [25th-75th percentile]; eager, compiled = "
+         "kvops.paged_attention eagerly and under torch.compile; gather = gather-then-SDPA; flex = compiled "
+         f"FlexAttention + PagedAttention (decode rows); 'noisy': a kvops spread wider than {NOISY:.0%} of its median "
+         "(rerun on an idle machine)")
     panels = {}
     cand_cols = [*args.modes, *peers]
-    col_names = {"eager": "kvops eager", "compiled": "kvops compiled", "gather": "gather+SDPA", "flex": "flex paged"}
+    col_names = {"eager": "eager/ideal", "compiled": "compiled/ideal", "gather": "gather/ideal", "flex": "flex/ideal"}
     names = [f"{g} {dt} " + tail for g in args.geometries for dt in args.dtypes
              for tail in [f"B={b} ctx={s}" for b in args.batches for s in args.contexts] + ["prefill 4x(512+128)"]]
     name_w = max(len(n) for n in names)  # every case name fits: columns stay aligned
@@ -337,7 +338,7 @@ def main(args) -> None:
         where = f"{threads} CPU thread(s)" if device.type == "cpu" else torch.cuda.get_device_name(device)
         emit(f"\n=== {where}, {clock_name} clock: copy bandwidth (read + write) {copy_bandwidth_gbs(device):.1f} GB/s; "
              f"torch.compile graph entry {graph_entry_us(device):.1f} us per call ===")
-        header = (f"{'case':<{name_w}} | {'ideal ms':>9} | " + " ".join(f"{col_names[n] + '/ideal':>{RATIO_W}}"
+        header = (f"{'case':<{name_w}} | {'ideal ms':>9} | " + " ".join(f"{col_names[n]:>{RATIO_W}}"
                                                                          for n in cand_cols)
                   + f" | {'GB/s ideal':>10} {'kvops':>6} | {'noisy':<5} | {'max err':>7} | target (kvops median)")
         emit(header)

@@ -28,15 +28,15 @@ import time
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per table")
-    p.add_argument("--inner", type=int, default=5, help="calls timed per candidate and round (local table)")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens in the request")
-    p.add_argument("--chunk", type=int, default=512, help="staging-grid chunk in tokens (one message per chunk)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per table row")
+    p.add_argument("--inner", type=int, default=5, help="calls per candidate per round (local table)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of the one request transferred")
+    p.add_argument("--chunk", type=int, default=512, help="staging grid in tokens (the request is split at it)")
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    ARGS = parse_args()  # before importing torch: --help answers at once
+    ARGS = parse_args()  # before torch is imported: --help answers at once
 
 import torch  # noqa: E402
 
@@ -152,7 +152,7 @@ def transfer(args):
     print(f"  plain / raw:      {spread([p / r for p, r in zip(plain, raw)])}")
 
 
-def main(args):
+def main(args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     local(args)
     transfer(args)

@@ -1,6 +1,6 @@
 """ONNX translations of the kvops ops, for ``torch.onnx.export(..., dynamo=True)`` (onnxscript, opset 18 ops).
 
-Usage (see README "Deployment")::
+Usage (see docs/deployment.md)::
 
     ep = kvops.export.functionalize(torch.export.export(model, args))     # writes -> functional kvops ops
     onnx_program = torch.onnx.export(ep, dynamo=True, custom_translation_table=kvops.onnx_translation_table())
@@ -188,8 +188,17 @@ def _gather_kv(cache, slots, scale, h: int, d: int):
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale=None, causal=True,
-                    window_left=-1, softcap=0.0, sinks=None, k_scale=None, v_scale=None, kv_layout=None, **_):
-    """ONNX of ``kvops::paged_attention``: returns ``(out [T_q, H_q, D_v], lse [H_q, T_q])`` as the op does."""
+                    window_left=-1, softcap=0.0, sinks=None, k_scale=None, v_scale=None, kv_layout=None,
+                    alibi_slopes=None, window_right=-1, cache_leftpad=None, sink_tokens=0, rope_theta=None, **_):
+    """ONNX of ``kvops::paged_attention``: returns ``(out [T_q, H_q, D_v], lse [H_q, T_q])`` as the op does.
+    The attention features of docs/attention_features.md (ALiBi, a right window, cache_leftpad, sink tokens, RoPE at
+    read time) have no translation yet: exporting a call that uses one raises."""
+    used = [name for name, x, default in (("alibi_slopes", alibi_slopes, None), ("window_right", window_right, -1),
+                                          ("cache_leftpad", cache_leftpad, None), ("sink_tokens", sink_tokens, 0),
+                                          ("rope_theta", rope_theta, None))
+            if (x is not None if default is None else x != default)]
+    if used:
+        raise NotImplementedError(f"kvops ONNX export: paged_attention with {', '.join(used)} has no translation.")
     k_cache, (_, _, d_k) = _nhd("paged_attention", k_cache, kv_layout)
     v_cache, (block_size, num_kv_heads, d_v) = _nhd("paged_attention", v_cache, kv_layout)
     for name, x in (("window_left", window_left), ("softcap", softcap), ("scale", scale)):

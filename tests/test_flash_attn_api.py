@@ -318,22 +318,6 @@ class TestContracts(expecttest.TestCase):
             msg, """flash_attn_with_kvcache: q must be 4-D [batch, seqlen_q, num_heads, head_dim], got shape (1, 4, 16)."""
         )
 
-    def test_unsupported(self):
-        f = kvops.flash_attn_with_kvcache
-        msg = self.check(lambda q, kc, vc, bt, c: f(q, kc, vc, cache_seqlens=1, cache_leftpad=c, block_table=bt),
-                         self.q, self.k_cache, self.v_cache, self.table, torch.zeros(2, dtype=torch.int32),
-                         exc=NotImplementedError)
-        self.assertExpectedInline(
-            msg,
-            """flash_attn_with_kvcache: cache_leftpad is not supported by kvops; apply it before the call (e.g. index the caches, or shift cache_seqlens) or pass cache_leftpad=None.""",
-        )
-        msg = self.check(lambda q, kc, vc, bt: f(q, kc, vc, cache_seqlens=1, block_table=bt, window_size=(2, 3)),
-                         self.q, self.k_cache, self.v_cache, self.table, exc=NotImplementedError)
-        self.assertExpectedInline(
-            msg,
-            """flash_attn_with_kvcache: window_size=(2, 3): a right window > 0 is not supported; use window_size[1] = -1 (unbounded) or 0 (causal).""",
-        )
-
     def test_op_errors_propagate(self):
         """Errors found by the write op's validator (fake rule): TorchRuntimeError under compile."""
         f = kvops.flash_attn_with_kvcache

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 _SCRIPT = r"""
 import json, sys
 from kvops.triton import aot, aot_cases
-rows, refusals = aot.check(sys.argv[1].split(","), subset=True, workers=1)
+rows, refusals = aot.check(sys.argv[1].split(","), subset=True, workers=2)
 print(json.dumps(dict(rows=rows, refusals=refusals, uncovered=aot_cases.flag_coverage(subset=True))))
 """
 

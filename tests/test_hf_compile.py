@@ -61,9 +61,9 @@ def test_compiled_decode_two_graphs(family, cache):
 
 
 def test_inductor_fuses_rope_into_cache_write():
-    """Inductor, Llama layer 0 with KvopsStaticCache: k_proj -> RoPE -> ``cache.update`` (``kvops.cache_write``) and
-    v_proj -> write are lowered into generated kernels, no extern ``kvops.cache_write`` call; the caches equal eager's
-    bit for bit."""
+    """Inductor, Llama layer 0 with KvopsStaticCache: k_proj -> RoPE -> ``cache.update`` (``kvops.paged_cache_write``
+    at slots from the tensor cursor) and v_proj -> write are lowered into generated kernels, no extern kvops write
+    call; the caches equal eager's bit for bit."""
     from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -83,7 +83,8 @@ def test_inductor_fuses_rope_into_cache_write():
     with torch.no_grad():
         cos, sin = rotary(x, torch.full((2, 1), 4))
         for kv in (kv_eager, kv_compiled):
-            kv.layers[0].seen = 4
+            kv.layers[0].lazy_initialization(x.new_zeros(2, 2, 0, attn.head_dim), x.new_zeros(2, 2, 0, attn.head_dim))
+            kv.layers[0].cumulative_length.fill_(4)
         expected = step(x, cos, sin, kv_eager)
         torch._dynamo.reset()
         with fresh_inductor_cache():
@@ -92,17 +93,19 @@ def test_inductor_fuses_rope_into_cache_write():
     torch.testing.assert_close(got, expected)
     assert torch.equal(kv_compiled.layers[0].k, kv_eager.layers[0].k)
     assert torch.equal(kv_compiled.layers[0].v, kv_eager.layers[0].v)
-    assert "torch.ops.kvops.cache_write" not in code and "cpp_pybinding" in code, code_facts(code)
+    assert "torch.ops.kvops.paged_cache_write" not in code and "cpp_pybinding" in code, code_facts(code)
 
 
 class DecodeStep(torch.nn.Module):
-    """A decode step with the cache's tensors registered as buffers (as transformers' own export recipe does)."""
+    """A decode step with the cache's tensors registered as buffers (as transformers' own export recipe does); a
+    sliding layer's Python-int cursor is baked in: the program serves this one position (see
+    ``test_exported_decode_step_serves_every_position`` for kvops' every-position program)."""
 
     def __init__(self, model, cache):
         super().__init__()
         self.model, self.cache = model, cache
         for i, layer in enumerate(cache.layers):
-            for name in ("k", "v", "block_table"):
+            for name in ("k", "v", "block_table", "cumulative_length"):
                 if hasattr(layer, name) and not (name == "block_table" and i > 0):
                     self.register_buffer(f"{name}{i}", getattr(layer, name), persistent=False)
 
@@ -129,3 +132,77 @@ def test_export_decode_step(family, cache):
     ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert any("kvops.paged_attention" in o for o in ops)
     assert any("kvops.cache_write" in o or "kvops.paged_cache_write" in o for o in ops), ops
+
+
+def _reference_steps(model, steps: int):
+    """sdpa + DynamicCache: prefill of the left-padded prompts, then ``steps`` decode steps of fixed tokens; returns
+    (prompt ids, mask, positions, decode tokens, [last-position logits per forward])."""
+    from transformers import DynamicCache
+
+    ids, mask = prompts()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    toks = torch.randint(3, 96, (2, steps), generator=torch.Generator().manual_seed(2))
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        dc = DynamicCache(config=model.config)
+        out = [decode(model, ids, mask, pos, dc)]
+        m, p = mask, pos
+        for i in range(steps):
+            m, p = torch.cat([m, m.new_ones(2, 1)], 1), p[:, -1:] + 1
+            out.append(decode(model, toks[:, i:i + 1], m, p, dc))
+    return ids, mask, pos, toks, out
+
+
+def _prefilled_step(model, cache_kind: str, max_len: int):
+    """An ``ExportableDecodeStep`` over a kvops cache holding the prompts; the fixed ``[B, max_len]`` padding mask."""
+    import kvops.integrations.transformers as kvops_hf
+
+    ids, mask, pos, toks, ref = _reference_steps(model, 4)
+    model.set_attn_implementation("kvops")
+    kv = (kvops_hf.KvopsStaticCache(model.config, max_cache_len=max_len) if cache_kind == "static"
+          else kvops_hf.KvopsPagedCache(model.config, max_cache_len=max_len, block_size=4))
+    step = kvops_hf.ExportableDecodeStep(model, kv, batch_size=2)
+    full = torch.zeros(2, max_len, dtype=torch.long)
+    full[:, :mask.shape[1]] = mask
+    with torch.no_grad():
+        torch.testing.assert_close(step(ids, torch.tensor([0]), full, pos)[:, -1], ref[0], atol=1e-5, rtol=1e-5)
+    return step, full, pos, toks, ref
+
+
+def _run_steps(run, full, pos, toks, ref):
+    """Decode ``toks`` one position per call through ``run`` (one program), comparing with sdpa's logits."""
+    full, p = full.clone(), pos
+    for i in range(toks.shape[1]):
+        full[:, pos.shape[1] + i] = 1
+        p = p[:, -1:] + 1
+        with torch.no_grad():
+            got = run(toks[:, i:i + 1], torch.tensor([pos.shape[1] + i]), full, p)[:, -1]
+        torch.testing.assert_close(got, ref[i + 1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["static", "paged"])
+def test_exported_decode_step_serves_every_position(cache):
+    """One ``torch.export`` program of ``ExportableDecodeStep`` (the position an input: ``cache_position``) decodes 4
+    successive positions with sdpa's logits. Before: the cursor was a Python int baked into the program, which served
+    the traced position only and silently gave wrong logits at the next ones (max diff 12-25)."""
+    step, full, pos, toks, ref = _prefilled_step(model_for("llama"), cache, 16)
+    args = (toks[:, :1], torch.tensor([pos.shape[1]]), full, pos[:, -1:] + 1)
+    with torch.no_grad():
+        ep = torch.export.export(step, args, strict=True)
+    assert not [n for n in ep.graph.nodes if n.op == "call_function" and "item" in str(n.target)]
+    _run_steps(ep.module(), full, pos, toks, ref)
+
+
+def test_aoti_decode_step_serves_every_position(tmp_path):
+    """The same program through AOTInductor (one compile, ~1-3 min): 4 successive positions, sdpa's logits."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    step, full, pos, toks, ref = _prefilled_step(model_for("llama"), "static", 16)
+    args = (toks[:, :1], torch.tensor([pos.shape[1]]), full, pos[:, -1:] + 1)
+    with torch.no_grad():
+        ep = torch.export.export(step, args, strict=True)
+    package = aoti_load_package(aoti_compile_and_package(ep, package_path=str(tmp_path / "hf_decode.pt2")))
+    # the package holds its own copy of the buffers: load the prefilled caches into it
+    package.load_constants({name: buf for name, buf in step.named_buffers()}, check_full_update=False,
+                           user_managed=True)
+    _run_steps(package, full, pos, toks, ref)

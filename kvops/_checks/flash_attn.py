@@ -24,17 +24,15 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
     ``torch.compile(fullgraph=True)`` its errors are raised while Dynamo traces, as an "Observed exception" whose text
     carries the original type and message; eager and ``torch.export`` raise the original exception.
     """
-    unsupported = {"cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "alibi_slopes": alibi_slopes}
-    for name, value in unsupported.items():
-        if value is not None:
-            raise NotImplementedError(
-                f"{OP}: {name} is not supported by kvops; apply it before the call (e.g. index the caches, or shift "
-                f"cache_seqlens) or pass {name}=None."
-            )
-    if not causal and window_size[1] > 0:
+    if cache_batch_idx is not None:
         raise NotImplementedError(
-            f"{OP}: window_size={tuple(window_size)}: a right window > 0 is not supported; use window_size[1] = -1 "
-            f"(unbounded) or 0 (causal)."
+            f"{OP}: cache_batch_idx is not supported by kvops; apply it before the call (index the caches, or pass "
+            f"a block_table whose rows select each sequence's blocks) or pass cache_batch_idx=None."
+        )
+    if window_size[0] < -1 or window_size[1] < -1:
+        raise ValueError(
+            f"{OP}: window_size={tuple(window_size)}: each bound must be -1 (unbounded) or >= 0 (FlashAttention's "
+            f"(left, right) local window)."
         )
     if v_cache is None:
         raise ValueError(f"{OP}: v_cache must be provided (the V cache, with k_cache).")
@@ -65,6 +63,17 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
                     + {"block_size": "row per block", "seqlen_cache": "row (token) per sequence",
                        "num_kv_heads": "KV head", "head_dim": "element per head"}[what] + "."
                 )
+    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32
+                                     or tuple(alibi_slopes.shape) not in ((num_heads,), (batch, num_heads))):
+        raise ValueError(
+            f"{OP}: alibi_slopes must be float32 of shape [{num_heads}] or [{batch}, {num_heads}] (nheads or "
+            f"(batch_size, nheads)), got shape {tuple(alibi_slopes.shape)} and dtype {alibi_slopes.dtype}."
+        )
+    if cache_leftpad is not None and (cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (batch,)):
+        raise ValueError(
+            f"{OP}: cache_leftpad must be an int32 tensor of shape [{batch}] (the row each sequence's cache starts "
+            f"at), got shape {tuple(cache_leftpad.shape)} and dtype {cache_leftpad.dtype}."
+        )
     if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"{OP}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) (GQA); got q shape "

@@ -136,15 +136,42 @@ def check_paged_write(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_layo
 
 
 # --- paged_attention ------------------------------------------------------------------------------------------
-def _bad_blocks(block_table, lens, block_size, num_blocks):
+def _bad_blocks(block_table, lens, block_size, num_blocks, reads=None):
     """``[B, W]``: True where a used entry (the first ``ceil(lens[b] / block_size)`` of row ``b``) is outside
-    ``[0, num_blocks)``; entries past a sequence's blocks are never read and may hold any value."""
+    ``[0, num_blocks)``; entries past a sequence's blocks are never read and may hold any value. ``reads``:
+    ``(start, a, w)`` ``[B]`` each, the rows ``[start, a)`` and ``[w, lens)`` the queries can see (a window, sink
+    tokens, ``cache_leftpad``: :func:`_read_rows`); entries of blocks outside them are never read either."""
     cols = torch.arange(block_table.shape[1], device=block_table.device)
     used = cols < ((lens + block_size - 1) // block_size)[:, None]
+    if reads is not None:
+        start, a, w = (x[:, None] for x in reads)
+        lo, hi = cols * block_size, (cols + 1) * block_size
+        used = used & (((lo < a) & (hi > start)) | ((lo < lens[:, None]) & (hi > w)))
     return used & ((block_table < 0) | (block_table >= num_blocks))
 
 
-def _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q):
+def _read_rows(cu_seqlens_q, seq_lens, window_left, sink_tokens, cache_leftpad):
+    """``(start, a, w)``: sequence ``b``'s queries read rows ``[start, a)`` (sink tokens) and ``[w, seq_len)``
+    (the earliest query's window); None when they read every row ``[0, seq_len)`` (no window, no ``cache_leftpad``).
+    The native kernel's ``Index::reads`` computes the same."""
+    if window_left < 0 and cache_leftpad is None:
+        return None
+    lens = seq_lens.long()
+    start = torch.zeros_like(lens) if cache_leftpad is None else cache_leftpad.long().clamp_min(0)
+    if window_left < 0:
+        return start, start, start
+    first = lens - (cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long())
+    w = torch.maximum(start, first - window_left)
+    return start, torch.minimum(w, start + sink_tokens), w
+
+
+def _reads_text(reads, b, lens) -> str:
+    start, a, w = (int(x[b]) for x in reads)
+    return f"reads rows [{start}, {a}) and [{w}, {lens[b]})"
+
+
+def _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q,
+                          reads=None, cache_leftpad=None):
     """Boolean tensors (each ``[B]`` or ``[B, W]`` or scalar) that are True where a contract is violated."""
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
@@ -156,11 +183,13 @@ def _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, blo
         "cu_end": cu[-1] > q.shape[0],
         "q_len": q_lens > max_seqlen_q,
         "seq_len": (lens < 0) | (lens > capacity),
-        "block": _bad_blocks(block_table, lens, block_size, num_blocks),
+        "leftpad": torch.zeros_like(lens, dtype=torch.bool) if cache_leftpad is None else cache_leftpad < 0,
+        "block": _bad_blocks(block_table, lens, block_size, num_blocks, reads),
     }
 
 
-def _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, op):
+def _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, op,
+                     reads=None, cache_leftpad=None):
     """Eager error path: the first violated contract, with its index, value, bound and fix."""
     cu, lens, table = cu_seqlens_q.tolist(), seq_lens.tolist(), block_table
     capacity = block_table.shape[1] * block_size
@@ -183,7 +212,19 @@ def _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block
             f"{block_table.shape[1]} blocks per sequence x block_size {block_size}. Give block_table more columns "
             f"(max_blocks >= ceil(seq_len / block_size)) or pass the sequence's real KV length."
         )
+    if bool(v["leftpad"].any()):
+        b = int(v["leftpad"].nonzero()[0, 0])
+        raise RuntimeError(
+            f"{op}: cache_leftpad[{b}] = {int(cache_leftpad[b])} is negative; it is the first KV row of sequence {b} "
+            f"(0: no left padding)."
+        )
     b, j = (int(x) for x in v["block"].nonzero()[0])
+    if reads is not None:
+        raise RuntimeError(
+            f"{op}: block_table[{b}, {j}] = {int(table[b, j])} is not a block of the cache: block ids must be in "
+            f"[0, {num_blocks}) (P = {num_blocks} blocks). Sequence {b} {_reads_text(reads, b, lens)}; entries of "
+            f"blocks outside them are never read and may hold any value (e.g. -1)."
+        )
     raise RuntimeError(
         f"{op}: block_table[{b}, {j}] = {int(table[b, j])} is not a block of the cache: block ids must be in "
         f"[0, {num_blocks}) (P = {num_blocks} blocks). Sequence {b} (seq_len {lens[b]}) uses its first "
@@ -191,7 +232,8 @@ def _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block
     )
 
 
-def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_blocks, block_size) -> bool:
+def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_blocks, block_size, window_left=-1,
+                  sink_tokens=0, cache_leftpad=None) -> bool:
     """Eager CPU fast path: True when the native kernel's one-pass check (``kvops/native/paged_attention.cpp``, the
     same contracts as ``_attention_violations``) finds every contract held. False when one is violated (the torch
     path then finds it and raises) or the fast path does not apply (not CPU/int32, no native build)."""
@@ -199,33 +241,49 @@ def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_bloc
 
     if q.device.type != "cpu" or not all(t.dtype == torch.int32 for t in (cu_seqlens_q, seq_lens, block_table)):
         return False
+    if cache_leftpad is not None and (cache_leftpad.dtype != torch.int32 or cache_leftpad.device != q.device):
+        return False
     if not native.available():
         return False
+    if window_left < 0 and sink_tokens == 0 and cache_leftpad is None:  # the call graphs had before the features
+        return not torch.ops.kvops._paged_attention_values_bad(
+            cu_seqlens_q, seq_lens, block_table, q.shape[0], max_seqlen_q, num_blocks, block_size)
     return not torch.ops.kvops._paged_attention_values_bad(
-        cu_seqlens_q, seq_lens, block_table, q.shape[0], max_seqlen_q, num_blocks, block_size)
+        cu_seqlens_q, seq_lens, block_table, q.shape[0], max_seqlen_q, num_blocks, block_size, window_left,
+        sink_tokens, cache_leftpad)
 
 
 def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout: str = "NHD",
-                          op: str = "kvops.paged_attention") -> None:
+                          op: str = "kvops.paged_attention", *, window_left=-1, sink_tokens=0,
+                          cache_leftpad=None) -> None:
     """Apply the value contracts of ``paged_attention`` in the current mode (docs/semantics.md §7).
 
     eager: one host sync; ``RuntimeError`` naming the argument, index, value, bound and fix. async: one
     ``torch._assert_async`` per contract. ``cu_seqlens_q[-1] < T_q`` is allowed (rows owned by no sequence are 0).
+    With a window (``window_left >= 0``, ``sink_tokens``) or ``cache_leftpad``, only the block ids of the rows the
+    queries can see must be valid (docs/attention_features.md); ``cache_leftpad`` must be >= 0.
     """
     geometry = cache_geometry(k_cache, kv_layout)
     mode = _active(q, cu_seqlens_q, seq_lens, block_table)
     if (mode is None or geometry is None or q.dim() != 3 or not _index(cu_seqlens_q, 1) or not _index(seq_lens, 1)
             or not _index(block_table, 2) or not block_table.shape[0] == seq_lens.shape[0] == cu_seqlens_q.shape[0] - 1
             or any(t.device != q.device for t in (k_cache, cu_seqlens_q, seq_lens, block_table))
-            or (max_seqlen_q < 1 and q.shape[0] > 0)):
-        return  # checks off, or a metadata error that the op's validator reports
+            or (max_seqlen_q < 1 and q.shape[0] > 0)
+            or (cache_leftpad is not None and (not _index(cache_leftpad, 1) or cache_leftpad.device != q.device
+                                               or cache_leftpad.shape[0] != seq_lens.shape[0]))
+            or not isinstance(window_left, int) or not isinstance(sink_tokens, int)):
+        return  # checks off, or a metadata error that the op's validator reports (or symbolic window bounds)
     num_blocks, block_size = geometry
-    if mode == "eager" and _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_blocks, block_size):
+    if mode == "eager" and _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_blocks, block_size,
+                                         window_left, sink_tokens, cache_leftpad):
         return
-    v = _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q)
+    reads = _read_rows(cu_seqlens_q, seq_lens, window_left, sink_tokens, cache_leftpad)
+    v = _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, reads,
+                              cache_leftpad)
     if mode == "eager":
         if bool(torch.stack([t.any() for t in v.values()]).any()):
-            _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, op)
+            _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, op,
+                             reads, cache_leftpad)
         return
     cap = _known(block_table.shape[1] * block_size)
     hint = "Run with kvops.value_checks('eager') to see the index and value."
@@ -233,6 +291,7 @@ def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_s
             f"{op}: cu_seqlens_q must be non-decreasing from 0 to at most T_q = {_known(q.shape[0])}. {hint}")
     _assert(~v["q_len"].any(), f"{op}: a sequence's q_len exceeds max_seqlen_q = {_known(max_seqlen_q)}. {hint}")
     _assert(~v["seq_len"].any(), f"{op}: seq_lens outside [0, {cap}], the capacity of block_table. {hint}")
+    _assert(~v["leftpad"].any(), f"{op}: cache_leftpad holds a negative row. {hint}")
     _assert(~v["block"].any(),
             f"{op}: block_table holds a block id outside [0, P = {_known(num_blocks)}) in a used entry. {hint}")
 

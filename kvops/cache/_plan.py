@@ -115,7 +115,8 @@ def raise_write_range(name, plan: Plan, s, g, l, protected) -> None:
         held = (f"rows [0, {protected}) hold the sink, rows [{protected}, {l}) positions [{oldest}, {g})" if protected
                 else f"rows [0, {l}) hold positions [{oldest}, {g})")
         reason = (
-            f"positions [{s}, {min(e, oldest)}) were already evicted ({held}); rewrite only tokens still cached "
+            f"the chunk starts before position {oldest}, the oldest one held after the sink: positions "
+            f"[{protected}, {oldest}) were already evicted ({held}); rewrite only tokens still cached "
             f"(current_start >= {oldest}) or append at current_start={g}"
         )
     else:

@@ -28,7 +28,8 @@ class PagedStep:
 
     Attributes:
         block_table: ``[B', max_blocks]`` int32 physical block ids per sequence; entries past a sequence's blocks are 0
-            (never read: attention reads only ``ceil(seq_len / block_size)`` blocks).
+            (never read: attention reads only ``ceil(seq_len / block_size)`` blocks); blocks evicted by a StreamingLLM
+            cache (``window_left``/``sink_tokens``) are ``-1`` (never read either).
         seq_lens: ``[B']`` int32 KV length of each sequence *after* this step's tokens.
         cu_seqlens_q: ``[B' + 1]`` int32 cumulative new-token counts; ``cu_seqlens_q[-1]`` equals the padded token
             count, so it matches ``q``'s rows.
@@ -84,6 +85,13 @@ class PagedKVCache:
         joint: allocate K and V of a layer as views ``kv[:, :, 0]``/``kv[:, :, 1]`` of one
             ``[P, block_size, 2, H_kv, D]`` tensor (needs ``D_v == D``).
         k_scale, v_scale: float32 ``[1]`` or ``[H_kv]`` fp8 scales, passed to the write and attention ops.
+        window_left, sink_tokens: StreamingLLM on the paged cache (docs/attention_features.md). With
+            ``window_left >= 0`` a query at position ``pos`` sees the first ``sink_tokens`` tokens and positions
+            ``[pos - window_left, pos]``; :meth:`attention` passes both to ``kvops.paged_attention``, and
+            :meth:`prepare` frees, before each step, every block that lies wholly between the sinks and the window
+            of the step's first query (``[ceil(sink_tokens / block_size) blocks, (seq_len - window_left) //
+            block_size)``): its block-table entry becomes ``-1`` and is never read, so the blocks held per sequence
+            stay bounded (``ceil(sink_tokens / bs) + ceil((window_left + new tokens) / bs) + 1``) as it grows.
 
     Raises:
         ValueError: non-positive sizes, ``joint`` with ``D_v != D``; from the methods: unknown or duplicate sequence
@@ -105,8 +113,16 @@ class PagedKVCache:
         joint: bool = False,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        window_left: int = -1,
+        sink_tokens: int = 0,
     ) -> None:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if window_left < -1 or sink_tokens < 0:
+            raise ValueError(
+                f"PagedKVCache: window_left must be -1 (no window) or >= 0 and sink_tokens >= 0, got "
+                f"window_left={window_left} and sink_tokens={sink_tokens}."
+            )
+        self.window_left, self.sink_tokens = window_left, sink_tokens
         for name, x in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("head_dim_v", head_dim_v), ("num_layers", num_layers)):
             if x <= 0:
@@ -206,9 +222,24 @@ class PagedKVCache:
         seq = self._get(seq_id)
         del self._seqs[seq_id]
         for block in seq.blocks:
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                heapq.heappush(self._free, block)
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        if block < 0:  # evicted already
+            return
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            heapq.heappush(self._free, block)
+
+    def _evictable(self, seq: _Seq) -> list[int]:
+        """Indices into ``seq.blocks`` of the held blocks that no later query can see (StreamingLLM): wholly past
+        the sinks and before the window of a query at position ``seq.length`` (the next new token)."""
+        if self.window_left < 0:
+            return []
+        bs = self.block_size
+        first = -(-self.sink_tokens // bs)  # the first block with no sink token
+        end = max(0, seq.length - self.window_left) // bs  # blocks [.., end) end at or before the window's start
+        return [i for i in range(first, min(end, len(seq.blocks))) if seq.blocks[i] >= 0]
 
     def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int | None = None) -> int:
         """Start ``child_id`` sharing the parent's first ``num_tokens`` tokens (read-only, by reference count).
@@ -232,7 +263,8 @@ class PagedKVCache:
             )
         blocks = parent.blocks[: n // bs]
         for block in blocks:
-            self._refs[block] += 1
+            if block >= 0:  # (an evicted entry stays -1 in the child)
+                self._refs[block] += 1
         self._seqs[child_id] = _Seq(list(blocks), n)
         return n
 
@@ -283,6 +315,8 @@ class PagedKVCache:
             _check_count("PagedKVCache.prepare", n, seq_id)
         bs = self.block_size
         needed = sum(self._blocks_needed(seq, n) for seq, (_, n) in zip(seqs, items))
+        evict = [self._evictable(seq) for seq in seqs]  # applied once every check passed
+        reusable = sum(1 for seq, idx in zip(seqs, evict) for i in idx if self._refs[seq.blocks[i]] == 1)
         widths = [-(-(seq.length + n) // bs) for seq, (_, n) in zip(seqs, items)]
         widest = max(widths, default=0)
         width = widest if max_blocks is None else max_blocks
@@ -306,8 +340,12 @@ class PagedKVCache:
                 f"PagedKVCache.prepare: pad_batch={pad_batch} must be >= the {batch} sequences of the step, and "
                 f"larger when pad_tokens adds tokens (padding tokens need a padding row)."
             )
-        if needed > len(self._free):
+        if needed > len(self._free) + reusable:
             self._raise_out_of_blocks(needed, f"a step of {num_tokens} tokens over {batch} sequences")
+        for seq, idx in zip(seqs, evict):
+            for i in idx:
+                self._release(seq.blocks[i])
+                seq.blocks[i] = -1
 
         positions = [p for seq, (_, n) in zip(seqs, items) for p in range(seq.length, seq.length + n)] + [0] * extra
         slots = [s for seq, (_, n) in zip(seqs, items) for s in self._grow(seq, n)] + [-1] * extra
@@ -349,12 +387,17 @@ class PagedKVCache:
     def attention(self, layer: int, q: torch.Tensor, step: PagedStep, **kwargs):
         """``kvops.paged_attention`` of ``q [N_pad, H_q, D]`` over ``layer``'s cache with the step's metadata.
 
-        ``kwargs``: ``scale``, ``causal`` (default True), ``window_left``, ``softcap``, ``sinks``, ``return_lse``.
+        ``kwargs``: ``scale``, ``causal`` (default True), ``window_left`` and ``sink_tokens`` (default: the cache's),
+        ``softcap``, ``sinks``, ``return_lse``, and the other keyword arguments of ``kvops.paged_attention`` (e.g.
+        ``rope_theta`` for RoPE at read time).
         Raises ``ValueError`` when ``H_q`` is not a multiple of the cache's ``num_kv_heads`` (GQA), and every error of
         ``kvops.paged_attention``.
         """
         self._check_layer("PagedKVCache.attention", layer)
         _check_heads("PagedKVCache.attention", "q", q, self.k_caches[layer].shape[2])
+        if self.window_left >= 0:
+            kwargs.setdefault("window_left", self.window_left)
+            kwargs.setdefault("sink_tokens", self.sink_tokens)
         return paged_attention(q, self.k_caches[layer], self.v_caches[layer], step.cu_seqlens_q, step.seq_lens,
                                step.block_table, max(step.max_seqlen_q, 1), k_scale=self.k_scale,
                                v_scale=self.v_scale, **kwargs)

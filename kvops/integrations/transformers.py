@@ -25,8 +25,11 @@ How it plugs in (docs/semantics.md §10; transformers' own interfaces, no monkey
   D]`` (5-D, so any other attention function fails loudly instead of misreading it) and the ``[B, max_blocks]``
   int32 block table in the "value" slot.
 
-Supported masks: causal and sliding-window causal masks with (left) padding, as ``generate()`` builds them. Custom
-4-D masks, bidirectional or packed-sequence masks are not representable by (``start``, ``length``) and raise.
+Supported masks: causal and sliding-window causal masks with (left) padding, as ``generate()`` builds them, and
+packed sequences (several sequences in one row, ``position_ids`` restarting at 0, no mask, no cache: each query sees
+its own sequence only, a range per query). Any other mask function transformers passes (bidirectional, chunked,
+blockwise, overlays) is evaluated eagerly and raises ``ValueError`` unless every query sees one contiguous range
+ending at itself; custom 4-D masks raise. ``output_attentions=True`` logs a warning (no maps), as sdpa does.
 
 Continuous batching (``generate_batch``): transformers 5.23's ``ContinuousBatchingManager.switch_to_cb_friendly_attn``
 accepts only ``"paged|eager"``, ``"sdpa"`` or a flash implementation and raises ``ValueError`` for any other name, so a
@@ -44,13 +47,16 @@ from .._extras import require
 require("transformers", "kvops.integrations.transformers", "transformers")
 
 from transformers import AttentionInterface  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function  # noqa: E402
+from transformers.utils import logging  # noqa: E402
 
 import kvops
 
 from ._hf_cache import KvopsPagedCache, KvopsPagedLayer, KvopsSlidingLayer, KvopsStaticCache, KvopsStaticLayer
+from ._hf_export import ExportableDecodeStep
 
 NAME = "kvops"
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "NAME",
@@ -61,26 +67,120 @@ __all__ = [
     "KvopsSlidingLayer",
     "KvopsPagedCache",
     "KvopsPagedLayer",
+    "ExportableDecodeStep",
 ]
+
+
+def _closure(fn, name: str):
+    """Free variable ``name`` of a transformers mask-function closure."""
+    return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+
+
+def _parts(fn) -> tuple:
+    """The mask functions intersected by ``fn`` (``masking_utils.and_masks``), or ``(fn,)``."""
+    if getattr(fn, "__qualname__", "") == "and_masks.<locals>.and_mask":
+        return tuple(f for part in _closure(fn, "mask_functions") for f in _parts(part))
+    return (fn,)
+
+
+_CAUSAL_PARTS = ("causal_mask_function", "sliding_window_overlay.<locals>.inner_mask")
+
+
+def _mask_kind(mask_function) -> tuple[str, torch.Tensor | None]:
+    """``("causal", None)`` for transformers' causal / sliding-window causal masks (the window is the attention
+    module's ``sliding_window``), ``("packed", segment_ids [B, T])`` for the packed-sequence form of those, else
+    ``("other", None)``."""
+    if mask_function is None:
+        return "causal", None
+    parts = _parts(mask_function)
+    names = [getattr(f, "__qualname__", "") for f in parts]
+    if all(n in _CAUSAL_PARTS for n in names) and _CAUSAL_PARTS[0] in names:
+        return "causal", None
+    if len(parts) == 2 and names == ["packed_sequence_mask_function.<locals>.inner_mask",
+                                     "remap_positions_for_packed_sequence.<locals>.inner_mask"]:
+        if _mask_kind(_closure(parts[1], "mask_function"))[0] == "causal":
+            return "packed", _closure(parts[0], "packed_sequence_mask")
+    return "other", None
+
+
+_NOT_REPRESENTABLE = (
+    "kvops attention: the mask function transformers passed (e.g. bidirectional, chunked or blockwise attention, or "
+    "an or/and_mask_function overlay) lets some query see keys that are not one contiguous range ending at its own "
+    "position; kvops attention supports causal and sliding-window causal masks with padding and packed sequences. "
+    "Use attn_implementation='sdpa' or 'eager' for this model."
+)
+
+
+def _per_query_ranges(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
+                      device) -> torch.Tensor:
+    """Any other mask function, evaluated on the ``[B, T, S]`` grid and turned into per-query (``start``,
+    ``length``); every query must see one contiguous range of rows ending at its own row: else ``ValueError``
+    (eager) or a ``torch._assert_async`` failure (``RuntimeError`` on CPU) in compiled and exported graphs."""
+    b = torch.arange(batch_size, device=device)[:, None, None, None]
+    q = (torch.arange(q_length, device=device) + q_offset)[None, None, :, None]
+    kv = (torch.arange(kv_length, device=device) + kv_offset)[None, None, None, :]
+    allowed = mask_function(b, torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device), q, kv)
+    allowed = allowed.expand(batch_size, 1, q_length, kv_length)[:, 0]
+    if attention_mask is not None:  # padding, read at the returned rows' positions (False past the mask's end)
+        pad = attention_mask.to(device).bool()
+        cols = kv[0, 0]  # [1, S]
+        real = pad.gather(1, cols.clamp(0, pad.shape[-1] - 1).expand(batch_size, -1)) & (cols < pad.shape[-1])
+        allowed = allowed & real[:, None, :]
+    length = allowed.sum(-1)
+    start = torch.where(length > 0, allowed.int().argmax(-1), 0)
+    rows = torch.arange(kv_length, device=device)
+    ranges = (rows >= start[..., None]) & (rows < (start + length)[..., None])
+    ok = (ranges == allowed).all() & ((length == 0) | (start + length - 1 == q[0, 0, :, 0] - kv_offset)).all()
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, _NOT_REPRESENTABLE)
+    elif not ok:
+        raise ValueError(_NOT_REPRESENTABLE)
+    return torch.stack([start, length]).to(torch.int32).view(2, batch_size, q_length, 1)
 
 
 def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
                attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu",
                **kwargs) -> torch.Tensor:
-    """Mask function registered as ``"kvops"``: per-sequence visible key range (``start``, ``length``).
+    """Mask function registered as ``"kvops"``: the visible key range (``start``, ``length``) of each sequence, or of
+    each query.
 
     Args (as transformers passes them to every mask function, ``masking_utils.create_causal_mask``):
         batch_size: ``B``. q_length: ``T`` new tokens. kv_length: rows of the K/V the cache will return.
         q_offset: global position of the first query (int, SymInt or 0-d tensor).
         kv_offset: global position of the first returned K/V row (int, SymInt or 0-d tensor; sliding layers).
+        mask_function: transformers' mask pattern. Causal and sliding-window causal (the window is applied by the
+            attention from the module's ``sliding_window``) give per-sequence metadata; packed sequences
+            (``position_ids`` restarting, no mask, no cache) give per-query ranges inside each packed sequence;
+            any other pattern (and, while compiling, every pattern but plain causal: closures cannot be inspected
+            there) is evaluated on the ``[B, T, S]`` grid and must give every query one contiguous range ending at
+            its own row.
         attention_mask: optional 2-D padding mask ``[B, >= kv_offset + kv_length]`` (bool/int, 1 = real token);
             padding must be *leading* (left padding, as ``generate()`` uses) or trailing; holes are not supported.
 
-    Returns ``[2, B, 1, 1]`` int32 (4-D so transformers passes it through as a prepared mask): row 0
-    ``start = max(0, pad_b - kv_offset)`` (first visible returned row), row 1
-    ``length = max(0, q_offset + T - kv_offset - start)`` (rows from ``start`` through the last query). Causality,
-    sliding windows, softcap and sinks are applied by the attention function from the module's own arguments.
+    Returns int32 ``[2, B, 1, 1]`` (one range per sequence; 4-D so transformers passes it through as a prepared
+    mask): row 0 ``start = max(0, pad_b - kv_offset)`` (first visible returned row), row 1 ``length = max(0, q_offset
+    + T - kv_offset - start)`` (rows from ``start`` through the last query). Or ``[2, B, T, 1]``: a range per query
+    (``length`` rows from ``start`` through the query's own row). Causality, sliding windows, softcap and sinks are
+    applied by the attention function from the module's own arguments.
+
+    Raises:
+        ValueError: a mask pattern that is not representable (see ``mask_function``); in compiled and exported
+            graphs the same check is a ``torch._assert_async`` (``RuntimeError`` on CPU, a device assert on CUDA).
     """
+    if torch.compiler.is_compiling():  # closures cannot be inspected while tracing: anything else takes the grid
+        kind, segments = ("causal" if mask_function in (None, causal_mask_function) else "other"), None
+    else:
+        kind, segments = _mask_kind(mask_function)
+    if kind == "other":
+        return _per_query_ranges(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
+                                 device)
+    if kind == "packed":  # segments [B, T] (T == kv_length, no cache): each query sees its segment's start..itself
+        segments = segments.to(device)
+        t = torch.arange(q_length, device=device)
+        first = torch.ones_like(segments, dtype=torch.bool)
+        first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        start = torch.where(first, t, 0).cummax(-1).values
+        return torch.stack([start, t + 1 - start]).to(torch.int32).view(2, batch_size, q_length, 1)
     if attention_mask is None:
         pad = torch.zeros(batch_size, dtype=torch.int64, device=device)
     else:
@@ -137,14 +237,17 @@ def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """
     if dropout:
         raise ValueError(f"kvops attention: dropout={dropout} is not supported (inference only); call model.eval().")
+    if kwargs.get("output_attentions", False):
+        logger.warning_once("`kvops` attention does not support `output_attentions=True` (it returns no attention "
+                            "maps). Please set your attention to `eager` if you want any of these features.")
+    batch, num_heads, t, d = query.shape
     if attention_mask is not None and (attention_mask.dtype != torch.int32 or attention_mask.shape[0] != 2
-                                       or attention_mask.shape[2:] != (1, 1)):
+                                       or attention_mask.shape[2] not in (1, t) or attention_mask.shape[3] != 1):
         raise ValueError(
             f"kvops attention: got an attention mask of shape {tuple(attention_mask.shape)} and dtype "
             f"{attention_mask.dtype}; it needs the [2, batch, 1, 1] int32 metadata built by kvops_mask (registered as "
             f"'kvops' in AttentionMaskInterface). Custom 4-D masks are not supported: pass a 2-D padding mask."
         )
-    batch, num_heads, t, d = query.shape
     device = query.device
     paged = key.dim() == 5  # a KvopsPagedLayer: joint storage [P, block_size, 2, H_kv, D] and its block table
     if paged:
@@ -155,20 +258,23 @@ def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     else:
         k_tok, v_tok, r = _token_views(key.transpose(1, 2), value.transpose(1, 2))
         capacity = key.shape[2]
+    per_query = attention_mask is not None and attention_mask.shape[2] > 1  # a range per query: B * T sequences
     if attention_mask is None:
-        start = torch.zeros(batch, dtype=torch.int64, device=device)
+        start = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         length = torch.full((batch,), capacity, dtype=torch.int32, device=device)
     else:
-        start, length = attention_mask[0, :, 0, 0].long(), attention_mask[1, :, 0, 0]
-    j = (start[:, None] + torch.arange(capacity, device=device)).clamp_max(capacity - 1)  # [B, S] row of entry j
+        start, length = attention_mask[0, :, :, 0].long(), attention_mask[1, :, :, 0].reshape(-1)
+    j = (start[..., None] + torch.arange(capacity, device=device)).clamp_max(capacity - 1)  # [B, T_m, S] rows
     if paged:
-        table = block_table.gather(1, j // block_size).long() * block_size + j % block_size
+        table = block_table[:, None].expand(-1, j.shape[1], -1).gather(2, j // block_size).long() * block_size
+        table = table + j % block_size
     else:
-        table = torch.arange(batch, device=device)[:, None] * r + j
+        table = torch.arange(batch, device=device)[:, None, None] * r + j
+    seqs, q_len = (batch * t, 1) if per_query else (batch, t)
     out = kvops.paged_attention(
         query.transpose(1, 2).reshape(batch * t, num_heads, d), k_tok, v_tok,
-        torch.arange(batch + 1, dtype=torch.int32, device=device) * t, length, table.to(torch.int32), t,
-        scale=scaling, causal=getattr(module, "is_causal", True),
+        torch.arange(seqs + 1, dtype=torch.int32, device=device) * q_len, length, table.view(seqs, capacity).int(),
+        q_len, scale=scaling, causal=getattr(module, "is_causal", True),
         window_left=-1 if sliding_window is None else sliding_window - 1, softcap=softcap or 0.0,
         sinks=None if s_aux is None else s_aux.float(),
     )

@@ -7,7 +7,7 @@ runs (not at import), with the machine's C++ compiler (the one ``torch.compile``
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the
 source, the flags and the CPU's instruction-set flags, so later processes load the cached build in well under a
 second, and differing sources or machines never share a binary. A build that is not cached yet says so once on the
-``kvops.native`` logger (about 30 s on 2 cores; where it is cached) and how long it took; ``python -m kvops.native``
+``kvops.native`` logger (about 30-40 s on 2 idle cores; where it is cached) and how long it took; ``python -m kvops.native``
 builds ahead of time. It is not built at install time: the binary is specific to the machine's CPU (``-march=native``)
 and to the torch it was compiled against, and a wheel or an install outlives both (torch upgrades, images moved
 between machines).
@@ -58,7 +58,7 @@ _state: bool | None = None  # None: not tried yet in this process
 # any logging set up (a warning category would turn it into an error under ``-W error`` and into noise in tests that
 # record warnings); logging.getLogger("kvops.native").setLevel(logging.ERROR) silences it.
 log = logging.getLogger("kvops.native")
-BUILD_SECONDS = "about 30 s on 2 CPU cores"  # measured: 25-41 s for the three sources on a shared 2-core machine
+BUILD_SECONDS = "about 30-40 s on 2 idle CPU cores, longer on a busy machine"  # the issue measured 25-41 s
 
 
 def _cpu_flags() -> str:
@@ -91,7 +91,8 @@ _lib = torch.library.Library("kvops", "FRAGMENT")
 _lib.define(
     "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
     "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
-    "Tensor? sinks, Tensor? k_scale, Tensor? v_scale) -> (Tensor, Tensor)"
+    "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? alibi_slopes=None, SymInt window_right=-1, "
+    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0) -> (Tensor, Tensor)"
 )
 
 
@@ -101,9 +102,11 @@ def _has_cpu_kernel() -> bool:
 
 @torch.library.impl(_lib, "_paged_attention_native", "CompositeExplicitAutograd")
 def _without_build(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
-                   window_left, softcap, sinks, k_scale, v_scale):
+                   window_left, softcap, sinks, k_scale, v_scale, alibi_slopes=None, window_right=-1,
+                   cache_leftpad=None, sink_tokens=0, rope_theta=None, rope_scale=1.0):
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
-            softcap, sinks, k_scale, v_scale)
+            softcap, sinks, k_scale, v_scale, alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta,
+            rope_scale)
     if q.is_cpu and available() and _has_cpu_kernel():  # built just now (first kvops call of this process)
         return torch.ops.kvops._paged_attention_native.default(*args)
     from .._checks.paged_attention import check_paged_attention
@@ -118,7 +121,8 @@ def _without_build(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max
 
 @torch.library.register_fake(OP_NAME)
 def _fake(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
-          softcap, sinks, k_scale, v_scale):
+          softcap, sinks, k_scale, v_scale, alibi_slopes=None, window_right=-1, cache_leftpad=None, sink_tokens=0,
+          rope_theta=None, rope_scale=1.0):
     return (q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3]),
             q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
 

@@ -198,11 +198,21 @@ struct Problem {
   void* out;  // [T, H_q, D_v] contiguous, q's dtype
   float* lse;  // [H_q, T] contiguous
   int64_t num_tokens;
+  // attention features (docs/attention_features.md); defaults: null / -1 / 0 / false
+  const float* alibi;  // slopes[b * alibi_stride + h] or null
+  int64_t alibi_stride;
+  int64_t window_right;  // keys j <= pos + window_right when not causal (-1: no bound)
+  const int32_t* leftpad;  // first KV row of each sequence, or null
+  int64_t sink_tokens;  // StreamingLLM: rows [start, start + sink_tokens) stay visible besides the window
+  const double* rope_freq;  // RoPE at read time: [d / 2] angle per position (null: none)
+  int seq_start(int b) const { return leftpad ? std::max(0, leftpad[b]) : 0; }
+  bool streaming() const { return sink_tokens > 0 && window_left >= 0; }
 };
 
 struct Item {
   int b, q0, nq;  // sequence, first query of the tile, queries in the tile (all KV heads together)
-  int lo, hi;  // KV positions the tile can see
+  int lo, hi;  // KV positions the tile can see (past the sinks when streaming)
+  int sink_hi;  // streaming: sink positions [seq_start, sink_hi) (a pass of their own, in part 0)
   int parts;  // split-KV parts (1: no split)
   int64_t partial;  // offset of this item's partial results (parts > 1)
 };
@@ -210,6 +220,9 @@ struct Item {
 // Per-thread scratch; rows_pad rows per KV head.
 struct Scratch {
   std::vector<float> qf, ktmp, kt, vtmp, s, p, alpha, zeros;
+  std::vector<float> slope, rc, rs;  // ALiBi slope per (KV head, row); RoPE cos/sin [d / 2][16] of a chunk
+  std::vector<double> rope_c, rope_s, rope_step_c, rope_step_s;  // RoPE: rotation at the next position, and a step
+  std::vector<int> row_pos;
   std::vector<const char*> pf;  // lines of one KV head of a later chunk (Prefetcher)
   std::vector<vf> lv;
   std::vector<int> row_lo, row_hi;
@@ -225,16 +238,46 @@ struct Scratch {
     alpha.assign(rows_pad, 1.f);
     row_lo.resize(rows_pad);
     row_hi.resize(rows_pad);
+    row_pos.resize(rows_pad);
+    if (pb.alibi) slope.resize(static_cast<size_t>(pb.num_kv_heads) * rows_pad);
+    if (pb.rope_freq) {
+      const int half = pb.d / 2;
+      rc.resize(static_cast<size_t>(half) * L);
+      rs.resize(static_cast<size_t>(half) * L);
+      rope_c.resize(half);
+      rope_s.resize(half);
+      rope_step_c.resize(half);
+      rope_step_s.resize(half);
+      for (int i = 0; i < half; ++i) {
+        rope_step_c[i] = std::cos(pb.rope_freq[i]);
+        rope_step_s[i] = std::sin(pb.rope_freq[i]);
+      }
+    }
     pf.resize(static_cast<size_t>(L) * (pb.d_pad + pb.dv_pad) * 4 / 64 + 2 * L);
   }
 };
 
+// x[0, d) rotated by `position` (GPT-NeoX pairs (e, e + d/2), angles in double)
+inline void rotate_row(float* x, int d, const double* freq, double position) {
+  const int half = d / 2;
+  for (int e = 0; e < half; ++e) {
+    const double a = position * freq[e];
+    const float c = static_cast<float>(std::cos(a)), sn = static_cast<float>(std::sin(a));
+    const float x1 = x[e], x2 = x[e + half];
+    x[e] = x1 * c - x2 * sn;
+    x[e + half] = x2 * c + x1 * sn;
+  }
+}
+
 // qf[h][r] = q[token, h * G + g] * scale (* k_scale[h]) for row r = i * G + g; per-row visible range [lo, hi).
+// sink_pass (streaming): the rows' ranges are the sink rows they see, and with RoPE q turns at its StreamingLLM
+// position (shifted down by the gap between the sinks and its window).
 template <typename TQ>
-void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc) {
+void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, bool sink_pass = false) {
   const TQ* q = static_cast<const TQ*>(pb.q);
   const int64_t t0 = pb.cu[it.b] + it.q0;
   const int q_len = pb.cu[it.b + 1] - pb.cu[it.b], kv_len = pb.seq_lens[it.b];
+  const int64_t start = pb.seq_start(it.b), sink_end = start + pb.sink_tokens;
   std::fill(sc.qf.begin(), sc.qf.end(), 0.f);
   for (int h = 0; h < pb.num_kv_heads; ++h) {
     const float ks = pb.k_scale ? pb.k_scale[pb.n_k_scale == 1 ? 0 : h] : 1.f;
@@ -250,11 +293,28 @@ void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc) 
   }
   for (int i = 0; i < it.nq; ++i) {
     const int64_t pos = static_cast<int64_t>(kv_len) - q_len + it.q0 + i;
-    const int64_t lo = pb.window_left >= 0 ? std::max<int64_t>(0, pos - pb.window_left) : 0;
-    const int64_t hi = pb.causal ? std::min<int64_t>(kv_len, pos + 1) : kv_len;
+    int64_t lo = pb.window_left >= 0 ? std::max<int64_t>(start, pos - pb.window_left) : start;
+    int64_t hi = pb.causal ? std::min<int64_t>(kv_len, pos + 1) : kv_len;
+    if (!pb.causal && pb.window_right >= 0) hi = std::min<int64_t>(hi, pos + pb.window_right + 1);
+    if (pb.rope_freq) {  // q turns at its sequence position (minus the StreamingLLM gap for the sinks)
+      const int64_t gap = sink_pass ? std::max<int64_t>(0, pos - pb.window_left - sink_end) : 0;
+      for (int h = 0; h < pb.num_kv_heads; ++h)
+        for (int g = 0; g < pb.group; ++g)
+          rotate_row(sc.qf.data() + (static_cast<size_t>(h) * rows_pad + i * pb.group + g) * pb.d_pad, pb.d,
+                     pb.rope_freq, static_cast<double>(pos - start - gap));
+    }
+    if (sink_pass) {
+      hi = std::min(hi, sink_end);
+      lo = start;
+    }
     for (int g = 0; g < pb.group; ++g) {
-      sc.row_lo[i * pb.group + g] = static_cast<int>(lo);
-      sc.row_hi[i * pb.group + g] = static_cast<int>(std::max<int64_t>(lo, hi));
+      const int r = i * pb.group + g;
+      sc.row_lo[r] = static_cast<int>(lo);
+      sc.row_hi[r] = static_cast<int>(std::max<int64_t>(lo, hi));
+      sc.row_pos[r] = static_cast<int>(pos);
+      if (pb.alibi)
+        for (int h = 0; h < pb.num_kv_heads; ++h)
+          sc.slope[static_cast<size_t>(h) * rows_pad + r] = pb.alibi[it.b * pb.alibi_stride + h * pb.group + g];
     }
   }
 }
@@ -278,7 +338,7 @@ inline vf load16(const T* p) {
 // t >= n point at zeros): scores, online softmax, accumulation. Rows go RB at a time (RB = min(rows_pad, 8)).
 template <typename T, int RB>
 inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int n, int j0, int rows, int rows_pad,
-                  Scratch& sc, const float* qf, float* m, vf* lv, float* acc, Prefetcher& pf) {
+                  Scratch& sc, const float* qf, float* m, vf* lv, float* acc, Prefetcher& pf, const float* slope) {
   const int dp = pb.d_pad, dvp = pb.dv_pad;
   float* S = sc.s.data();
   float* P = sc.p.data();
@@ -290,6 +350,15 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     for (int t = 0; t < L; ++t) tile[t] = load16(kp[t] + e0);
     transpose16(tile);
     for (int e = 0; e < L; ++e) storeu(kt + static_cast<size_t>(e0 + e) * L, tile[e]);
+  }
+  if (pb.rope_freq) {  // RoPE at read time: turn the 16 keys by their positions (sc.rc / sc.rs, set by attend)
+    const int half = pb.d / 2;
+    for (int i = 0; i < half; ++i) {
+      const vf a = loadu(kt + static_cast<size_t>(i) * L), b = loadu(kt + static_cast<size_t>(i + half) * L);
+      const vf c = loadu(sc.rc.data() + static_cast<size_t>(i) * L), sn = loadu(sc.rs.data() + static_cast<size_t>(i) * L);
+      storeu(kt + static_cast<size_t>(i) * L, a * c - b * sn);
+      storeu(kt + static_cast<size_t>(i + half) * L, b * c + a * sn);
+    }
   }
   // scores: S[r] = q_r . k_t for the 16 tokens, RB rows at a time (each kt[e] load feeds RB FMAs); NA accumulator
   // sets (dims e = j mod NA) keep 8 FMA chains in flight when RB < 8
@@ -317,6 +386,10 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
   for (int r = 0; r < rows; ++r) {
     vf s = loadu(S + r * L);
     if (pb.softcap > 0.f) s = vtanh(s * (1.0f / pb.softcap)) * pb.softcap;
+    if (slope) {  // ALiBi: - slope * |pos - j|, after softcap, before masking
+      const vf dist = __builtin_convertvector(pos - splati(sc.row_pos[r]), vf);
+      s -= slope[r] * vsel(dist < splat(0.f), -dist, dist);
+    }
     const int rlo = sc.row_lo[r], rhi = sc.row_hi[r];
     if (!(n == L && rlo <= j0 && j0 + L <= rhi)) {
       const vi vis = (pos >= splati(rlo)) & (pos < splati(std::min(rhi, j0 + n)));
@@ -365,7 +438,12 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
   const int d = pb.d, dp = pb.d_pad, dvp = pb.dv_pad, nh = pb.num_kv_heads;
   // rows are read in place when unit-stride and a multiple of 16 long; otherwise staged (converted, zero-padded)
   const bool direct = pb.sk[3] == 1 && pb.sv[3] == 1 && d == dp && pb.d_v == dvp;
-  std::fill(sc.lv.begin(), sc.lv.end(), vf{});
+  for (int h = 0; h < nh; ++h)  // the running sum carries over from an earlier pass (sinks), in lane 0
+    for (int r = 0; r < rows_pad; ++r) {
+      vf l0{};
+      l0[0] = r < rows ? state[h * head_size + rows_pad + r] : 0.f;
+      sc.lv[static_cast<size_t>(h) * rows_pad + r] = l0;
+    }
   const TK* kb[L];
   const TK* vb[L];
   const TK* kp[L];
@@ -414,10 +492,34 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
     return Prefetcher{sc.pf.data(), c, 0};
   };
   for (int u = 0; u < ahead; ++u) list_lines(lo + u / nh * L, u % nh).rest();  // the first units: at once
+  const int half = pb.d / 2;
+  if (pb.rope_freq) {  // the rotation at the first key position; later ones by exact steps (double)
+    const double p0 = static_cast<double>(lo - pb.seq_start(it.b));
+    for (int i = 0; i < half; ++i) {
+      sc.rope_c[i] = std::cos(p0 * pb.rope_freq[i]);
+      sc.rope_s[i] = std::sin(p0 * pb.rope_freq[i]);
+    }
+  }
   for (int j0 = lo; j0 < hi; j0 += L) {
     const int n = std::min(L, hi - j0);
     token_bases(j0, n, kb, vb);
+    if (pb.rope_freq) {  // cos/sin of the chunk's 16 positions, shared by its KV heads
+      double* c = sc.rope_c.data();
+      double* sn = sc.rope_s.data();
+      const double* sc_ = sc.rope_step_c.data();
+      const double* ss_ = sc.rope_step_s.data();
+      for (int t = 0; t < L; ++t) {
+        for (int i = 0; i < half; ++i) {
+          sc.rc[static_cast<size_t>(i) * L + t] = static_cast<float>(c[i]);
+          sc.rs[static_cast<size_t>(i) * L + t] = static_cast<float>(sn[i]);
+          const double nc = c[i] * sc_[i] - sn[i] * ss_[i], ns = sn[i] * sc_[i] + c[i] * ss_[i];
+          c[i] = nc;
+          sn[i] = ns;
+        }
+      }
+    }
     for (int h = 0; h < nh; ++h) {
+      const float* slope = pb.alibi ? sc.slope.data() + static_cast<size_t>(h) * rows_pad : nullptr;
       Prefetcher pf = list_lines(j0 + (h + ahead) / nh * L, (h + ahead) % nh);
       const float* qf = sc.qf.data() + static_cast<size_t>(h) * rows_pad * dp;
       float* m = state + h * head_size;
@@ -428,7 +530,7 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
         vp[t] = t < n ? vb[t] + h * pb.sv[2] : zeros;
       }
       if (direct) {
-        chunk<TK, RB>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf);
+        chunk<TK, RB>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf, slope);
         continue;
       }
       for (int t = 0; t < L; ++t) {
@@ -444,7 +546,7 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
         kps[t] = kr;
         vps[t] = vr;
       }
-      chunk<float, RB>(pb, kps, vps, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf);
+      chunk<float, RB>(pb, kps, vps, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf, slope);
     }
   }
   for (int h = 0; h < nh; ++h)
@@ -485,7 +587,7 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
   const int64_t head_size = static_cast<int64_t>(max_rows_pad) * (dvp + 2), part_size = nh * head_size;
   // tiny calls (decode of a few short sequences) run on the calling thread: waking the pool costs more than the work
   int64_t kv_rows = 0;
-  for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo) * nh;
+  for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo + it.sink_hi - pb.seq_start(it.b)) * nh;
   const int64_t grain = kv_rows < TINY_KV_ROWS ? static_cast<int64_t>(work.size()) : 1;
   at::parallel_for(0, static_cast<int64_t>(work.size()), grain, [&](int64_t begin, int64_t end) {
     static thread_local Scratch sc;  // reused across calls: no allocation once warm
@@ -503,6 +605,16 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
       }
       std::fill(sc.p.begin(), sc.p.end(), 0.f);
       std::fill(sc.alpha.begin(), sc.alpha.end(), 1.f);
+      const int start = pb.seq_start(it.b);
+      if (part == 0 && it.sink_hi > start) {  // streaming: the sink rows first, with their own q and masks
+        load_queries<TQ>(pb, it, rows_pad, sc, true);
+        switch (rows_pad) {
+          case 1: attend<TK, 1>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
+          case 2: attend<TK, 2>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
+          case 4: attend<TK, 4>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
+          default: attend<TK, 8>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size);
+        }
+      }
       load_queries<TQ>(pb, it, rows_pad, sc);
       const int span = it.hi - it.lo, per = (span + it.parts - 1) / it.parts;
       const int lo = it.lo + part * per, hi = std::min(it.hi, lo + per);
@@ -573,17 +685,45 @@ struct Index {
   const int32_t* lens;
   const int32_t* table;
   int64_t s_cu, s_len, s_b, s_w, batch, width, num_tokens, max_seqlen_q, num_blocks, block_size;
+  int64_t window_left, sink_tokens;
+  const int32_t* leftpad;  // or null
+  int64_t s_pad;
   int64_t cu_at(int64_t b) const { return cu[b * s_cu]; }
   int64_t len_at(int64_t b) const { return lens[b * s_len]; }
   int64_t block_at(int64_t b, int64_t j) const { return table[b * s_b + j * s_w]; }
   int64_t used(int64_t b) const { return (len_at(b) + block_size - 1) / block_size; }
+  int64_t start_at(int64_t b) const { return leftpad ? leftpad[b * s_pad] : 0; }
+  bool plain() const { return window_left < 0 && !leftpad; }  // every block up to seq_len is read
+  // the rows sequence b's queries can read: [start, a) and [w, len) (docs/attention_features.md)
+  void reads(int64_t b, int64_t& start, int64_t& a, int64_t& w) const {
+    const int64_t len = len_at(b), first = len - (cu_at(b + 1) - cu_at(b));
+    start = std::max<int64_t>(0, start_at(b));
+    if (window_left < 0) {
+      a = start;
+      w = start;
+      return;
+    }
+    w = std::max(start, first - window_left);
+    a = std::min(w, start + sink_tokens);
+  }
+  bool block_read(int64_t b, int64_t j) const {
+    if (plain()) return j < used(b);
+    int64_t start, a, w;
+    reads(b, start, a, w);
+    const int64_t lo = j * block_size, hi = lo + block_size, len = len_at(b);
+    return (lo < a && hi > start) || (lo < len && hi > w);
+  }
 };
 
 Index index_of(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
-               int64_t num_tokens, int64_t max_seqlen_q, int64_t num_blocks, int64_t block_size) {
+               int64_t num_tokens, int64_t max_seqlen_q, int64_t num_blocks, int64_t block_size,
+               int64_t window_left = -1, int64_t sink_tokens = 0,
+               const std::optional<at::Tensor>& cache_leftpad = std::nullopt) {
   return {cu_seqlens_q.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
           cu_seqlens_q.stride(0), seq_lens.stride(0), block_table.stride(0), block_table.stride(1),
-          seq_lens.size(0), block_table.size(1), num_tokens, max_seqlen_q, num_blocks, block_size};
+          seq_lens.size(0), block_table.size(1), num_tokens, max_seqlen_q, num_blocks, block_size,
+          window_left, sink_tokens, cache_leftpad ? cache_leftpad->data_ptr<int32_t>() : nullptr,
+          cache_leftpad ? cache_leftpad->stride(0) : 0};
 }
 
 bool values_bad(const Index& x) {
@@ -591,10 +731,11 @@ bool values_bad(const Index& x) {
   for (int64_t b = 0; b < x.batch; ++b) {
     const int64_t q_len = x.cu_at(b + 1) - x.cu_at(b), len = x.len_at(b);
     if (q_len < 0 || q_len > x.max_seqlen_q || len < 0 || len > x.width * x.block_size) return true;
+    if (x.start_at(b) < 0) return true;
     const int64_t used = x.used(b);
     for (int64_t j = 0; j < used; ++j) {
       const int64_t blk = x.block_at(b, j);
-      if (blk < 0 || blk >= x.num_blocks) return true;
+      if ((blk < 0 || blk >= x.num_blocks) && x.block_read(b, j)) return true;
     }
   }
   return false;
@@ -625,11 +766,24 @@ bool values_bad(const Index& x) {
                 " blocks per sequence x block_size ", x.block_size, ". Give block_table more columns (max_blocks >= "
                 "ceil(seq_len / block_size)) or pass the sequence's real KV length.");
   for (int64_t b = 0; b < x.batch; ++b)
-    for (int64_t j = 0; j < x.used(b); ++j)
-      TORCH_CHECK(x.block_at(b, j) >= 0 && x.block_at(b, j) < x.num_blocks, op, ": block_table[", b, ", ", j, "] = ",
-                  x.block_at(b, j), " is not a block of the cache: block ids must be in [0, ", x.num_blocks, ") (P = ",
-                  x.num_blocks, " blocks). Sequence ", b, " (seq_len ", x.len_at(b), ") uses its first ", x.used(b),
-                  " entries; entries past those are never read and may hold any value (e.g. -1).");
+    TORCH_CHECK(x.start_at(b) >= 0, op, ": cache_leftpad[", b, "] = ", x.start_at(b), " is negative; it is the first "
+                "KV row of sequence ", b, " (0: no left padding).");
+  for (int64_t b = 0; b < x.batch; ++b)
+    for (int64_t j = 0; j < x.used(b); ++j) {
+      if (x.plain())
+        TORCH_CHECK(x.block_at(b, j) >= 0 && x.block_at(b, j) < x.num_blocks, op, ": block_table[", b, ", ", j,
+                    "] = ", x.block_at(b, j), " is not a block of the cache: block ids must be in [0, ", x.num_blocks,
+                    ") (P = ", x.num_blocks, " blocks). Sequence ", b, " (seq_len ", x.len_at(b), ") uses its first ",
+                    x.used(b), " entries; entries past those are never read and may hold any value (e.g. -1).");
+      if (x.block_read(b, j) && (x.block_at(b, j) < 0 || x.block_at(b, j) >= x.num_blocks)) {
+        int64_t start, a, w;
+        x.reads(b, start, a, w);
+        TORCH_CHECK(false, op, ": block_table[", b, ", ", j, "] = ", x.block_at(b, j), " is not a block of the cache: "
+                    "block ids must be in [0, ", x.num_blocks, ") (P = ", x.num_blocks, " blocks). Sequence ", b,
+                    " reads rows [", start, ", ", a, ") and [", w, ", ", x.len_at(b), "); entries of blocks outside "
+                    "them are never read and may hold any value (e.g. -1).");
+      }
+    }
   TORCH_CHECK(false, op, ": invalid index values");  // (unreachable: values_bad and the checks above agree)
 }
 
@@ -695,17 +849,21 @@ void check_attention_args(const at::Tensor& q, const at::Tensor& k_cache, const 
 // Eager CPU calls' value check (kvops/_checks/values.py): true when a contract is violated (values.py then raises).
 bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                                 const at::Tensor& block_table, int64_t num_tokens, int64_t max_seqlen_q,
-                                int64_t num_blocks, int64_t block_size) {
+                                int64_t num_blocks, int64_t block_size, int64_t window_left, int64_t sink_tokens,
+                                const std::optional<at::Tensor>& cache_leftpad) {
   check_index_tensors("kvops::_paged_attention_values_bad", cu_seqlens_q, seq_lens, block_table, num_tokens,
                       num_blocks, block_size);
-  return values_bad(index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, max_seqlen_q, num_blocks, block_size));
+  return values_bad(index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, max_seqlen_q, num_blocks, block_size,
+                             window_left, sink_tokens, cache_leftpad));
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_native(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
     const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t max_seqlen_q, double scale, bool causal,
     int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t window_right, const std::optional<at::Tensor>& cache_leftpad,
+    int64_t sink_tokens, std::optional<double> rope_theta, double rope_scale) {
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), d_v = v_cache.size(3), batch = block_table.size(0);
   // memory safety for any index values (value checks "off", or compiled code, which the "eager" mode leaves
@@ -716,8 +874,22 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   (void)max_seqlen_q;
   check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, window_left, sinks, k_scale,
                        v_scale);
+  {  // the attention features' arguments (docs/attention_features.md), as the validator has them
+    const char* op = "kvops::_paged_attention_native";
+    const int64_t b = block_table.size(0), h = q.size(1);
+    TORCH_CHECK(!alibi_slopes || (alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->device().is_cpu() &&
+                                  (alibi_slopes->sizes() == at::IntArrayRef{h} ||
+                                   alibi_slopes->sizes() == at::IntArrayRef{b, h})),
+                op, ": alibi_slopes must be a float32 CPU tensor [H_q] or [B, H_q]");
+    TORCH_CHECK(!cache_leftpad || (cache_leftpad->scalar_type() == at::kInt && cache_leftpad->device().is_cpu() &&
+                                   cache_leftpad->dim() == 1 && cache_leftpad->size(0) == b),
+                op, ": cache_leftpad must be an int32 CPU tensor [B]");
+    TORCH_CHECK(window_right >= -1 && sink_tokens >= 0, op, ": window_right must be >= -1 and sink_tokens >= 0");
+    TORCH_CHECK(!rope_theta || (*rope_theta > 0 && rope_scale > 0 && q.size(2) % 2 == 0), op,
+                ": RoPE at read time needs rope_theta > 0, rope_scale > 0 and an even head_dim");
+  }
   const Index index = index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, std::numeric_limits<int64_t>::max(),
-                               k_cache.size(0), k_cache.size(1));
+                               k_cache.size(0), k_cache.size(1), window_left, sink_tokens, cache_leftpad);
   if (values_bad(index)) raise_values(index);
   // rows owned by no sequence are 0 / -inf (one memset / fill here: cheaper than two more aten ops per call)
   at::Tensor out = at::empty({num_tokens, num_heads, d_v}, q.options());
@@ -729,6 +901,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   const at::Tensor sk = sinks ? sinks->contiguous() : at::Tensor();
   const at::Tensor ksc = k_scale ? k_scale->contiguous() : at::Tensor();
   const at::Tensor vsc = v_scale ? v_scale->contiguous() : at::Tensor();
+  const at::Tensor slopes = alibi_slopes ? alibi_slopes->contiguous() : at::Tensor();
+  const at::Tensor leftpad = cache_leftpad ? cache_leftpad->contiguous() : at::Tensor();
+  std::vector<double> rope_freq;
+  if (rope_theta) {  // angle of position p: p / rope_scale * theta^(-2i / d) (FlashInfer's ROPE_LLAMA)
+    for (int64_t i = 0; i < d / 2; ++i)
+      rope_freq.push_back(std::pow(*rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(d)) / rope_scale);
+  }
 
   Problem pb{};
   pb.q = q.data_ptr();
@@ -763,6 +942,12 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   pb.out = out.data_ptr();
   pb.lse = lse.data_ptr<float>();
   pb.num_tokens = num_tokens;
+  pb.alibi = alibi_slopes ? slopes.data_ptr<float>() : nullptr;
+  pb.alibi_stride = alibi_slopes && slopes.dim() == 2 ? num_heads : 0;
+  pb.window_right = causal ? -1 : window_right;
+  pb.leftpad = cache_leftpad ? leftpad.data_ptr<int32_t>() : nullptr;
+  pb.sink_tokens = sink_tokens;
+  pb.rope_freq = rope_theta ? rope_freq.data() : nullptr;
 
   // items: (sequence, query tile of ~64 rows per KV head), all KV heads in one item
   const int q_tile = std::max(1, 64 / pb.group);
@@ -770,19 +955,27 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   int max_rows_pad = 1;
   for (int b = 0; b < batch; ++b) {
     const int q_len = pb.cu[b + 1] - pb.cu[b], kv_len = pb.seq_lens[b];
+    const int64_t start = pb.seq_start(b), sink_end = start + sink_tokens;
     for (int q0 = 0; q0 < q_len; q0 += q_tile) {
       const int nq = std::min(q_tile, q_len - q0);
       const int64_t first = static_cast<int64_t>(kv_len) - q_len + q0, last = first + nq - 1;
-      const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, first - window_left) : 0;
-      const int64_t hi = causal ? std::min<int64_t>(kv_len, last + 1) : kv_len;
+      int64_t lo = window_left >= 0 ? std::max<int64_t>(start, first - window_left) : start;
+      int64_t hi = causal ? std::min<int64_t>(kv_len, last + 1) : kv_len;
+      if (pb.window_right >= 0) hi = std::min<int64_t>(hi, last + pb.window_right + 1);
+      int64_t sink_hi = start;
+      if (pb.streaming()) {  // the sinks get a pass of their own; the window pass starts after them
+        sink_hi = std::max(start, std::min(sink_end, hi));
+        lo = std::max(lo, sink_end);
+      }
       max_rows_pad = std::max(max_rows_pad, pad_rows(nq * pb.group));
-      items.push_back({b, q0, nq, static_cast<int>(lo), static_cast<int>(std::max(lo, hi)), 1, 0});
+      items.push_back({b, q0, nq, static_cast<int>(lo), static_cast<int>(std::max(lo, hi)), static_cast<int>(sink_hi),
+                       1, 0});
     }
   }
   // split-KV when there are fewer items than 2 per thread: parts of >= 256 positions
   const int threads = at::get_num_threads();
   int64_t kv_rows = 0;  // (KV position, KV head) rows of the call; tiny calls stay on one thread (run)
-  for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo) * pb.num_kv_heads;
+  for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo + it.sink_hi - pb.seq_start(it.b)) * pb.num_kv_heads;
   if (threads > 1 && static_cast<int>(items.size()) < 2 * threads && kv_rows >= TINY_KV_ROWS) {
     const int want = (2 * threads + static_cast<int>(items.size()) - 1) / static_cast<int>(items.size());
     for (Item& it : items) it.parts = std::max(1, std::min(want, (it.hi - it.lo) / 256));
@@ -819,7 +1012,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
 TORCH_LIBRARY_FRAGMENT(kvops, m) {
   m.def(
       "_paged_attention_values_bad(Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, int num_tokens, "
-      "int max_seqlen_q, int num_blocks, int block_size) -> bool");
+      "int max_seqlen_q, int num_blocks, int block_size, int window_left=-1, int sink_tokens=0, "
+      "Tensor? cache_leftpad=None) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(kvops, CPU, m) {

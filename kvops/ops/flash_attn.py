@@ -64,8 +64,18 @@ def flash_attn_with_kvcache(
         block_table: ``[B, max_blocks]`` int32 physical block ids (entries past a sequence's blocks are never read).
         softmax_scale: default ``D ** -0.5``.
         causal: bottom-right aligned causal mask: query ``i`` sits at position ``seq_len - S_q + i``.
-        window_size: ``(left, right)``; ``left = -1`` is unbounded. ``right`` must be ``-1`` (unbounded) or ``0``
-            (``0`` equals ``causal=True``); with ``causal=True`` it is ignored (0), as in FlashAttention.
+        window_size: ``(left, right)``, each ``-1`` (unbounded) or ``>= 0``: query at position ``pos`` sees keys
+            ``[pos - left, pos + right]`` (bottom-right aligned, as FlashAttention's local attention); with
+            ``causal=True`` ``right`` is ignored (0), as in FlashAttention.
+        cache_leftpad: ``[B]`` int32, the row each sequence's cache starts at (FlashAttention's left padding):
+            the keys are rows ``[cache_leftpad[b], cache_seqlens[b] + S_new)``, the new ``k``/``v`` are still
+            written at row ``cache_seqlens[b]``, and the query's position is counted in rows (so causal, window
+            and ALiBi distances are the same as FlashAttention's over the unpadded keys). Rotary tables are indexed
+            by row, as FlashAttention does. Works with ``block_table`` too (FlashAttention 2 refuses that pair).
+        alibi_slopes: ``[H_q]`` or ``[B, H_q]`` float32: ALiBi, ``- slope * |pos - j|`` added to the score of key
+            ``j`` (after softcap, before masking). The output is FlashAttention's; under ``causal`` FlashAttention's
+            kernel adds ``slope * j`` instead, which differs by a per-query constant, so its ``softmax_lse`` differs
+            by ``slope * pos`` from kvops' (kvops' LSE is the log-sum-exp of the scores as written here).
         softcap: ``> 0`` applies ``softcap * tanh(score / softcap)`` before masking.
         return_softmax_lse: also return the log-sum-exp ``[B, H_q, S_q]`` float32 (natural log; ``-inf`` for a query
             that sees no key).
@@ -99,8 +109,10 @@ def flash_attn_with_kvcache(
         ValueError (zero sizes): a cache with ``block_size`` (``seqlen_cache`` without ``block_table``),
             ``num_kv_heads`` or ``head_dim`` 0. Every check, the attention's included, runs before ``k``/``v`` are
             appended: a failing call changes no cache.
-        NotImplementedError: ``cache_batch_idx``, ``cache_leftpad``,
-            ``alibi_slopes``, or ``window_size[1] > 0`` without ``causal``.
+        ValueError (features): ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``; ``cache_leftpad`` not int32
+            ``[B]``; a ``window_size`` bound below -1. A negative ``cache_leftpad`` value is a value contract
+            (``RuntimeError`` from ``kvops.paged_attention``).
+        NotImplementedError: ``cache_batch_idx``.
         RuntimeError: value contracts (docs/semantics.md §7), before anything is written: a ``cache_seqlens``
             value with ``cache_seqlens[b] + S_new`` past the capacity addressable by ``block_table``, or negative
             (``"flash_attn_with_kvcache: sequence b has cache_seqlens=n; ... block_table addresses only C tokens
@@ -132,10 +144,17 @@ def flash_attn_with_kvcache(
     seq_lens = (base + s_new).clamp(0, capacity).to(torch.int32)
     cu_seqlens_q = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * s_q
     right = 0 if causal else window_size[1]
+    features = {}  # only what is used: calls without the features keep the op's call of before them
+    if alibi_slopes is not None:
+        features["alibi_slopes"] = alibi_slopes
+    if cache_leftpad is not None:
+        features["cache_leftpad"] = cache_leftpad
+    if right > 0:
+        features["window_right"] = right
     q_rows = q.reshape(batch * s_q, *q.shape[2:])
     # the attention's contract too, before anything is written (a failing call changes nothing)
     check_paged_attention(q_rows, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s_q, softmax_scale,
-                          right == 0, window_size[0], softcap, None, k_scale, v_scale)
+                          right == 0, window_size[0], softcap, None, k_scale, v_scale, "NHD", **features)
     ok = values.check_kvcache(base, user_table, k_cache, s_new)  # value contract, docs/semantics.md §7
 
     if k is not None and s_new > 0:
@@ -161,7 +180,7 @@ def flash_attn_with_kvcache(
     out, lse = paged_attention(
         q.reshape(batch * s_q, *q.shape[2:]), k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s_q,
         scale=softmax_scale, causal=right == 0, window_left=window_size[0], softcap=softcap, k_scale=k_scale,
-        v_scale=v_scale, return_lse=True,
+        v_scale=v_scale, return_lse=True, **features,
     )
     out = out.view(batch, s_q, *out.shape[1:])
     if not return_softmax_lse:

@@ -51,20 +51,29 @@ def _paged_attention_op(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     kv_layout: str = "NHD",
+    alibi_slopes: Optional[torch.Tensor] = None,
+    window_right: int = -1,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    sink_tokens: int = 0,
+    rope_theta: Optional[float] = None,
+    rope_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _implementation(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
-        sinks, k_scale, v_scale, kv_layout,
+        sinks, k_scale, v_scale, kv_layout, alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta,
+        rope_scale,
     )
 
 
 def _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
-                    window_left, softcap, sinks, k_scale, v_scale, kv_layout, native_ok=None):
+                    window_left, softcap, sinks, k_scale, v_scale, kv_layout, alibi_slopes=None, window_right=-1,
+                    cache_leftpad=None, sink_tokens=0, rope_theta=None, rope_scale=1.0, native_ok=None):
     """The op's body (validator, then the device's kernel): what ``kvops::paged_attention`` runs, and what an eager
     CPU call runs directly (``_direct``, which passes ``native_ok=True``: it already knows the native kernel runs)."""
+    features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
     sm_scale = check_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
-        sinks, k_scale, v_scale, kv_layout,
+        sinks, k_scale, v_scale, kv_layout, *features,
     )
     k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernels take strides
     if q.device.type == "cuda":
@@ -72,16 +81,26 @@ def _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, ma
             raise RuntimeError("kvops.paged_attention: CUDA tensors need triton; pip install triton.")
         return _triton_paged_attention(
             q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
-            softcap, sinks, k_scale, v_scale,
+            softcap, sinks, k_scale, v_scale, *features,
         )
     # CPU: the native kernel (an opaque op with a fake rule, so compiled graphs call it too), else the composite
     if native_ok is None:
         native_ok = native.use_native()
-    cpu_kernel = torch.ops.kvops._paged_attention_native if native_ok else _cpu_paged_attention
-    return cpu_kernel(
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
-        softcap, sinks, k_scale, v_scale,
-    )
+    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
+            softcap, sinks, k_scale, v_scale)
+    if not native_ok:
+        return _cpu_paged_attention(*args, *features)
+    if not _has_features(features):  # the schema's defaults: graphs keep the call they had before the features
+        return torch.ops.kvops._paged_attention_native(*args)
+    return torch.ops.kvops._paged_attention_native(*args, *features)
+
+
+def _has_features(features) -> bool:
+    """Whether any of (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale) differs from
+    its default (docs/attention_features.md)."""
+    alibi, right, leftpad, sink_tokens, theta, rope_scale = features
+    return (alibi is not None or leftpad is not None or theta is not None or right != -1 or sink_tokens != 0
+            or rope_scale != 1.0)
 
 
 def _direct(tensors) -> bool:
@@ -117,6 +136,13 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     return_lse: bool = False,
     kv_layout: str = "NHD",
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    window_right: int = -1,
+    cache_leftpad: torch.Tensor | None = None,
+    sink_tokens: int = 0,
+    rope_theta: float | None = None,
+    rope_scale: float = 1.0,
 ):
     """Attention of packed queries over a paged KV cache: decode and chunked prefill in one varlen batch.
 
@@ -153,6 +179,23 @@ def paged_attention(
         return_lse: also return the log-sum-exp.
         kv_layout: ``"NHD"`` (default) or ``"HND"`` (FlashInfer's name for ``[P, H_kv, block_size, D]``). An HND
             cache is read through its NHD view ``transpose(1, 2)``: no copy.
+        alibi_slopes: (keyword-only, as every argument below; docs/attention_features.md) float32 ``[H_q]`` or
+            ``[B, H_q]``: FlashAttention's ALiBi, score ``- slope * |pos - j|`` added after softcap, before masking.
+        window_right: right window (``-1``: none) when ``causal=False``: keys ``j <= pos + window_right`` are
+            visible (FlashAttention's ``window_size[1]``); ``causal=True`` means 0.
+        cache_leftpad: int32 ``[B]``, the first KV row of each sequence (FlashAttention's ``cache_leftpad``): rows
+            ``[0, cache_leftpad[b])`` are never read; the keys are rows ``[cache_leftpad[b], seq_lens[b])`` and
+            positions (causal, window, ALiBi distances) are rows; RoPE at read time counts from the first key.
+        sink_tokens: StreamingLLM: with ``window_left >= 0`` the first ``sink_tokens`` keys of each sequence stay
+            visible besides the window (still subject to ``causal``/``window_right``). Table entries of blocks that
+            no query can see (wholly between the sinks and the earliest query's window) are never read: evicted
+            blocks may hold ``-1`` (``PagedKVCache(window_left=..., sink_tokens=...)`` frees them).
+        rope_theta, rope_scale: RoPE at read time (FlashInfer's ``pos_encoding_mode="ROPE_LLAMA"``): the cache holds
+            un-rotated keys; q and k are rotated GPT-NeoX style (pairs ``(j, j + D/2)``) by angle
+            ``position / rope_scale * rope_theta ** (-2i / D)`` inside the kernel; q's position is its sequence
+            position ``pos - cache_leftpad``, a key's its row ``j - cache_leftpad``. With ``sink_tokens`` and a
+            window the kept keys take contiguous positions (StreamingLLM): a sink is seen at distance
+            ``pos - gap - j`` with ``gap = max(0, pos - window_left - sink_end)``. ``None``: no rotation.
 
     Returns:
         ``out [T_q, H_q, D_v]`` in q's dtype (fp32 accumulation), or ``(out, lse)`` with ``lse [H_q, T_q]`` float32,
@@ -191,17 +234,19 @@ def paged_attention(
     (memory bounded by the tile). CUDA:
     Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
     """
-    try:  # value contracts, docs/semantics.md §7
-        values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout)
-    except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad values: it goes first
-        check_paged_attention(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
-            softcap, sinks, k_scale, v_scale, kv_layout,
-        )
-        raise
+    features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
-    if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale)):
+    try:  # value contracts, docs/semantics.md §7
+        values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout,
+                                     window_left=window_left, sink_tokens=sink_tokens, cache_leftpad=cache_leftpad)
+    except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad values: it goes first
+        check_paged_attention(*args, *features)
+        raise
+    if _has_features(features):
+        args = args + features
+    if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,
+                cache_leftpad)):
         out, lse = _implementation(*args, native_ok=True)
     else:
         out, lse = torch.ops.kvops.paged_attention(*args)

@@ -146,9 +146,9 @@ def _layout(x: dict, quant):
     d = c.shape[-1] * {None: 1, "int8": 1, "fp8": 1, "int4": 2, "int2": 4}[quant]
     group = d // s.shape[-1] if quant in ("int4", "int2") else 1
     stages = c.shape[3] if quant == "int2" else 1
-    ptrs = [c, *(t if t is not None else c for t in (s, z, m, ids))]
-    if quant == "fp8":
-        ptrs[0] = c.view(torch.uint8)
+    if quant == "fp8":  # decoded from the bits; no fp8 pointer reaches the kernel (sm_80/sm_86 have no e4m3 type)
+        c = c.view(torch.uint8)
+    ptrs = [c, *(t if t is not None else c for t in (s, z, m, ids))]  # placeholders for the unused pointers
     return ptrs, cs + ss + zs + ms + is_, stages, group
 
 
@@ -177,6 +177,23 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
     return out, lse.view(b, hkv, t, g).permute(0, 1, 3, 2).reshape(b, hq, t)
 
 
+def segment_config(block_d: int, block_dv: int, rows: int, quant, capability: tuple[int, int]) -> dict:
+    """``block_m`` (rows: query tokens x group heads), ``block_n`` (tokens), ``num_warps``, ``num_stages`` of
+    ``_segment_kernel`` for padded head dims, the packed format ``quant`` (int4 dequantizes with one scale and zero
+    load per element: the most registers) on a device of compute ``capability``. Chosen so that no format spills
+    registers or needs more than 99 KB of shared memory (sm_86/sm_89), as ``python benchmarks/gpu_check.py --aot``
+    checks."""
+    width = max(block_d, block_dv)
+    if width >= 256:
+        block_m, num_warps = 16, 8 if quant == "int4" else 4
+    elif width == 128:
+        block_m, num_warps = 16 if quant == "int4" else 32, 4
+    else:
+        block_m, num_warps = 64, 4
+    return dict(block_m=max(16, min(block_m, triton.next_power_of_2(rows))), block_n=16, num_warps=num_warps,
+                num_stages=2)
+
+
 def plan_packed_attention(q, segments, hkv: int, m, l, acc, counts, scale: float,
                           capability: tuple[int, int]) -> list[Launch]:
     """One launch per non-empty segment of :func:`packed_attention`: ``segments`` are ``(k, v, quant)`` dicts of
@@ -185,7 +202,9 @@ def plan_packed_attention(q, segments, hkv: int, m, l, acc, counts, scale: float
     b, t, hq, d = q.shape
     bh, rows, d_v = acc.shape
     g = hq // hkv
-    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(d_v))
+    cfg = segment_config(block_d, block_dv, rows, next((fmt for _, _, fmt in segments if fmt), None), capability)
+    block_m = cfg["block_m"]
     grid = (triton.cdiv(rows, block_m), bh)
     launches, row = [], 0
     for ks, vs, fmt in segments:
@@ -199,6 +218,6 @@ def plan_packed_attention(q, segments, hkv: int, m, l, acc, counts, scale: float
             q, *kp, *vp, m, l, acc, m if counts is None else counts[row - n :],
             *q.stride(), *kst, *vst, n, g, hkv, rows, d, d_v, k_stages, v_stages, scale),
             dict(KIND=_KIND[fmt], K_GROUP=k_group, V_GROUP=v_group, HAS_COUNTS=counts is not None,
-                 BLOCK_M=block_m, BLOCK_N=16,
-                 BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(d_v)))))
+                 BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     return launches

@@ -64,6 +64,27 @@ def _per_kv_head_matmul(a, b, num_kv_heads: int):
     return torch.stack([torch.matmul(a[:, h], b[:, :, h]) for h in range(num_kv_heads)], dim=1)
 
 
+def rope_frequencies(head_dim: int, theta: float, scale: float, device) -> torch.Tensor:
+    """fp64 ``[head_dim / 2]`` rotation frequencies of Llama RoPE (FlashInfer's ``ROPE_LLAMA``): ``theta ** (-2i / D)
+    / scale`` (``scale`` interpolates positions linearly: position ``p`` turns as ``p / scale``)."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
+    return theta ** (-2.0 * i / head_dim) / scale
+
+
+def rotate_half(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` fp32 rotated GPT-NeoX style (pairs ``(j, j + D/2)``) by ``positions`` (broadcast against
+    ``x[..., 0]``); angles in fp64, so a reference at large positions is not limited by fp32 angles."""
+    ang = positions.to(torch.float64)[..., None] * freqs
+    cos, sin = torch.cos(ang).to(torch.float32), torch.sin(ang).to(torch.float32)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _heads_major(x, batch, m_q, num_kv_heads, group, d):
+    """``[B, M, H_q, D]`` -> ``[B, H_kv, M * G, D]`` (rows ordered (query, group head))."""
+    return x.view(batch, m_q, num_kv_heads, group, d).permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, m_q * group, d)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -79,11 +100,19 @@ def paged_attention(
     sinks: torch.Tensor | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    window_right: int = -1,
+    cache_leftpad: torch.Tensor | None = None,
+    sink_tokens: int = 0,
+    rope_theta: float | None = None,
+    rope_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention on validated arguments (see ``kvops.paged_attention``); returns ``(out, lse)``.
 
     ``out [T_q, H_q, D_v]`` in q's dtype, ``lse [H_q, T_q]`` fp32 (natural log, sinks included; ``-inf`` for a query
-    with no visible key and no sink).
+    with no visible key and no sink). The features of docs/attention_features.md (ALiBi, a right window, a per-sequence
+    first row ``cache_leftpad``, StreamingLLM sink tokens, RoPE at read time) are masks, biases and rotations of the
+    same tiles.
     """
     num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
     # sizes that define the computation (heads, head_dim, block_size) specialize under tracing; token counts, batch and
@@ -104,9 +133,27 @@ def paged_attention(
     qi = torch.arange(m_q, device=device)
     src = (starts[:, None] + qi).clamp(0, num_tokens - 1)  # [B, M]
     qp = q[src].to(torch.float32) * scale  # [B, M, H_q, D]
-    qp = qp.view(batch, m_q, num_kv_heads, group, d).permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, d)
     kv_len = seq_lens.long()
-    pos = (kv_len - q_lens)[:, None] + qi  # [B, M] position of query i of sequence b
+    pos = (kv_len - q_lens)[:, None] + qi  # [B, M] row of query i of sequence b
+    start = torch.zeros_like(kv_len) if cache_leftpad is None else cache_leftpad.long().clamp_min(0)  # first key row
+    sink_end = start + sink_tokens
+    rope = rope_theta is not None
+    # StreamingLLM with RoPE at read time: the kept keys take contiguous positions, so a sink key is seen from a
+    # query shifted down by the gap between the sinks and the query's window (window keys keep true distances)
+    gap = (pos - window_left - sink_end[:, None]).clamp_min(0) if sink_tokens > 0 and window_left >= 0 else None
+    q_sink = None
+    if rope:
+        freqs = rope_frequencies(d, rope_theta, rope_scale, device)
+        q_pos = pos - start[:, None]
+        if gap is not None:
+            q_sink = _heads_major(rotate_half(qp, (q_pos - gap)[:, :, None], freqs), batch, m_q, num_kv_heads, group, d)
+        qp = rotate_half(qp, q_pos[:, :, None], freqs)
+    qp = _heads_major(qp, batch, m_q, num_kv_heads, group, d)
+    slopes = None
+    if alibi_slopes is not None:  # [B, H_kv, 1, G, 1]: bias -slope * |pos - j| (FlashAttention's ALiBi)
+        slopes = alibi_slopes.expand(batch, num_heads).reshape(batch, num_kv_heads, 1, group, 1)
+    right = 0 if causal else window_right  # keys j <= pos + right are visible (-1: no right bound)
+    first_pos = (kv_len - q_lens)[:, None]  # the earliest query's row: keys before its window are never read
 
     m = torch.full((batch, num_kv_heads, rows), float("-inf"), dtype=torch.float32, device=device)
     l = torch.zeros((batch, num_kv_heads, rows), dtype=torch.float32, device=device)
@@ -114,22 +161,35 @@ def paged_attention(
     for b0, nbt in _tiles(batch, rows, num_kv_heads, d, d_v, block_size, max_blocks):
         n = nbt * block_size
         kpos = b0 * block_size + torch.arange(n, device=device)  # [N] logical positions of this tile
-        in_seq = kpos < kv_len[:, None]  # [B, N]
-        first_block = torch.where(kv_len > 0, block_table[:, 0].long(), 0)[:, None]
-        blocks = torch.where(in_seq, block_table[:, kpos // block_size].long(), first_block)  # [B, N]
-        rows_in_block = torch.where(in_seq, kpos % block_size, 0)
+        in_seq = (kpos < kv_len[:, None]) & (kpos >= start[:, None])  # [B, N]
+        read = in_seq  # rows some query can see (others, e.g. evicted blocks between sinks and window: never read)
+        if window_left >= 0:
+            read = read & ((kpos >= first_pos - window_left) | (kpos < sink_end[:, None]))
+        # unread rows are redirected to the sequence's last row (a written key): garbage is never even gathered
+        last = (kv_len - 1).clamp_min(0)
+        last_block = block_table.gather(1, (last // block_size)[:, None]).long().clamp_min(0)  # [B, 1]
+        blocks = torch.where(read, block_table[:, kpos // block_size].long(), last_block)  # [B, N]
+        rows_in_block = torch.where(read, kpos % block_size, (last % block_size)[:, None])
         k = _gather_tokens(k_cache, blocks, rows_in_block, k_scale)  # [B, N, H_kv, D]
         v = _gather_tokens(v_cache, blocks, rows_in_block, v_scale)  # [B, N, H_kv, D_v]
+        if rope:
+            k = rotate_half(k, (kpos - start[:, None])[:, :, None], freqs)
 
         s = _per_kv_head_matmul(qp, k.transpose(1, 3), num_kv_heads)  # [B, H_kv, M*G, N]
+        if q_sink is not None:  # sink keys are scored against the shifted query
+            s_sink = _per_kv_head_matmul(q_sink, k.transpose(1, 3), num_kv_heads)
+            s = torch.where(kpos < sink_end[:, None, None, None], s_sink, s)
         if softcap > 0:
             s = torch.tanh(s / softcap) * softcap
-        visible = in_seq[:, None, :]  # [B, M, N]
-        if causal:
-            visible = visible & (kpos <= pos[:, :, None])
+        s = s.view(batch, num_kv_heads, m_q, group, n)
+        if slopes is not None:
+            s = s - slopes * (pos[:, :, None] - kpos).abs()[:, None, :, None, :]
+        visible = read[:, None, :]  # [B, M, N]
+        if right >= 0:
+            visible = visible & (kpos <= pos[:, :, None] + right)
         if window_left >= 0:
-            visible = visible & (kpos >= pos[:, :, None] - window_left)
-        s = torch.where(visible[:, None, :, None, :], s.view(batch, num_kv_heads, m_q, group, n), float("-inf"))
+            visible = visible & ((kpos >= pos[:, :, None] - window_left) | (kpos < sink_end[:, None, None]))
+        s = torch.where(visible[:, None, :, None, :], s, float("-inf"))
         s = s.view(batch, num_kv_heads, rows, n)
 
         m_new = torch.maximum(m, s.amax(dim=-1))

@@ -77,13 +77,12 @@ class KVReceiver(_Endpoint):
                 status, failure = 1, f"its {num_tokens} tokens could not be placed ({err})"
             agreed = self._agree(request_id, num_tokens, status)
             failure = failure or agreed
-            block_table = None
             if failure is None:
                 block_table = torch.tensor(self.cache.block_ids(request_id), dtype=torch.int32, device=self.device)
                 for index, (s, e) in enumerate(segments):
                     failure = self._segment(request_id, index, s, e, block_table, stats)
                     if failure is not None:  # drain the rest: writers' messages go to discard buffers
-                        for later, (s2, e2) in enumerate(segments[index + 1 :], index + 1):
+                        for s2, e2 in segments[index + 1 :]:
                             self._drain(request_id, s2, e2)
                         break
             failure = self._agreement(failure)

@@ -5,9 +5,9 @@ strides only; nothing is allocated) for each case of :mod:`kvops.triton.aot_case
 :class:`~kvops.triton.launch.Launch` is bound with Triton's own argument binder (the signature, the ``== 1`` and
 ``% 16`` specializations and the constexprs a real launch would get; tensors are taken as 16-byte aligned, as the
 CUDA caching allocator returns them) and compiled by ``triton.compile`` to a cubin for that target. Resources come
-from the cubin (``cuobjdump -res-usage``: registers, local memory = spills) and Triton's metadata (dynamic shared
-memory, ``num_warps``). A kernel that fails to compile, uses stack/local memory (spills), or needs more shared memory per
-block than the target allows is a failure.
+from the cubin (``cuobjdump -res-usage``: registers, stack and local bytes) and Triton's metadata (dynamic shared
+memory, ``num_warps``; ptxas' spill stores where the cubin has a stack frame). A kernel that fails to compile,
+spills registers, or needs more shared memory per block than the target allows is a failure.
 
     python benchmarks/gpu_check.py --aot [--subset] [--targets sm_80,sm_90]
 
@@ -99,8 +99,8 @@ def _cuobjdump() -> str:
 def cubin_resources(cubin: bytes) -> dict:
     """``REG``, ``SHARED`` (static), ``LOCAL`` and ``STACK`` (per-thread bytes) of a cubin's kernel.
 
-    kvops' kernels have no local arrays and no calls, so ``STACK + LOCAL`` is the register spill space (what the
-    driver reports as the kernel's local size, ``CompiledKernel.n_spills``)."""
+    ``STACK + LOCAL`` is what the driver reports as the kernel's local size (``CompiledKernel.n_spills``); when it
+    is not 0, :func:`ptxas_spills` tells spilled registers from a plain stack frame."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -108,6 +108,21 @@ def cubin_resources(cubin: bytes) -> dict:
     finally:
         os.unlink(f.name)
     return {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|LOCAL|STACK):(\d+)", out)}
+
+
+def ptxas_spills(ptx: str, cap: int) -> int:
+    """Bytes of spill stores ptxas reports for ``ptx`` (run as Triton runs it, with ``-v``)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        cmd = [get_ptxas(cap).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(cap)}",
+               f.name, "-o", os.devnull]
+        p = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", p.stdout + p.stderr))
 
 
 def occupancy(target: Target, regs: int, shared: int, num_warps: int) -> float:
@@ -142,6 +157,8 @@ def compile_spec(spec: Spec, target_name: str) -> dict:
     res = cubin_resources(ck.asm["cubin"])
     shared = max(ck.metadata.shared, res.get("SHARED", 0))
     spills = res.get("LOCAL", 0) + res.get("STACK", 0)
+    if spills:  # a stack frame: ask ptxas whether it holds spilled registers or only the ABI frame
+        spills = ptxas_spills(ck.asm["ptx"], cap)
     row.update(regs=res.get("REG"), spills=spills, shared=shared, num_warps=ck.metadata.num_warps)
     row["occupancy"] = occupancy(target, row["regs"], shared, row["num_warps"])
     problems = []
@@ -176,7 +193,8 @@ def plan_matrix(targets, subset: bool = False):
                 continue
             for launch in launches:
                 spec = bind(launch, cap)
-                jobs.setdefault((target_name, spec), []).append(f"{kernel_name(launch.kernel)} {label}")
+                kind = f" KIND={launch.constexprs['KIND']}" if "KIND" in launch.constexprs else ""  # packed segments
+                jobs.setdefault((target_name, spec), []).append(f"{kernel_name(launch.kernel)} {label}{kind}")
     return jobs, refusals
 
 

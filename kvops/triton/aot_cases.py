@@ -68,7 +68,6 @@ def attention_cases(subset: bool):
     off = dict(causal=False, window=False, softcap=False, sinks=False)
     if subset:  # the heaviest tiles, fp8 (sm_80 has no e4m3 hardware), one light shape
         yield _attention("fp32", 256, 8, 16, "NHD", all_on, "prefill")
-        yield _attention("bf16", 128, 8, 16, "NHD", all_on, "prefill")
         yield _attention("fp8", 80, 7, 1, "HND", off, "prefill")
         yield _attention("fp32", 256, 8, 16, "HND", all_on, "decode", batch=1, ctx=131072)
         yield _attention("fp8", 128, 7, 1, "NHD", all_on, "decode")
@@ -195,10 +194,13 @@ def _quant(fmt: str, dtype: str, d: int, group_size: int = 64, stages: int = 1, 
 
 def packed_cases(subset: bool):
     if subset:
-        yield _packed_attention("int2", "fp32", 256, 8, 512, 4096, True, group_size=32, stages=2)
+        yield _packed_attention("int4", "fp32", 128, 8, 512, 4096, True, group_size=32)
         yield _packed_attention("fp8", "bf16", 128, 7, 1, 4096, False)
         yield _quant("int4", "bf16", 128, group_size=32)
         yield _quant("int2", "fp16", 256, group_size=32, stages=2, direction="dequantize")
+        yield _quant("int4", "fp32", 256, group_size=128, direction="dequantize")
+        yield _quant("int8", "bf16", 80)
+        yield _quant("int8", "fp16", 256, direction="dequantize")
         return
     for fmt, dtype, d, group, t, counts in itertools.product(
             (None, "int8", "fp8", "int4", "int2"), FLOATS, (64, 128, 256), (1, 8), (1, 512), (False, True)):

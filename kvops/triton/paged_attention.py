@@ -21,6 +21,8 @@ The launchers call the kernels through ``torch.library.wrap_triton`` so that, in
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -69,18 +71,43 @@ def _load_kv(cache_ptr, bt_row_ptr, kpos, in_seq, block_size, s_p, s_b, s_h, s_d
 
 
 @triton.jit
-def _scores(q, k, kpos, pos, kv_len, window_left, softcap,
-            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PREC: tl.constexpr):
-    """``softcap(q @ k^T)`` with invisible keys at ``-inf`` (softcap first, then masking, as docs/semantics.md §4)."""
+def _scores(q, k, kpos, pos, kv_len, window_left, softcap, slope, window_right,
+            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+            HAS_ALIBI: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False):
+    """``softcap(q @ k^T)`` (``- slope * |pos - j|`` with ALiBi) with invisible keys at ``-inf`` (softcap first,
+    then the bias, then masking, as docs/semantics.md §4 and docs/attention_features.md)."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
+    if HAS_ALIBI:
+        s -= slope[:, None] * tl.abs((pos[:, None] - kpos[None, :]).to(tl.float32))
     vis = (kpos < kv_len)[None, :]
     if CAUSAL:
         vis = vis & (kpos[None, :] <= pos[:, None])
+    if HAS_RIGHT:
+        vis = vis & (kpos[None, :] <= pos[:, None] + window_right)
     if HAS_WINDOW:
         vis = vis & (kpos[None, :] >= pos[:, None] - window_left)
     return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _rope(x, x_partner, position, offs_d, head_dim, rope_coef, rope_inv_scale):
+    """``x [R, BLOCK_D]`` turned GPT-NeoX style (pairs ``(e, e + D/2)``; ``x_partner`` holds each column's pair)
+    by ``position [R]`` (fp32 angles ``position / rope_scale * theta ** (-2i / D)``, as FlashInfer's ROPE_LLAMA;
+    ``rope_coef = -2 log2(theta) / D``)."""
+    half = head_dim // 2
+    i = tl.where(offs_d < half, offs_d, offs_d - half).to(tl.float32)
+    ang = position.to(tl.float32)[:, None] * (tl.exp2(i * rope_coef) * rope_inv_scale)[None, :]
+    sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
+    return x * tl.cos(ang) + sign * x_partner * tl.sin(ang)
+
+
+@triton.jit
+def _partner(offs_d, head_dim):
+    """The column each column pairs with under RoPE (padding columns keep their own index: masked)."""
+    half = head_dim // 2
+    return tl.where(offs_d < half, offs_d + half, tl.where(offs_d < head_dim, offs_d - half, offs_d))
 
 
 @triton.jit
@@ -102,6 +129,9 @@ def _decode_split_kernel(
     scale, softcap, window_left,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IS_FP8: tl.constexpr,
     PREC: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    alibi_ptr=None, s_ab=0, leftpad_ptr=None, sink_tokens=0, rope_coef=0.0, rope_inv_scale=1.0,
+    HAS_ALIBI: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False,
+    HAS_ROPE: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -114,27 +144,69 @@ def _decode_split_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     heads = kv_head * group + offs_g
     q_mask = (offs_g < group) & (offs_g * 0 + q_len > 0)  # (vector & scalar-bool masks trip the interpreter)
-    q = tl.load(q_ptr + q_start * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
-                mask=q_mask[:, None] & (offs_d[None, :] < head_dim), other=0.0).to(tl.float32) * scale
+    q_off = q_ptr + q_start * s_qt + heads[:, None] * s_qh
+    q_msk = q_mask[:, None] & (offs_d[None, :] < head_dim)
+    q = tl.load(q_off + offs_d[None, :] * s_qd, mask=q_msk, other=0.0).to(tl.float32) * scale
     pos = tl.full([BLOCK_G], 0, tl.int32) + (kv_len - 1)  # the single query sits at the last position (causal no-op)
+    start = 0
+    if HAS_LEFTPAD:
+        start = tl.maximum(tl.load(leftpad_ptr + b), 0)
+    slope = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + b * s_ab + heads, mask=offs_g < group, other=0.0)
 
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, kv_len)
     if HAS_WINDOW:
         lo = tl.maximum(lo, kv_len - 1 - window_left)
-    hi = tl.where(q_len > 0, hi, lo)
+    if HAS_LEFTPAD:
+        lo = tl.maximum(lo, start)
     bt_row = bt_ptr + b * s_bt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    if HAS_ROPE:
+        part_d = _partner(offs_d, head_dim)
+        q_pair = tl.load(q_off + part_d[None, :] * s_qd, mask=q_msk & (part_d[None, :] < head_dim),
+                         other=0.0).to(tl.float32) * scale
+    if HAS_SINK_TOKENS:  # StreamingLLM: split 0 also reads the sink rows [start, start + sink_tokens)
+        sink_end = start + sink_tokens
+        lo = tl.maximum(lo, sink_end)
+        s_hi = tl.where((split == 0) & (q_len > 0), tl.minimum(sink_end, kv_len), start)
+        q_s = q
+        if HAS_ROPE:  # the kept keys take contiguous positions: the query turns at pos - gap for the sinks
+            gap = tl.maximum(kv_len - 1 - window_left - sink_end, 0)
+            q_s = _rope(q, q_pair, pos - start - gap, offs_d, head_dim, rope_coef, rope_inv_scale)
+        for n0 in range(start, s_hi, BLOCK_N):
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            in_seq = kpos < s_hi
+            k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
+                         k_scale_ptr, IS_FP8)
+            if HAS_ROPE:
+                k_pair = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
+                                  head_dim, k_scale_ptr, IS_FP8)
+                k = _rope(k, k_pair, kpos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
+            v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
+                         head_dim_v, v_scale_ptr, IS_FP8)
+            s = _scores(q_s, k, kpos, pos, s_hi, window_left, softcap, slope, 0, False, False, HAS_SOFTCAP, PREC,
+                        HAS_ALIBI)
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
+    if HAS_ROPE:
+        q = _rope(q, q_pair, pos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
+    hi = tl.where(q_len > 0, hi, lo)
     for n0 in range(lo, hi, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
         in_seq = kpos < hi
         k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
                      k_scale_ptr, IS_FP8)
+        if HAS_ROPE:
+            k_pair = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
+                              head_dim, k_scale_ptr, IS_FP8)
+            k = _rope(k, k_pair, kpos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
         v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv, head_dim_v,
                      v_scale_ptr, IS_FP8)
-        s = _scores(q, k, kpos, pos, hi, window_left, softcap, False, HAS_WINDOW, HAS_SOFTCAP, PREC)
+        s = _scores(q, k, kpos, pos, hi, window_left, softcap, slope, 0, False, HAS_WINDOW, HAS_SOFTCAP, PREC,
+                    HAS_ALIBI)
         m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
 
     has = l_i > 0
@@ -191,6 +263,9 @@ def _prefill_kernel(
     IS_FP8: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    alibi_ptr=None, s_ab=0, leftpad_ptr=None, sink_tokens=0, rope_coef=0.0, rope_inv_scale=1.0, window_right=-1,
+    HAS_ALIBI: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False,
+    HAS_ROPE: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -207,9 +282,16 @@ def _prefill_kernel(
     tok = q_start + t_loc.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + tok[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
-                mask=row_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0).to(tl.float32) * scale
+    q_off = q_ptr + tok[:, None] * s_qt + heads[:, None] * s_qh
+    q_msk = row_ok[:, None] & (offs_d[None, :] < head_dim)
+    q = tl.load(q_off + offs_d[None, :] * s_qd, mask=q_msk, other=0.0).to(tl.float32) * scale
     pos = kv_len - q_len + t_loc
+    start = 0
+    if HAS_LEFTPAD:
+        start = tl.maximum(tl.load(leftpad_ptr + b), 0)
+    slope = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + b * s_ab + heads, mask=g < group, other=0.0)
 
     first = kv_len - q_len + tile * BLOCK_T  # position of the tile's first query
     last = kv_len - q_len + tl.minimum(tile * BLOCK_T + BLOCK_T, q_len) - 1
@@ -218,21 +300,59 @@ def _prefill_kernel(
     hi = kv_lim
     if CAUSAL:
         hi = tl.minimum(hi, last + 1)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(last + window_right + 1, 0))
     if HAS_WINDOW:
         lo = tl.maximum(first - window_left, 0)
-    hi = tl.where(tile * BLOCK_T < q_len, hi, lo)  # programs past this sequence's queries do no work
+    if HAS_LEFTPAD:
+        lo = tl.maximum(lo, start)
+    live = tile * BLOCK_T < q_len  # programs past this sequence's queries do no work
     bt_row = bt_ptr + b * s_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if HAS_ROPE:
+        part_d = _partner(offs_d, head_dim)
+        q_pair = tl.load(q_off + part_d[None, :] * s_qd, mask=q_msk & (part_d[None, :] < head_dim),
+                         other=0.0).to(tl.float32) * scale
+    if HAS_SINK_TOKENS:  # StreamingLLM: the sink rows [start, start + sink_tokens) in a loop of their own
+        sink_end = start + sink_tokens
+        lo = tl.maximum(lo, sink_end)
+        s_hi = tl.where(live, tl.minimum(sink_end, hi), start)
+        q_s = q
+        if HAS_ROPE:  # the kept keys take contiguous positions: each query turns at pos - gap for the sinks
+            gap = tl.maximum(pos - window_left - sink_end, 0)
+            q_s = _rope(q, q_pair, pos - start - gap, offs_d, head_dim, rope_coef, rope_inv_scale)
+        for n0 in range(start, s_hi, BLOCK_N):
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            in_seq = kpos < s_hi
+            k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
+                         k_scale_ptr, IS_FP8)
+            if HAS_ROPE:
+                k_pair = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
+                                  head_dim, k_scale_ptr, IS_FP8)
+                k = _rope(k, k_pair, kpos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
+            v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
+                         head_dim_v, v_scale_ptr, IS_FP8)
+            s = _scores(q_s, k, kpos, pos, s_hi, window_left, softcap, slope, window_right, CAUSAL, False,
+                        HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT)
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
+    if HAS_ROPE:
+        q = _rope(q, q_pair, pos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
+    hi = tl.where(live, hi, lo)
     for n0 in range(lo, hi, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
         in_seq = kpos < kv_lim
         k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
                      k_scale_ptr, IS_FP8)
+        if HAS_ROPE:
+            k_pair = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
+                              head_dim, k_scale_ptr, IS_FP8)
+            k = _rope(k, k_pair, kpos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
         v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv, head_dim_v,
                      v_scale_ptr, IS_FP8)
-        s = _scores(q, k, kpos, pos, kv_lim, window_left, softcap, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, PREC)
+        s = _scores(q, k, kpos, pos, kv_lim, window_left, softcap, slope, window_right, CAUSAL, HAS_WINDOW,
+                    HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT)
         m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
 
     if HAS_SINKS:
@@ -270,6 +390,12 @@ def paged_attention(
     sinks: torch.Tensor | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    window_right: int = -1,
+    cache_leftpad: torch.Tensor | None = None,
+    sink_tokens: int = 0,
+    rope_theta: float | None = None,
+    rope_scale: float = 1.0,
     *,
     force_prefill: bool = False,
     num_splits: int | None = None,
@@ -288,23 +414,45 @@ def paged_attention(
     launches, out, lse = plan_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
         sinks, k_scale, v_scale, capability_of(q), force_prefill=force_prefill, num_splits=num_splits,
-        block_n=block_n, block_m=block_m,
+        block_n=block_n, block_m=block_m, alibi_slopes=alibi_slopes, window_right=window_right,
+        cache_leftpad=cache_leftpad, sink_tokens=sink_tokens, rope_theta=rope_theta, rope_scale=rope_scale,
     )
     run(launches)
     return out, lse
 
 
-def tile_config(kind: str, block_d: int, block_dv: int, is_fp32: bool, capability: tuple[int, int]) -> dict:
-    """``block_n``, ``block_m`` (prefill only), ``num_warps`` and ``num_stages`` of one kernel (``kind``: "decode"
-    or "prefill") for padded head dims ``block_d``/``block_dv`` on a device of compute ``capability``."""
-    return dict(block_n=64 if max(block_d, block_dv) <= 128 else 32, block_m=64, num_warps=4, num_stages=None)
+def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capability: tuple[int, int]) -> dict:
+    """``block_n`` (KV tokens per tile), ``block_m`` (prefill rows), ``num_warps`` and ``num_stages`` of one kernel.
+
+    ``kind`` is "decode" or "prefill", ``block_d``/``block_dv`` the padded head dims, ``operands`` what ``tl.dot``
+    multiplies: "fp32" (fp32 inputs, IEEE products on CUDA cores), "fp8" (e4m3 bits decoded in registers, TF32) or
+    "16bit" (bf16/fp16 converted to fp32, TF32). Every tile is converted to fp32 before the dot, so K/V tiles cost 4
+    bytes per value in registers and shared memory whatever the cache dtype. Chosen so that no (kernel, head_dim,
+    flag) combination spills registers or needs more than 99 KB of shared memory (sm_86/sm_89, the smallest block
+    budget of the targets), as checked by ``python benchmarks/gpu_check.py --aot``; two pipeline stages (the K/V
+    loads are gathers through ``block_table``, so deeper pipelining only costs shared memory).
+    """
+    width = max(block_d, block_dv)
+    if kind == "decode":  # 16 rows (the padded query heads of one KV head)
+        block_n = 64 if width <= 64 or (width <= 128 and operands == "16bit") else 32 if width <= 128 else 16
+        return dict(block_n=block_n, block_m=16, num_warps=4, num_stages=2)
+    if operands == "fp32" and width >= 128:  # IEEE products on CUDA cores hold both operands in registers
+        return dict(block_n=16, block_m=16, num_warps=8, num_stages=2)
+    if width >= 256:
+        block_m, block_n = 16, 32
+    elif width == 128:
+        block_m, block_n = (64, 32) if operands == "16bit" else (32, 32)
+    else:
+        block_m, block_n = (64, 64) if operands == "16bit" else (32, 64)
+    return dict(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2)
 
 
 def plan_paged_attention(
     q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q: int, scale: float, causal: bool,
     window_left: int, softcap: float, sinks, k_scale, v_scale, capability: tuple[int, int], *,
     force_prefill: bool = False, num_splits: int | None = None, block_n: int | None = None,
-    block_m: int | None = None,
+    block_m: int | None = None, alibi_slopes=None, window_right: int = -1, cache_leftpad=None, sink_tokens: int = 0,
+    rope_theta: float | None = None, rope_scale: float = 1.0,
 ) -> tuple[list[Launch], torch.Tensor, torch.Tensor]:
     """The launches of :func:`paged_attention` for a device of compute ``capability`` (also run on ``meta`` tensors
     by the ahead-of-time check), with the allocated ``out`` and ``lse``."""
@@ -333,7 +481,8 @@ def plan_paged_attention(
     block_g = _pow2(group)
     block_d, block_dv = _pow2(d), _pow2(d_v)
     decode = max_seqlen_q == 1 and not force_prefill
-    cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, q.dtype == torch.float32, capability)
+    operands = "fp8" if is_fp8 else "fp32" if q.dtype == torch.float32 else "16bit"
+    cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, operands, capability)
     block_n = cfg["block_n"] if block_n is None else block_n
     block_m = cfg["block_m"] if block_m is None else block_m
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=True)
@@ -341,6 +490,18 @@ def plan_paged_attention(
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, IS_FP8=is_fp8, PREC=prec,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
     )
+    # attention features (docs/attention_features.md): constexpr flags (and their arguments, passed by name), so
+    # calls without them launch (and compile ahead of time) as before
+    features = {}
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
+        features.update(alibi_ptr=alibi_slopes, s_ab=num_heads if alibi_slopes.dim() == 2 else 0, HAS_ALIBI=True)
+    if cache_leftpad is not None:
+        features.update(leftpad_ptr=cache_leftpad.contiguous(), HAS_LEFTPAD=True)
+    if sink_tokens > 0 and window_left >= 0:
+        features.update(sink_tokens=sink_tokens, HAS_SINK_TOKENS=True)
+    if rope_theta is not None:
+        features.update(rope_coef=-2.0 * math.log2(rope_theta) / d, rope_inv_scale=1.0 / rope_scale, HAS_ROPE=True)
     if decode:
         if num_splits is None:
             fill = triton.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
@@ -354,7 +515,7 @@ def plan_paged_attention(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_sc, v_sc, part_o, part_lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
             num_splits, block_size, capacity, group, d, d_v, tokens_per_split,
-            scale, softcap, window_left), common, **opts)
+            scale, softcap, window_left), {**common, **features}, **opts)
         merge = Launch(_decode_merge_kernel, (batch, num_heads), (
             part_o, part_lse, sinks if sinks is not None else part_lse, cu_seqlens_q, out, lse,
             *out.stride(), lse.stride(0), num_splits, d_v),
@@ -368,5 +529,7 @@ def plan_paged_attention(
         sinks if sinks is not None else q, out, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(), lse.stride(0),
         block_size, capacity, group, d, d_v, scale, softcap, window_left),
-        dict(CAUSAL=causal, HAS_SINKS=sinks is not None, BLOCK_T=block_t, **common), **opts)
+        dict(CAUSAL=causal, HAS_SINKS=sinks is not None, BLOCK_T=block_t, **common, **features,
+             **({"window_right": window_right, "HAS_RIGHT": True} if not causal and window_right >= 0 else {})),
+        **opts)
     return [prefill], out, lse
