@@ -39,14 +39,10 @@ def check_cache_write(
     start,
     cache_head_start: int | None,
     op: str = "kvops.cache_write",
-    overlap: bool = True,
 ) -> int:
-    """Validate a write of ``T`` tokens at rows ``[start, start + T)``; returns the first cache head written.
-    ``overlap=False`` skips the caches' overlap check (Python that Dynamo traces cannot read storages; the op's fake
-    rule checks it at trace time, before anything runs)."""
+    """Validate a write of ``T`` tokens at rows ``[start, start + T)``; returns the first cache head written."""
     check_caches(op, k_cache, v_cache)
-    if overlap:
-        check_caches_disjoint(op, [("k_cache", k_cache), ("v_cache", v_cache)])
+    check_caches_disjoint(op, [("k_cache", k_cache), ("v_cache", v_cache)])
     if value is None:
         raise ValueError(f"{op}: value must be provided (got value=None with a v_cache); pass value [B, T, H_in, D_v].")
     require_ndim(op, "key", key, 4, TOKENS_LAYOUT)

@@ -90,8 +90,7 @@ def _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start) -> N
             f"Pass key/value with {as_int(k_cache.shape[2])} heads (for a head slice use CausalKVCache with "
             f"cache_head_start)."
         )
-    # (traced by Dynamo, the write op's fake rule checks the overlap: at trace time, before anything runs)
-    check_cache_write(key, value, k_cache, v_cache, 0, None, op=_OP, overlap=not torch.compiler.is_compiling())
+    check_cache_write(key, value, k_cache, v_cache, 0, None, op=_OP)
     for name, t in (("cursors", cursors), ("current_chunk_start", current_chunk_start)):
         if isinstance(t, torch.Tensor) and t.device != k_cache.device:
             raise ValueError(
