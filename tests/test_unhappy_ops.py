@@ -96,7 +96,7 @@ class TestZeroSizes(expecttest.TestCase):
         self.assertExpectedInline(msg, """flash_attn_with_kvcache: k_cache has seqlen_cache = 0 (shape (1, 0, 2, 8), read as [batch, seqlen_cache, num_kv_heads, head_dim]); it must be >= 1. Allocate the cache with at least one row (token) per sequence.""")  # noqa: B950
 
     def test_native_off_and_composite_in_one_subprocess(self):
-        """The SIGFPE cases of the issue, in the default and "off" modes and with KVOPS_NATIVE=0: ValueError."""
+        """The issue's ZeroDivisionError cases with KVOPS_NATIVE=0, in every value-check mode: ValueError."""
         code = """
             import torch, kvops
             q, kc = torch.randn(1, 2, 8), torch.zeros(8, 0, 2, 8)
@@ -113,7 +113,7 @@ class TestZeroSizes(expecttest.TestCase):
                         except ValueError as e:
                             print("OK", str(e)[:40])
             """
-        for env in ({}, {"KVOPS_NATIVE": "0"}):
+        for env in ({"KVOPS_NATIVE": "0"},):  # (the native default mode: the generated batch; "off"/"async": above)
             with self.subTest(env=env):
                 proc = run_isolated(code, env=env)
                 self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
@@ -131,7 +131,7 @@ class TestValidateBeforeWrite(expecttest.TestCase):
         table, lens = torch.tensor([[0, 1], [2, 3]], dtype=I32), torch.tensor([2, 3], dtype=I32)
         for what, q, kw, needles in (
             ("softcap", torch.randn(2, 1, 4, 8), dict(softcap=-1.0), ["softcap", "-1.0"]),
-            ("window", torch.randn(2, 1, 4, 8), dict(window_size=(-5, -1)), ["window_size", "-5"]),
+            ("window", torch.randn(2, 1, 4, 8), dict(window_size=(-5, -1)), ["window", "-5"]),
             ("head_dim", torch.randn(2, 1, 4, 16), {}, ["head_dim", "16"]),
             ("float64", torch.randn(2, 1, 4, 8).double(), {}, ["q", "float64"]),
             ("float16", torch.randn(2, 1, 4, 8).half(), {}, ["q dtype torch.float16"]),
@@ -169,8 +169,9 @@ class TestOverlappingCaches(expecttest.TestCase):
         buf = torch.zeros(4, 4, 2, 16)
         kc, vc = buf[..., :8], buf[..., 4:12]
         key, slots = torch.randn(3, 2, 8), torch.tensor([0, 5, 9])
-        msg = raises_everywhere(self, ValueError, lambda k, v, kc, vc: kvops.paged_cache_write(k, v, kc, vc, slots),
-                                (key, key.clone(), kc, vc))
+        # eager only: torch.compile / torch.export trace storage identity neither (docs/semantics.md)
+        msg = check_failing_call(self, lambda: kvops.paged_cache_write(key, key.clone(), kc, vc, slots), ValueError,
+                                 ["k_cache and v_cache overlap"], state=buf)
         self.assertExpectedInline(msg, """kvops.paged_cache_write: k_cache and v_cache overlap in memory: k_cache shape (4, 4, 2, 8) strides (128, 32, 16, 1) offset 0, v_cache shape (4, 4, 2, 8) strides (128, 32, 16, 1) offset 4; a write to one would overwrite the other. Pass caches with disjoint memory (separate tensors, or the K and V halves of a joint allocation, e.g. kv[:, :, 0] and kv[:, :, 1] of [num_blocks, block_size, 2, num_kv_heads, head_dim]).""")  # noqa: B950
         self_overlap = torch.zeros(64).as_strided((1, 8, 2, 8), (32, 4, 2, 1))
         msg = check_failing_call(self, lambda: kvops.cache_write(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8),

@@ -315,7 +315,7 @@ def _value_cases():
         ["current_chunk_start=6", "global_end=4"])
     # attention args that flash_attn_with_kvcache must reject before it appends k/v (issue 17 §2)
     fa_kw = [("softcap=-1", dict(softcap=-1.0), ["softcap", "-1"]),
-             ("window_size=(-5, -1)", dict(window_size=(-5, -1)), ["window_size", "-5"]),
+             ("window_size=(-5, -1)", dict(window_size=(-5, -1)), ["window", "-5"]),
              ("q head_dim 16", dict(q=lambda: _t(2, 1, 4, 16)), ["head_dim", "16"]),
              ("q float64", dict(q=lambda: _t(2, 1, 4, 8).double()), ["q", "float64"]),
              ("q float16", dict(q=lambda: _t(2, 1, 4, 8).half()), ["q", "float16"])]
