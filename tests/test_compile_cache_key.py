@@ -7,6 +7,7 @@ there, keeps a user's own tag, follows the sources' bytes, and really separates 
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 
 import torch
@@ -62,3 +63,12 @@ def test_another_tag_misses_the_warm_cache():
         assert _compile_once() == (1, 0)  # warm, same lowering sources: a hit
         with torch.compiler.config.patch(cache_key_tag="kvops-lowering-0000000000000000"):
             assert _compile_once() == (0, 1)  # as after a change of the lowerings: compiled anew, never the old code
+
+
+def test_tag_covers_the_schemas():
+    # A warm AOTAutograd cache keyed on a graph of public ops replayed code calling kvops::_paged_attention_native
+    # with its older 14-argument schema after the attention features added arguments: schemas are part of the tag.
+    names = {str(p.relative_to(pathlib.Path(kvops.__file__).parent)) for p in lowering.schema_sources()}
+    assert {"_library.py", "native/__init__.py", "ops/paged_attention.py", "packed/_lowering.py"} <= names, names
+    assert lowering.cache_key_tag() == lowering.cache_key_tag((*lowering.LOWERING_SOURCES,
+                                                               *lowering.schema_sources()))
