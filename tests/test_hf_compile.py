@@ -192,17 +192,3 @@ def test_exported_decode_step_serves_every_position(cache):
     assert not [n for n in ep.graph.nodes if "_local_scalar_dense" in str(n.target)]  # no host read of the position
     _run_steps(ep.module(), full, pos, toks, ref)
 
-
-def test_aoti_decode_step_serves_every_position(tmp_path):
-    """The same program through AOTInductor (one compile, ~1-3 min): 4 successive positions, sdpa's logits."""
-    from torch._inductor import aoti_compile_and_package, aoti_load_package
-
-    step, full, pos, toks, ref = _prefilled_step(model_for("llama"), "static", 16)
-    args = (toks[:, :1], torch.tensor([pos.shape[1]]), full, pos[:, -1:] + 1)
-    with torch.no_grad():
-        ep = torch.export.export(step, args, strict=True)
-    package = aoti_load_package(aoti_compile_and_package(ep, package_path=str(tmp_path / "hf_decode.pt2")))
-    # the package holds its own copy of the buffers: load the prefilled caches into it
-    package.load_constants({name: buf for name, buf in step.named_buffers()}, check_full_update=False,
-                           user_managed=True)
-    _run_steps(package, full, pos, toks, ref)
