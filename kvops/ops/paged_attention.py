@@ -214,15 +214,18 @@ def paged_attention(
             ``B``; K/V caches disagreeing in dtype, ``P``, ``block_size`` or ``H_kv``; a non-fp8 cache dtype
             different from q's; ``sinks`` not float32 ``[H_q]``; an fp8 cache without scales (or scales without
             one, or scales not float32 ``[1]``/``[H_kv]``); devices; ``max_seqlen_q < 1`` with tokens;
-            ``window_left < -1``; ``softcap < 0``. Raised by the fake rule too (trace time under ``torch.compile``
-            and ``torch.export``).
+            ``window_left < -1``; ``softcap < 0``; features: ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``,
+            ``window_right < -1``, ``cache_leftpad`` not int32 ``[B]``, ``sink_tokens < 0``, ``rope_theta``/
+            ``rope_scale`` not > 0 or an odd ``head_dim`` with RoPE. Raised by the fake rule too (trace time under
+            ``torch.compile`` and ``torch.export``).
         RuntimeError: value contracts (docs/semantics.md §7), checked per the value-check mode (default
             ``"eager"``: eager calls, one host sync; ``"async"``: ``torch._assert_async``, also compiled): a
             sequence's ``q_len > max_seqlen_q``; ``seq_lens[b]`` outside ``[0, max_blocks * block_size]`` (the
             capacity of ``block_table``); a block id outside ``[0, P)`` in the first ``ceil(seq_len / block_size)``
             entries of a ``block_table`` row (the message names ``block_table[b, j]``, the id and ``P``);
-            ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``. ``cu_seqlens_q[-1] < T_q`` is
-            allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
+            ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``; a negative ``cache_leftpad``. With
+            a window (or ``cache_leftpad``) only the block ids of rows some query can see are checked
+            (docs/attention_features.md). ``cu_seqlens_q[-1] < T_q`` is allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
             rows of a CUDA-graph batch. On CPU with the native kernel, eager checks are one native pass over the
             index tensors (a few us); only a failing call computes the message. The native kernel itself checks
             the contracts that address memory (all but ``max_seqlen_q``) before any work and raises the same

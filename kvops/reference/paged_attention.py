@@ -82,7 +82,8 @@ def rotate_half(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -
 
 def _heads_major(x, batch, m_q, num_kv_heads, group, d):
     """``[B, M, H_q, D]`` -> ``[B, H_kv, M * G, D]`` (rows ordered (query, group head))."""
-    return x.view(batch, m_q, num_kv_heads, group, d).permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, m_q * group, d)
+    x = x.view(batch, m_q, num_kv_heads, group, d).permute(0, 2, 1, 3, 4)
+    return x.reshape(batch, num_kv_heads, m_q * group, d)
 
 
 def paged_attention(
