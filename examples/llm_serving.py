@@ -11,7 +11,8 @@ Scaled to a 2-core CPU (and printed as such): layers (24 -> --layers), vocabular
 geometry, hidden and FFN sizes are the model's. Every step is padded to fixed shapes (a token budget and a batch
 width), so the compiled step does not recompile as the batch changes.
 
-Printed: whether the greedy tokens of eager and compiled runs are identical, compilations, tokens/s eager vs compiled,
+Printed: each phase as it starts; whether the greedy tokens of eager and compiled runs are identical, compilations,
+time to the first compiled step, tokens/s eager vs compiled (median and spread of interleaved runs, `--repeats`),
 and the blocks in use.
 
     python examples/llm_serving.py                   # CPU
@@ -21,6 +22,9 @@ and the blocks in use.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
 import time
 from collections import deque
 
@@ -46,9 +50,37 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def aten_cache_write(k, v, k_cache, v_cache, slot_mapping):
+    """The ``--impl aten`` baseline of ``kvops.paged_cache_write``: ``index_put_`` into the flattened caches. Padding
+    tokens (slot -1) go to slot 0, which ``--impl aten`` reserves as scratch (block 0 is held by no request)."""
+    slots = slot_mapping.clamp(min=0)
+    k_cache.view(-1, *k_cache.shape[2:]).index_put_((slots,), k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_put_((slots,), v)
+
+
+def sdpa_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table):
+    """The ``--impl aten`` baseline of ``kvops.paged_attention`` (causal, GQA): gather every row's blocks into one
+    key set ``[B * W * block_size]`` and run ``F.scaled_dot_product_attention`` with a boolean mask (token ``i`` of
+    row ``b`` sees keys of row ``b`` at positions ``<= seq_lens[b] - q_len_b + local_i``). Rows with no key give 0."""
+    n, width, bs = q.shape[0], block_table.shape[1], k_cache.shape[1]
+    keys_per_row = width * bs
+    k = k_cache[block_table].reshape(1, -1, H_KV, HEAD_DIM).transpose(1, 2)  # [1, H_kv, B * W * bs, D]
+    v = v_cache[block_table].reshape(1, -1, H_KV, HEAD_DIM).transpose(1, 2)
+    tok = torch.arange(n, device=q.device, dtype=cu_seqlens_q.dtype)
+    row = torch.searchsorted(cu_seqlens_q[1:], tok, right=True).clamp(max=seq_lens.shape[0] - 1)
+    q_len = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    q_pos = seq_lens[row] - q_len[row] + (tok - cu_seqlens_q[row])  # the query's position in its sequence
+    key = torch.arange(k.shape[2], device=q.device)
+    key_row, key_pos = key // keys_per_row, key % keys_per_row
+    mask = (key_row[None, :] == row[:, None]) & (key_pos[None, :] <= q_pos[:, None])
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, enable_gqa=True)
+    return torch.nan_to_num(out[0].transpose(0, 1), nan=0.0)  # [N, H_q, D]; fully masked rows: 0 as kvops
+
+
 class Layer(nn.Module):
-    def __init__(self):
+    def __init__(self, impl: str = "kvops"):
         super().__init__()
+        self.impl = impl  # "kvops" (the ops) or "aten" (index_put_ writes + SDPA over gathered blocks: baseline)
         self.norm1, self.norm2 = nn.RMSNorm(HIDDEN, eps=1e-6), nn.RMSNorm(HIDDEN, eps=1e-6)
         self.qkv = nn.Linear(HIDDEN, (H_Q + 2 * H_KV) * HEAD_DIM, bias=True)
         self.o = nn.Linear(H_Q * HEAD_DIM, HIDDEN, bias=False)
@@ -60,10 +92,15 @@ class Layer(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).split([H_Q * HEAD_DIM, H_KV * HEAD_DIM, H_KV * HEAD_DIM], dim=-1)
         q = rope(q.view(n, H_Q, HEAD_DIM), positions)
         k = rope(k.view(n, H_KV, HEAD_DIM), positions)
-        kvops.paged_cache_write(k, v.view(n, H_KV, HEAD_DIM), k_cache, v_cache, meta["slot_mapping"])
-        attn = kvops.paged_attention(
-            q, k_cache, v_cache, meta["cu_seqlens_q"], meta["seq_lens"], meta["block_table"], meta["max_seqlen_q"]
-        )
+        if self.impl == "aten":
+            aten_cache_write(k, v.view(n, H_KV, HEAD_DIM), k_cache, v_cache, meta["slot_mapping"])
+            attn = sdpa_paged_attention(q, k_cache, v_cache, meta["cu_seqlens_q"], meta["seq_lens"],
+                                        meta["block_table"])
+        else:
+            kvops.paged_cache_write(k, v.view(n, H_KV, HEAD_DIM), k_cache, v_cache, meta["slot_mapping"])
+            attn = kvops.paged_attention(
+                q, k_cache, v_cache, meta["cu_seqlens_q"], meta["seq_lens"], meta["block_table"], meta["max_seqlen_q"]
+            )
         x = x + self.o(attn.reshape(n, H_Q * HEAD_DIM))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -72,10 +109,10 @@ class Layer(nn.Module):
 class Model(nn.Module):
     """Weights only; the caches and the step's metadata are arguments (tensors, plus the int ``max_seqlen_q``)."""
 
-    def __init__(self, layers: int, vocab: int):
+    def __init__(self, layers: int, vocab: int, impl: str = "kvops"):
         super().__init__()
         self.embed = nn.Embedding(vocab, HIDDEN)
-        self.layers = nn.ModuleList(Layer() for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(impl) for _ in range(layers))
         self.norm = nn.RMSNorm(HIDDEN, eps=1e-6)
         self.lm_head = nn.Linear(HIDDEN, vocab, bias=False)
 
@@ -152,25 +189,47 @@ def serve(model, cache: PagedKVCache, requests: list[Request], args, device, syn
     return out, generated, time.perf_counter() - t0, stats
 
 
+def spread(values, fmt="{:.1f}") -> str:
+    """``median [min-max] (n runs)`` of a list of measurements."""
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (Inductor's C++ compiler runs): a compile-cost measure
+    that other load on the machine does not inflate as it does wall time."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--layers", type=int, default=2, help="24 in Qwen2.5-0.5B")
-    p.add_argument("--vocab", type=int, default=8192, help="151936 in Qwen2.5-0.5B")
-    p.add_argument("--requests", type=int, default=10)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model and cache dtype")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (24 in Qwen2.5-0.5B)")
+    p.add_argument("--vocab", type=int, default=8192, help="vocabulary size (151936 in Qwen2.5-0.5B)")
+    p.add_argument("--requests", type=int, default=10, help="requests served per run")
     p.add_argument("--max-batch", type=int, default=6, help="concurrent requests")
     p.add_argument("--token-budget", type=int, default=32, help="tokens per step (decode + one prefill chunk)")
-    p.add_argument("--max-prompt", type=int, default=96)
-    p.add_argument("--max-new", type=int, default=24)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=96, help="longest prompt (tokens); prompts are 3..this")
+    p.add_argument("--max-new", type=int, default=24, help="most tokens generated per request (4..this)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
+    p.add_argument("--impl", default="kvops", choices=["kvops", "aten"],
+                   help="kvops: paged_cache_write + paged_attention; aten: the baseline of plain index_put_ writes "
+                        "and SDPA over the gathered blocks")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed eager/compiled run pairs after warm-up, interleaved (median and spread printed)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements to this JSON file")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    model = Model(args.layers, args.vocab).to(device, dtype).eval()
+    model = Model(args.layers, args.vocab, args.impl).to(device, dtype).eval()
     gen = torch.Generator().manual_seed(1)
     specs = [
         (torch.randint(0, args.vocab, (int(torch.randint(3, args.max_prompt + 1, (), generator=gen)),),
@@ -180,7 +239,8 @@ def main() -> None:
     ]
     blocks_per_req = -(-(args.max_prompt + args.max_new) // args.block_size)
     num_blocks = args.max_batch * blocks_per_req
-    print(f"kvops {kvops.__version__}, torch {torch.__version__}, device {device}, dtype {dtype}")
+    print(f"kvops {kvops.__version__}, torch {torch.__version__}, device {device}, dtype {dtype}, "
+          f"{torch.get_num_threads()} threads, --impl {args.impl}")
     print(
         f"geometry: Qwen2.5-0.5B H_q {H_Q} / H_kv {H_KV} x head_dim {HEAD_DIM} (GQA 7:1), hidden {HIDDEN}, FFN {FFN}; "
         f"scaled for this run: {args.layers} layers (model: 24), vocab {args.vocab} (model: 151936), random weights"
@@ -189,36 +249,77 @@ def main() -> None:
         f"workload: {args.requests} requests, prompts {min(len(s[0]) for s in specs)}-"
         f"{max(len(s[0]) for s in specs)} tokens, {sum(s[1] for s in specs)} tokens to generate; <= {args.max_batch} "
         f"concurrent; steps padded to {args.token_budget} tokens x {args.max_batch + 1} rows; "
-        f"{num_blocks} blocks of {args.block_size} tokens per layer"
+        f"{num_blocks} blocks of {args.block_size} tokens per layer", flush=True
     )
 
     def run(fn):
-        cache = PagedKVCache(num_blocks, args.block_size, H_KV, HEAD_DIM, num_layers=args.layers, dtype=dtype,
-                             device=device)
+        reserve = args.impl == "aten"  # block 0: scratch for the baseline's padding writes (slot 0)
+        cache = PagedKVCache(num_blocks + reserve, args.block_size, H_KV, HEAD_DIM, num_layers=args.layers,
+                             dtype=dtype, device=device)
+        if reserve:
+            cache.add_sequence("scratch")
+            cache.extend("scratch", args.block_size)
         reqs = [Request(i, prompt, max_new) for i, (prompt, max_new) in enumerate(specs)]
         with torch.no_grad():
             return serve(fn, cache, reqs, args, device, sync)
 
-    eager_out, n_tokens, eager_s, peak = run(model)
+    print("eager run (reference tokens, warm-up)...", flush=True)
+    eager_out, n_tokens, _, peak = run(model)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    # max_seqlen_q is an int that changes from step to step: mark it dynamic up front, else Dynamo specializes the
+    # first graph on its first value and compiles a second, dynamic graph at the next step (twice the compile time).
+    torch.compiler.config.dynamic_sources = "L['meta']['max_seqlen_q']"
     compiled = torch.compile(model, fullgraph=True)
-    _, _, first_s, _ = run(compiled)  # includes compilation
+    first_step = []
+
+    def first_timed(*a):
+        if first_step:
+            return compiled(*a)
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        out = compiled(*a)
+        sync()
+        first_step.extend([time.perf_counter() - t0, cpu_seconds() - c0])
+        return out
+
+    print("compiling (first compiled step), then the first compiled run...", flush=True)
+    t0 = time.perf_counter()
+    _, _, first_s, _ = run(first_timed)
     graphs_first = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    compiled_out, _, compiled_s, _ = run(compiled)
+    print(f"  first compiled step {first_step[0]:.1f} s ({first_step[1]:.1f} s CPU), first compiled run "
+          f"{time.perf_counter() - t0:.1f} s",
+          flush=True)
+    print(f"timed runs: {args.repeats} x (eager, compiled), interleaved...", flush=True)
+    eager_tps, compiled_tps, ratios, same = [], [], [], True
+    for r in range(args.repeats):
+        order = [("eager", model), ("compiled", compiled)]
+        pair = {}
+        for name, fn in order if r % 2 == 0 else order[::-1]:  # alternate which goes first
+            out, _, secs, _ = run(fn)
+            pair[name] = n_tokens / secs
+            same &= out == eager_out
+        eager_tps.append(pair["eager"])
+        compiled_tps.append(pair["compiled"])
+        ratios.append(pair["compiled"] / pair["eager"])
+        print(f"  pair {r + 1}: eager {pair['eager']:.1f} tokens/s, compiled {pair['compiled']:.1f} tokens/s "
+              f"({ratios[-1]:.2f}x)", flush=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
-    same = compiled_out == eager_out
     print(f"greedy tokens identical eager vs compiled: {same} ({n_tokens} tokens over {len(eager_out)} requests)")
-    if not same:
-        bad = [rid for rid in eager_out if eager_out[rid] != compiled_out[rid]]
-        print(f"  differing requests: {bad}")
-    print(f"compilations: {graphs_first} graphs in the first compiled run (incl. {first_s:.1f} s), "
-          f"{graphs} after a second run")
-    print(f"tokens/s: eager {n_tokens / eager_s:.1f}, compiled {n_tokens / compiled_s:.1f} "
-          f"({eager_s / compiled_s:.2f}x)")
-    print(f"blocks in use: peak {peak['peak']} of {num_blocks} per layer; {peak['allocated']} block allocations "
-          f"over the run (freed blocks reused by later requests); {peak['free_at_end']} free at the end")
+    print(f"compilations: {graphs_first} graph(s) in the first compiled run (first step {first_step[0]:.1f} s), "
+          f"{graphs} after {args.repeats} more runs")
+    print(f"tokens/s, median [min-max] of {args.repeats} interleaved runs: eager {spread(eager_tps)}, compiled "
+          f"{spread(compiled_tps)}; compiled/eager per pair {spread(ratios, '{:.2f}')}x")
+    print(f"blocks in use: peak {peak['peak']} of {num_blocks + (args.impl == 'aten')} per layer; {peak['allocated']} "
+          f"block allocations over the run (freed blocks reused by later requests); {peak['free_at_end']} free at the "
+          f"end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"example": "llm_serving", "impl": args.impl, "threads": torch.get_num_threads(),
+                       "identical": same, "graphs_first": graphs_first, "graphs": graphs,
+                       "first_step_s": first_step[0], "first_step_cpu_s": first_step[1], "first_run_s": first_s,
+                       "eager_tokens_per_s": eager_tps,
+                       "compiled_tokens_per_s": compiled_tps, "ratios": ratios}, f)
     if not same:
         raise SystemExit(1)
 

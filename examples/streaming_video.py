@@ -10,8 +10,9 @@ Scaled to a 2-core CPU (and printed as such): tokens per frame (1560 at 480x832 
 (30 -> --layers), FFN width (8960 -> --ffn), chunks per stream (--chunks); the head geometry and the
 sink/chunk/window ratios are the model's.
 
-Printed: max |eager - compiled| over every chunk output, compilations, per-chunk latency eager vs compiled (after
-warm-up), and the resident cache bytes.
+Printed: each phase as it starts (flushed); max |eager - compiled| over every chunk output, compilations, per-chunk
+latency eager vs compiled (after warm-up; median and spread of interleaved streams, `--repeats`), and the resident
+cache bytes. `--impl aten` runs the same model on plain slice-copy caches (the compile-cost baseline).
 
     python examples/streaming_video.py                 # CPU, about a minute on 2 cores
     python examples/streaming_video.py --kv-cache-quant int8 fp8 int4 int2   # + packed (quantized) caches
@@ -22,8 +23,12 @@ warm-up), and the resident cache bytes.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import statistics
 import time
+from typing import NamedTuple
 
 import torch
 import torch._dynamo
@@ -51,6 +56,39 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     x1, x2 = x[..., :d].float(), x[..., d:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class AtenView(NamedTuple):
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class AtenCausalCache:
+    """The ``--impl aten`` baseline: this example's use of ``CausalKVCache`` (append a chunk at the end or rewrite the
+    newest chunk; when full, evict the oldest rows after the sink) with plain slice copies, Python-int cursors."""
+
+    def __init__(self, batch: int, size: int, sink_tokens: int, dtype, device):
+        kv = torch.zeros(batch, size, 2, HEADS, HEAD_DIM, dtype=dtype, device=device)
+        self.k, self.v = kv[:, :, 0], kv[:, :, 1]
+        self.sink, self.global_end, self.local_end = sink_tokens, 0, 0
+
+    def reset_indices(self) -> None:
+        self.global_end = self.local_end = 0
+
+    def update_and_get_attention_kv(self, k: torch.Tensor, v: torch.Tensor, current_chunk_start: int):
+        n = k.shape[1]
+        if current_chunk_start == self.global_end:  # append (evicting first when the chunk does not fit)
+            over = self.local_end + n - self.k.shape[1]
+            if over > 0:
+                for buf in (self.k, self.v):
+                    buf[:, self.sink : self.local_end - over] = buf[:, self.sink + over : self.local_end].clone()
+                self.local_end -= over
+            self.global_end += n
+            self.local_end += n
+        start = self.local_end - (self.global_end - current_chunk_start)
+        self.k[:, start : start + n] = k
+        self.v[:, start : start + n] = v
+        return AtenView(self.k[:, : self.local_end], self.v[:, : self.local_end])
 
 
 class Block(nn.Module):
@@ -110,10 +148,22 @@ def stream(model, caches, latents: torch.Tensor, chunk_tokens: int, steps: int, 
     return torch.cat(outputs, dim=1), times
 
 
+def spread(values, fmt="{:.1f}") -> str:
+    """``median [min-max]`` of a list of measurements."""
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (Inductor's C++ compiler runs)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model and cache dtype")
     p.add_argument("--layers", type=int, default=2, help="30 in Wan-2.1 1.3B")
     p.add_argument("--tokens-per-frame", type=int, default=8, help="1560 at 480x832")
     p.add_argument("--ffn", type=int, default=2240, help="FFN width (8960 in Wan-2.1 1.3B)")
@@ -125,29 +175,44 @@ def main() -> None:
     p.add_argument("--layout", default="roll", choices=["roll", "ring"],
                    help="cache layout: roll (CausalKVCache) or ring (RingCausalKVCache; its eager output is also "
                         "compared with the roll layout's)")
+    p.add_argument("--impl", default="kvops", choices=["kvops", "aten"],
+                   help="kvops: CausalKVCache (kvops.cache_write / cache_roll); aten: the baseline of plain slice "
+                        "copies with the same semantics (roll layout, dense runs only)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed eager/compiled stream pairs after warm-up, interleaved (median and spread printed)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements to this JSON file")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
+    if args.impl == "aten" and (args.layout != "roll" or args.kv_cache_quant != ["off"]):
+        raise SystemExit("--impl aten is the dense roll-layout baseline: use it without --layout ring and "
+                         "--kv-cache-quant")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model = StreamingModel(args.layers, args.ffn).to(device, dtype).eval()
     tpf = args.tokens_per_frame
-    print(f"kvops {kvops.__version__}, torch {torch.__version__}, device {device}, dtype {dtype}")
+    print(f"kvops {kvops.__version__}, torch {torch.__version__}, device {device}, dtype {dtype}, "
+          f"{torch.get_num_threads()} threads, --impl {args.impl}")
     print(
         f"geometry: Wan-2.1 1.3B heads {HEADS} x head_dim {HEAD_DIM}; scaled for this run: {args.layers} layers "
         f"(model: 30), FFN {args.ffn} (model: 8960), {tpf} tokens/frame (model: 1560 at 480x832), {args.chunks} chunks, "
-        f"{args.steps} denoising steps + 1 context pass per chunk"
+        f"{args.steps} denoising steps + 1 context pass per chunk", flush=True
     )
     compiled = torch.compile(model, fullgraph=True)
     # compiled matmuls/RMSNorm may round differently from eager; the cache data movement itself is bit-exact (tests)
     tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
-    ok = True
+    ok, results = True, {}
     for name, (sink_f, chunk_f, window_f) in CONFIGS.items():
         chunk_tokens = chunk_f * tpf
         latents = torch.randn(1, args.chunks * chunk_tokens, HEADS * HEAD_DIM, device=device, dtype=dtype)
 
         def fresh_caches(cls=RingCausalKVCache if args.layout == "ring" else CausalKVCache):
+            if args.impl == "aten":
+                return [AtenCausalCache(1, window_f * tpf, sink_f * tpf, dtype, device) for _ in range(args.layers)]
             return [
                 cls.allocate(
                     1, window_f * tpf, HEADS, HEAD_DIM, dtype=dtype, device=device, fused_kv=True,
@@ -156,19 +221,42 @@ def main() -> None:
                 for _ in range(args.layers)
             ]
 
+        print(f"\n== {name}: sink {sink_f} / chunk {chunk_f} / window {window_f} frames = "
+              f"{sink_f * tpf} / {chunk_tokens} / {window_f * tpf} tokens", flush=True)
         with torch.no_grad():
+            print("  eager stream (reference, warm-up)...", flush=True)
             eager_caches = fresh_caches()
-            eager_out, eager_times = stream(model, eager_caches, latents, chunk_tokens, args.steps, sync)
+            eager_out, _ = stream(model, eager_caches, latents, chunk_tokens, args.steps, sync)
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             compiled_caches = fresh_caches()
-            t0 = time.perf_counter()
-            compiled_out, compiled_times = stream(compiled, compiled_caches, latents, chunk_tokens, args.steps, sync)
-            first_stream = time.perf_counter() - t0
+            print("  compiling (first compiled stream: every graph compiles in its first chunks)...", flush=True)
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            compiled_out, first_times = stream(compiled, compiled_caches, latents, chunk_tokens, args.steps, sync)
+            first_stream, first_cpu = time.perf_counter() - t0, cpu_seconds() - c0
             graphs_first = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            for cache in compiled_caches:  # a second stream on the same caches reuses the graphs
-                cache.reset_indices()
-            compiled_out2, compiled_times2 = stream(compiled, compiled_caches, latents, chunk_tokens, args.steps, sync)
+            print(f"  first compiled stream {first_stream:.1f} s ({first_cpu:.1f} s CPU; first chunk "
+                  f"{first_times[0]:.1f} s), {graphs_first} graphs", flush=True)
+            print(f"  timed streams: {args.repeats} x (eager, compiled) on reset caches, interleaved...", flush=True)
+            warm = slice(args.chunks // 2, None)  # after the window filled up and eviction started
+            eager_ms, compiled_ms, ratios = [], [], []
+            for r in range(args.repeats):
+                pair = {}
+                order = [("eager", model, eager_caches), ("compiled", compiled, compiled_caches)]
+                for label, fn, caches in order if r % 2 == 0 else order[::-1]:
+                    for cache in caches:  # a stream on the same (reset) caches reuses the compiled graphs
+                        cache.reset_indices()
+                    out, times = stream(fn, caches, latents, chunk_tokens, args.steps, sync)
+                    pair[label] = 1e3 * statistics.median(times[warm])
+                    if label == "compiled":
+                        compiled_out2 = out
+                    else:
+                        eager_times = times  # the latest eager stream's chunk times, for --kv-cache-quant
+                eager_ms.append(pair["eager"])
+                compiled_ms.append(pair["compiled"])
+                ratios.append(pair["eager"] / pair["compiled"])
+                print(f"    pair {r + 1}: eager {pair['eager']:.1f} ms/chunk, compiled {pair['compiled']:.1f} ms/chunk "
+                      f"({ratios[-1]:.2f}x)", flush=True)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
         diff = (eager_out.float() - compiled_out.float()).abs().max().item()
@@ -181,10 +269,6 @@ def main() -> None:
             (e.k.float() - c.k.float()).abs().max().item() for e, c in zip(eager_caches, compiled_caches)
         )
         cache_bytes = sum(c.k.untyped_storage().nbytes() for c in compiled_caches)  # K and V share one allocation
-        ms = lambda ts: 1e3 * sum(ts) / len(ts)  # noqa: E731
-        warm = slice(len(eager_times) // 2, None)  # after the window filled up and eviction started
-        print(f"\n== {name}: sink {sink_f} / chunk {chunk_f} / window {window_f} frames = "
-              f"{sink_f * tpf} / {chunk_tokens} / {window_f * tpf} tokens")
         within = diff <= tol and kv_diff <= tol
         ok &= within and graphs == graphs_first
         print(f"  max |eager - compiled| over all chunk outputs: {diff:.3e}, final caches' K: {kv_diff:.3e} "
@@ -196,15 +280,24 @@ def main() -> None:
         print(f"  compilations: {graphs_first} graphs in the first stream of {args.chunks} chunks x "
               f"{args.steps + 1} passes; {graphs} after a second stream on reset caches "
               f"(second stream equals the first: max diff {diff2:.1e})")
-        print(f"  per-chunk latency after warm-up: eager {ms(eager_times[warm]):.1f} ms, "
-              f"compiled {ms(compiled_times2[warm]):.1f} ms ({ms(eager_times[warm]) / ms(compiled_times2[warm]):.2f}x); "
-              f"first compiled stream incl. compilation {first_stream:.1f} s")
+        print(f"  per-chunk latency (median over chunks {warm.start + 1}-{args.chunks} of a stream), median [min-max] "
+              f"of "
+              f"{args.repeats} interleaved streams: eager {spread(eager_ms)} ms, compiled {spread(compiled_ms)} ms; "
+              f"eager/compiled per pair {spread(ratios, '{:.2f}')}x; first compiled stream incl. compilation "
+              f"{first_stream:.1f} s")
+        results[name] = {"graphs_first": graphs_first, "graphs": graphs, "first_stream_s": first_stream,
+                         "first_stream_cpu_s": first_cpu, "first_chunk_s": first_times[0], "eager_ms": eager_ms,
+                         "compiled_ms": compiled_ms, "ratios": ratios, "max_diff": diff, "within_tolerance": within}
         print(f"  resident cache: {cache_bytes / 2**20:.2f} MiB for {args.layers} layers "
               f"({cache_bytes // args.layers} bytes/layer: [1, {window_f * tpf}, 2, {HEADS}, {HEAD_DIM}] {dtype})")
         for quant in args.kv_cache_quant:
             if quant != "off":
                 compare_packed(model, latents, args, quant, eager_out, eager_times, cache_bytes, sink_f * tpf,
                                chunk_tokens, window_f * tpf, dtype, device, sync)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"example": "streaming_video", "impl": args.impl, "threads": torch.get_num_threads(),
+                       "ok": ok, "configs": results}, f)
     if not ok:
         raise SystemExit("eager and compiled (or ring and roll) disagree beyond tolerance, or the second stream "
                          "recompiled")
