@@ -597,7 +597,7 @@ class TestErrors(expecttest.TestCase):
     def test_rewrite_of_evicted_chunk(self):
         c = streamed()  # rows [3, 4, 5, 6], global_end 6
         msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 0), tokens(1, 2, 3))
-        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[-2, 1), global_end=6, prev_local_end=4, kv_cache_size=4, num_new_tokens=3, current_start=0, current_end=3 (positions [0, 2) were already evicted (rows [0, 4) hold positions [2, 6)); rewrite only tokens still cached (current_start >= 2) or append at current_start=6)""")
+        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[-2, 1), global_end=6, prev_local_end=4, kv_cache_size=4, num_new_tokens=3, current_start=0, current_end=3 (the chunk starts before position 2, the oldest one held after the sink: positions [0, 2) were already evicted (rows [0, 4) hold positions [2, 6)); rewrite only tokens still cached (current_start >= 2) or append at current_start=6)""")
 
     def test_chunk_longer_than_cache(self):
         c = streamed(chunks=())
@@ -607,7 +607,7 @@ class TestErrors(expecttest.TestCase):
     def test_rewrite_of_evicted_chunk_onto_the_sink(self):
         c = streamed(size=6, chunks=((1, 1, 1), (2, 2, 2), (3, 3, 3)), sink_tokens=2)  # rows [1,1,2,3,3,3]
         msg = self.check(RuntimeError, lambda k: c.update_and_get_attention_kv(k, k, 3), tokens(2, 2, 2))
-        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[0, 3), global_end=9, prev_local_end=6, kv_cache_size=6, num_new_tokens=3, current_start=3, current_end=6 (positions [3, 5) were already evicted (rows [0, 2) hold the sink, rows [2, 6) positions [5, 9)); rewrite only tokens still cached (current_start >= 5) or append at current_start=9)""")
+        self.assertExpectedInline(msg, """Invalid CausalKVCache write range: local=[0, 3), global_end=9, prev_local_end=6, kv_cache_size=6, num_new_tokens=3, current_start=3, current_end=6 (the chunk starts before position 5, the oldest one held after the sink: positions [2, 5) were already evicted (rows [0, 2) hold the sink, rows [2, 6) positions [5, 9)); rewrite only tokens still cached (current_start >= 5) or append at current_start=9)""")
 
     def test_evicting_append_would_overwrite_the_sink(self):
         c = streamed(size=6, chunks=((1, 1, 1), (2, 2, 2)), sink_tokens=4)  # rows [1,1,1,2,2,2], sink rows [0, 4)
