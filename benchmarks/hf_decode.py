@@ -1,4 +1,4 @@
-"""transformers decode step with kvops vs transformers' own path (issue 18's transformers target, issue 22).
+"""transformers decode step with kvops vs transformers' own path (StaticCache + sdpa), eager and compiled.
 
 A tiny random Llama or Qwen2 (built from a config, no download). Per context length C (a batch of 1 holding C
 tokens), one decode step is timed for four candidates, interleaved round by round (medians and spread of thread CPU
