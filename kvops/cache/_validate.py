@@ -64,3 +64,20 @@ def check_writer(name: str, key: torch.Tensor, value: torch.Tensor, cache_heads:
             f"[batch, num_new_tokens, num_heads] (key holds {as_int(tokens)} tokens, value {as_int(value.shape[1])}). "
             f"Pass the keys and values of the same tokens and heads."
         )
+
+
+def check_update_args(name: str, key: torch.Tensor, value: torch.Tensor, cache_heads: int, current_chunk_start,
+                      cache_head_start, recent_window_tokens) -> None:
+    """The argument checks every streaming cache's update shares: positions are ints, ``recent_window_tokens`` is
+    non-negative or None (sglang's text, then the value), and the writer's key/value fit the cache's heads."""
+    check_position(name, "current_chunk_start", current_chunk_start)
+    if cache_head_start is not None:
+        check_position(name, "cache_head_start", cache_head_start)
+    if recent_window_tokens is not None:
+        check_position(name, "recent_window_tokens", recent_window_tokens)
+        if recent_window_tokens < 0:
+            raise ValueError(
+                f"recent_window_tokens must be non-negative or None (got recent_window_tokens="
+                f"{as_int(recent_window_tokens)}; 0 shows the sink and the current chunk only)"
+            )
+    check_writer(name, key, value, cache_heads, cache_head_start)

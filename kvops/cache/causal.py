@@ -9,10 +9,9 @@ import torch
 
 from .._checks.contiguous import check_cache_write, check_caches
 from ..ops.contiguous import cache_roll, cache_write
-from .._checks.common import as_int
 from ._clamp import smax
 from ._plan import CausalKVView, _Cursors, eviction_moves, eviction_moves_with_pin, plan_rows, raise_write_range
-from ._validate import check_position, check_window_mode, check_writer
+from ._validate import check_update_args, check_window_mode
 from ._window import visible_rows
 
 __all__ = ["CausalKVCache", "CausalKVView"]
@@ -372,17 +371,7 @@ class CausalKVCache:
         rows evicted, the capacity after a planned growth). Shared with :class:`kvops.cache.ring.RingCausalKVCache`.
         """
         name = self.name
-        check_position(name, "current_chunk_start", current_chunk_start)
-        if cache_head_start is not None:
-            check_position(name, "cache_head_start", cache_head_start)
-        if recent_window_tokens is not None:
-            check_position(name, "recent_window_tokens", recent_window_tokens)
-            if recent_window_tokens < 0:
-                raise ValueError(
-                    f"recent_window_tokens must be non-negative or None (got recent_window_tokens="
-                    f"{as_int(recent_window_tokens)}; 0 shows the sink and the current chunk only)"
-                )
-        check_writer(name, key, value, self.k.shape[2], cache_head_start)
+        check_update_args(name, key, value, self.k.shape[2], current_chunk_start, cache_head_start, recent_window_tokens)
         # Metadata contract of the write op, checked before anything moves (zero rows: the row range is ours).
         h0 = check_cache_write(key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k, self.v, 0, cache_head_start, op=name)
         h1 = h0 + key.shape[2]

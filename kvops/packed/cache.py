@@ -26,7 +26,7 @@ from .._checks.contiguous import check_cache_write
 from ..cache._clamp import positive, relu, smin
 from ..cache.causal import CausalKVView
 from ..ops.contiguous import cache_write
-from ..cache._validate import check_position, check_window_mode, check_writer
+from ..cache._validate import check_update_args, check_window_mode
 from ..cache._window import visible_rows
 from ._plan import alloc_pool, gather_window, pool_slot, row_positions, window_counts
 from .ops import PackedKV, dequantize_kv, quantize_kv
@@ -344,17 +344,7 @@ class PackedCausalKVCache:
     def _write(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
         """Validate, advance (quantize the chunk leaving the ring) and write; returns ``(h0, h1, cur, G, L, ls)``."""
         name = self.name
-        check_position(name, "current_chunk_start", current_chunk_start)
-        if cache_head_start is not None:
-            check_position(name, "cache_head_start", cache_head_start)
-        if recent_window_tokens is not None:
-            check_position(name, "recent_window_tokens", recent_window_tokens)
-            if recent_window_tokens < 0:
-                raise ValueError(
-                    f"recent_window_tokens must be non-negative or None (got recent_window_tokens="
-                    f"{as_int(recent_window_tokens)}; 0 shows the sink and the current chunk only)"
-                )
-        check_writer(name, key, value, self.num_kv_heads, cache_head_start)
+        check_update_args(name, key, value, self.num_kv_heads, current_chunk_start, cache_head_start, recent_window_tokens)
         if key.shape[2] != self.num_kv_heads and cache_head_start is None:
             raise ValueError(
                 f"{name}: cache_head_start required for head slice (key has {as_int(key.shape[2])} heads, the cache "
