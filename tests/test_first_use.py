@@ -53,6 +53,35 @@ class TestNativeBuildNotice(unittest.TestCase):
             messages, _ = self._build(d)
         self.assertEqual(messages, [])
 
+    def test_stale_lock_is_named(self):
+        # torch's FileBaton waits forever on a lock a killed build left behind: the wait must say which file it is
+        with tempfile.TemporaryDirectory() as d:
+            with mock.patch.dict(os.environ, {"TORCH_EXTENSIONS_DIR": d}):
+                build_dir = native.build_directory()
+            build_dir.mkdir(parents=True, exist_ok=True)
+            (build_dir / f"{native.build_name()}.so").write_bytes(b"")
+            (build_dir / "lock").write_bytes(b"")
+            messages, _ = self._build(d)
+        self.assertEqual(len(messages), 1, messages)
+        self.assertIn(f"waiting for the native build lock {build_dir / 'lock'}", messages[0])
+        self.assertIn("delete that file", messages[0])
+
+    def test_two_checkouts_never_share_a_build(self):
+        # build.ninja records absolute source paths: the same sources in another folder get their own build name
+        with tempfile.TemporaryDirectory() as d:
+            other = os.path.join(d, "native")
+            os.mkdir(other)
+            for src in (*native.SOURCES, *native.HEADERS):
+                with open(os.path.join(other, src.name), "wb") as f:
+                    f.write(src.read_bytes())
+            import pathlib
+            moved = pathlib.Path(other) / native.SOURCE.name
+            with mock.patch.object(native, "SOURCE", moved), \
+                    mock.patch.object(native, "SOURCES", [moved.with_name(s.name) for s in native.SOURCES]), \
+                    mock.patch.object(native, "HEADERS", [moved.with_name(h.name) for h in native.HEADERS]):
+                other_name = native.build_name()
+        self.assertNotEqual(other_name, native.build_name())
+
 
 class TestBuildAheadOfTime(unittest.TestCase):
     def test_python_m_kvops_native(self):

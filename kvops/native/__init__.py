@@ -74,9 +74,13 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """Extension name: ``kvops_native_<hash of source, flags, CPU flags, torch version>``."""
+    """Extension name: ``kvops_native_<hash of source, its folder, flags, CPU flags, torch version>``.
+
+    The folder is part of the hash because the build's ``build.ninja`` records absolute source paths: two checkouts
+    with the same sources sharing one build folder would rebuild each other's binary, without notice, on every
+    switch."""
     h = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
-    for part in (*CFLAGS, _cpu_flags(), torch.__version__):
+    for part in (*CFLAGS, _cpu_flags(), torch.__version__, str(SOURCE.parent.resolve())):
         h.update(part.encode())
     return f"kvops_native_{h.hexdigest()[:16]}"
 
@@ -154,6 +158,12 @@ def _build(load=None) -> bool:
                 "torch version: %s. The build is cached in %s (set TORCH_EXTENSIONS_DIR to move it); "
                 "`python -m kvops.native` builds it ahead of time, KVOPS_NATIVE=0 skips it (slower composite kernels).",
                 BUILD_SECONDS, build_dir,
+            )
+        lock = build_dir / "lock"
+        if lock.exists():  # torch's FileBaton waits on it forever, silently
+            log.warning(
+                "kvops: waiting for the native build lock %s: another process is building the kernels. If none is "
+                "(a build that was killed leaves its lock behind), delete that file and this wait ends.", lock,
             )
         t0 = time.perf_counter()
         load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
