@@ -8,6 +8,7 @@ directly on CPU tensors; the ops themselves dispatch CPU tensors to the CPU kern
 import os
 import warnings
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -18,13 +19,19 @@ if not torch.cuda.is_available():
 # torch.utils.mkldnn, whose module-level ScriptModules (MkldnnLinear, MkldnnConv*, MkldnnBatchNorm, MkldnnPrelu)
 # apply the deprecated @torch.jit.script_method 14 times (torch 2.13). Import that module once here with exactly this
 # warning silenced; any other warning, and this one from any other code, is still reported.
+# Under pytest-xdist (the README's `-n 2`), each worker takes its share of the cores for torch's intra-op threads, so
+# two workers on 2 cores do not run 4 spinning OpenMP threads. Tests that set their own thread count still do.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
     import torch.utils.mkldnn  # noqa: F401
 
 
 # `python -m pytest -q -m quick tests`: a first check of the core (the contiguous and paged ops in eager, compile and
-# export, the cache classes, the README's code), a few minutes on 2 idle cores against the suite's ~8; CI runs the
+# export, the cache classes, the README's code), a few minutes on 2 idle cores, a fraction of the whole suite; CI runs the
 # whole suite. The marker is given here per module (pyproject.toml declares it), so test files stay unchanged.
 QUICK_MODULES = {
     "test_contiguous_ops",
@@ -37,8 +44,22 @@ QUICK_MODULES = {
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
+
+
+def _plain(value):
+    return value if value is None or isinstance(value, (str, int, float, bool)) else repr(value)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_to_serializable(config, report):
+    """pytest-xdist sends each report from its worker as plain data: a unittest ``subTest(dtype=torch.bfloat16)``
+    would fail to serialize (``DumpError: can't serialize <class 'torch.dtype'>``) and fail the test. Its
+    parameters travel as their repr, which is also how the report prints them."""
+    data = yield
+    context = data.get("_subtest.context") if isinstance(data, dict) else None
+    if context and context.get("kwargs"):
+        context["kwargs"] = {k: _plain(v) for k, v in context["kwargs"].items()}
+    return data
