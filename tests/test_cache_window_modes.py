@@ -90,7 +90,7 @@ class TestPackedFirstChunk(unittest.TestCase):
 
     def test_first_chunk_length_is_checked(self):
         pc = PackedCausalKVCache.allocate(1, 10, 1, 4, chunk_tokens=3, quant=None, first_chunk_tokens=1)
-        with self.assertRaisesRegex(ValueError, "must have 1 tokens .*first_chunk_tokens=1"):
+        with self.assertRaisesRegex(ValueError, "must have 1 token .chunk_tokens.*first_chunk_tokens=1"):
             pc.update_and_get_attention_kv(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4), 0)
         self.assertEqual(pc.global_end, 0)
         with self.assertRaisesRegex(ValueError, r"first_chunk_tokens must be an int in \[1, chunk_tokens=3\]"):

@@ -630,6 +630,11 @@ class TestErrors(expecttest.TestCase):
         msg = self.check(ValueError, lambda k: c.update_and_get_attention_kv(k, k, 6), tokens(7, dtype=torch.float64))
         self.assertExpectedInline(msg, """CausalKVCache: key dtype torch.float64 does not match k_cache dtype torch.float32. Cast key to torch.float32.""")
 
+    def test_batch_mismatch_shows_the_key_as_given(self):
+        c = streamed()
+        msg = self.check(ValueError, lambda k: c.update_and_get_attention_kv(k, k, 6), tokens(7, 8, 9).expand(2, 3, 1, 1))
+        self.assertExpectedInline(msg, """CausalKVCache: batch mismatch: key has shape (2, 3, 1, 1) (batch 2) but k_cache has shape (1, 4, 1, 1) (batch 1).""")
+
     def test_pin_inside_global_sink(self):
         c = streamed(size=8, chunks=((1, 1),), sink_tokens=2, global_sink_tokens=2)
         msg = self.check(ValueError, lambda x: c.pin_current_chunk(x.shape[1]), tokens(1, 1))

@@ -373,7 +373,7 @@ class CausalKVCache:
         name = self.name
         check_update_args(name, key, value, self.k.shape[2], current_chunk_start, cache_head_start, recent_window_tokens)
         # Metadata contract of the write op, checked before anything moves (zero rows: the row range is ours).
-        h0 = check_cache_write(key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k, self.v, 0, cache_head_start, op=name)
+        h0 = check_cache_write(key, value, self.k, self.v, 0, cache_head_start, op=name, check_rows=False)
         h1 = h0 + key.shape[2]
         c, stale = self._find_slice_cursors(h0, h1)
         # Branch-free (kvops.cache._plan): a rewrite, an append and an append that evicts run the same graph; only

@@ -352,7 +352,7 @@ class PackedCausalKVCache:
                 f"{self.num_kv_heads - as_int(key.shape[2])}, or key/value with all {self.num_kv_heads} heads)"
             )
         h0 = check_cache_write(
-            key.narrow(1, 0, 0), value.narrow(1, 0, 0), self.k_ring, self.v_ring, 0, cache_head_start, op=name
+            key, value, self.k_ring, self.v_ring, 0, cache_head_start, op=name, check_rows=False
         )
         n, s, size = key.shape[1], current_chunk_start, self.chunk_tokens
         g, cur_start = self.global_end, self.current_start
@@ -372,7 +372,7 @@ class PackedCausalKVCache:
                     f"{as_int(g - s)} tokens)"
                 )
             raise ValueError(
-                f"{name}: an appended chunk must have {size} tokens (chunk_tokens={self.chunk_tokens}, "
+                f"{name}: an appended chunk must have {size} token{'s' if size != 1 else ''} (chunk_tokens={self.chunk_tokens}, "
                 f"first_chunk_tokens={self.first_chunk_tokens} for the chunk at position 0), got {n} (key shape "
                 f"{tuple(key.shape)}); the packed cache stores chunk-aligned segments (a first chunk of another "
                 f"length: build it with first_chunk_tokens)."
