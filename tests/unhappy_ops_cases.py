@@ -294,6 +294,10 @@ def _value_cases():
             RuntimeError, ["seq_lens[1] = 9"], mode)
     add("flash_attn_with_kvcache", "negative cache_seqlens", setter("cache_seqlens", torch.tensor([-1, 3], dtype=I32)),
         RuntimeError, ["cache_seqlens=-1"])
+    add("flash_attn_with_kvcache", "cache_leftpad past cache_seqlens",
+        setter("cache_leftpad", torch.tensor([0, 4], dtype=I32)), RuntimeError, ["cache_leftpad[1] = 4", "3"])
+    add("paged_attention", "cache_leftpad past seq_lens", setter("cache_leftpad", torch.tensor([4, 0], dtype=I32)),
+        RuntimeError, ["cache_leftpad[0] = 4", "seq_lens[0] = 3"])
 
     def bad_ids(a):
         a["cluster_ids"] = a["cluster_ids"].clone()
@@ -316,6 +320,8 @@ def _value_cases():
     # attention args that flash_attn_with_kvcache must reject before it appends k/v (issue 17 §2)
     fa_kw = [("softcap=-1", dict(softcap=-1.0), ["softcap", "-1"]),
              ("window_size=(-5, -1)", dict(window_size=(-5, -1)), ["window", "-5"]),
+             ("window_size=(3,)", dict(window_size=(3,)), ["window_size", "pair", "(3,)"]),
+             ("window_size=(3, 0, 1)", dict(window_size=(3, 0, 1)), ["window_size", "pair", "(3, 0, 1)"]),
              ("q head_dim 16", dict(q=lambda: _t(2, 1, 4, 16)), ["head_dim", "16"]),
              ("q float64", dict(q=lambda: _t(2, 1, 4, 8).double()), ["q", "float64"]),
              ("q float16", dict(q=lambda: _t(2, 1, 4, 8).half()), ["q", "float16"])]

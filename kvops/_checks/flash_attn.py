@@ -29,6 +29,11 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
             f"{OP}: cache_batch_idx is not supported by kvops; apply it before the call (index the caches, or pass "
             f"a block_table whose rows select each sequence's blocks) or pass cache_batch_idx=None."
         )
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(
+            f"{OP}: window_size must be a pair (left, right), each -1 (unbounded) or >= 0, got {window_size!r}. "
+            f"Pass e.g. (-1, -1) for no window or (left, 0) for a causal sliding window."
+        )
     if window_size[0] < -1 or window_size[1] < -1:
         raise ValueError(
             f"{OP}: window_size={tuple(window_size)}: each bound must be -1 (unbounded) or >= 0 (FlashAttention's "

@@ -183,7 +183,8 @@ def _attention_violations(q, num_blocks, block_size, cu_seqlens_q, seq_lens, blo
         "cu_end": cu[-1] > q.shape[0],
         "q_len": q_lens > max_seqlen_q,
         "seq_len": (lens < 0) | (lens > capacity),
-        "leftpad": torch.zeros_like(lens, dtype=torch.bool) if cache_leftpad is None else cache_leftpad < 0,
+        "leftpad": (torch.zeros_like(lens, dtype=torch.bool) if cache_leftpad is None
+                    else (cache_leftpad < 0) | (cache_leftpad.long() > lens)),
         "block": _bad_blocks(block_table, lens, block_size, num_blocks, reads),
     }
 
@@ -214,9 +215,15 @@ def _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block
         )
     if bool(v["leftpad"].any()):
         b = int(v["leftpad"].nonzero()[0, 0])
+        pad = int(cache_leftpad[b])
+        if pad < 0:
+            raise RuntimeError(
+                f"{op}: cache_leftpad[{b}] = {pad} is negative; it is the first KV row of sequence {b} "
+                f"(0: no left padding)."
+            )
         raise RuntimeError(
-            f"{op}: cache_leftpad[{b}] = {int(cache_leftpad[b])} is negative; it is the first KV row of sequence {b} "
-            f"(0: no left padding)."
+            f"{op}: cache_leftpad[{b}] = {pad} is past seq_lens[{b}] = {lens[b]}; it is the first KV row of sequence "
+            f"{b} and must be in [0, seq_len] (sequence {b}'s keys are rows [cache_leftpad, seq_len))."
         )
     b, j = (int(x) for x in v["block"].nonzero()[0])
     if reads is not None:
@@ -245,6 +252,8 @@ def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_bloc
         return False
     if not native.available():
         return False
+    if cache_leftpad is not None and bool((cache_leftpad > seq_lens).any()):  # not in the native pass
+        return False
     if window_left < 0 and sink_tokens == 0 and cache_leftpad is None:  # the call graphs had before the features
         return not torch.ops.kvops._paged_attention_values_bad(
             cu_seqlens_q, seq_lens, block_table, q.shape[0], max_seqlen_q, num_blocks, block_size)
@@ -261,7 +270,7 @@ def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_s
     eager: one host sync; ``RuntimeError`` naming the argument, index, value, bound and fix. async: one
     ``torch._assert_async`` per contract. ``cu_seqlens_q[-1] < T_q`` is allowed (rows owned by no sequence are 0).
     With a window (``window_left >= 0``, ``sink_tokens``) or ``cache_leftpad``, only the block ids of the rows the
-    queries can see must be valid (docs/attention_features.md); ``cache_leftpad`` must be >= 0.
+    queries can see must be valid (docs/attention_features.md); ``cache_leftpad`` must be in ``[0, seq_len]``.
     """
     geometry = cache_geometry(k_cache, kv_layout)
     mode = _active(q, cu_seqlens_q, seq_lens, block_table)
@@ -291,19 +300,20 @@ def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_s
             f"{op}: cu_seqlens_q must be non-decreasing from 0 to at most T_q = {_known(q.shape[0])}. {hint}")
     _assert(~v["q_len"].any(), f"{op}: a sequence's q_len exceeds max_seqlen_q = {_known(max_seqlen_q)}. {hint}")
     _assert(~v["seq_len"].any(), f"{op}: seq_lens outside [0, {cap}], the capacity of block_table. {hint}")
-    _assert(~v["leftpad"].any(), f"{op}: cache_leftpad holds a negative row. {hint}")
+    _assert(~v["leftpad"].any(), f"{op}: cache_leftpad holds a row outside [0, seq_len]. {hint}")
     _assert(~v["block"].any(),
             f"{op}: block_table holds a block id outside [0, P = {_known(num_blocks)}) in a used entry. {hint}")
 
 
 # --- flash_attn_with_kvcache ----------------------------------------------------------------------------------
 def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, k_cache: torch.Tensor,
-                  num_new_tokens: int, op: str = "flash_attn_with_kvcache", mode: str | None = None
-                  ) -> torch.Tensor | None:
-    """``0 <= cache_seqlens[b]``, ``cache_seqlens[b] + num_new_tokens <= max_blocks * block_size`` and the block ids
-    of the positions in use in ``[0, P)``, in the current mode. Returns the async ``ok`` flag (None otherwise), so the
-    caller can skip the whole write when it is False. ``mode="eager"`` forces the eager check
-    (``check_kvcache_capacity``)."""
+                  num_new_tokens: int, op: str = "flash_attn_with_kvcache", mode: str | None = None,
+                  cache_leftpad: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``0 <= cache_seqlens[b]``, ``cache_seqlens[b] + num_new_tokens <= max_blocks * block_size``, the block ids
+    of the positions in use in ``[0, P)`` and ``0 <= cache_leftpad[b] <= cache_seqlens[b]`` (the new tokens are
+    written at row ``cache_seqlens[b]``: a first key row past it would hide them), in the current mode. Returns the
+    async ``ok`` flag (None otherwise), so the caller can skip the whole write when it is False. ``mode="eager"``
+    forces the eager check (``check_kvcache_capacity``)."""
     if mode is None:
         mode = _active(cache_seqlens) if block_table is None else _active(cache_seqlens, block_table)
     if (mode is None or (block_table is not None and block_table.device != cache_seqlens.device)
@@ -317,11 +327,18 @@ def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
     bad_block = None
     if block_table is not None:
         bad_block = _bad_blocks(block_table, lens + num_new_tokens, block_size, num_blocks)
+    bad_pad = None
+    if (isinstance(cache_leftpad, torch.Tensor) and cache_leftpad.shape == lens.shape
+            and cache_leftpad.device == lens.device):
+        bad_pad = (cache_leftpad < 0) | (cache_leftpad.long() > lens)
     if mode == "async":
         ok = ~bad_len.any() if bad_block is None else ~(bad_len.any() | bad_block.any())
+        if bad_pad is not None:
+            ok = ok & ~bad_pad.any()
         _assert(ok, f"{op}: cache_seqlens + {_known(num_new_tokens)} new tokens exceed the capacity addressable by "
                     f"block_table ({_known(capacity)} tokens), or block_table holds a block id outside [0, "
-                    f"{_known(num_blocks)}); nothing was written. Run with kvops.value_checks('eager') for details.")
+                    f"{_known(num_blocks)}), or cache_leftpad holds a row outside [0, cache_seqlens]; nothing was "
+                    f"written. Run with kvops.value_checks('eager') for details.")
         return ok
     if bool(bad_len.any()):
         b = int(bad_len.nonzero()[0, 0])
@@ -341,6 +358,13 @@ def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
         raise RuntimeError(
             f"{op}: block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the cache: block ids must be "
             f"in [0, {num_blocks}) (P = {num_blocks} blocks) for the blocks sequence {b} uses."
+        )
+    if bad_pad is not None and bool(bad_pad.any()):
+        b = int(bad_pad.nonzero()[0, 0])
+        raise RuntimeError(
+            f"{op}: cache_leftpad[{b}] = {int(cache_leftpad[b])} is outside [0, cache_seqlens[{b}] = {int(lens[b])}]: "
+            f"it is the first key row of sequence {b}, and the new tokens are written at row cache_seqlens[{b}]. "
+            f"Nothing was written. Pass 0 <= cache_leftpad <= cache_seqlens."
         )
     return None
 

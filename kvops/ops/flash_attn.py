@@ -66,12 +66,15 @@ def flash_attn_with_kvcache(
         causal: bottom-right aligned causal mask: query ``i`` sits at position ``seq_len - S_q + i``.
         window_size: ``(left, right)``, each ``-1`` (unbounded) or ``>= 0``: query at position ``pos`` sees keys
             ``[pos - left, pos + right]`` (bottom-right aligned, as FlashAttention's local attention); with
-            ``causal=True`` ``right`` is ignored (0), as in FlashAttention.
+            ``causal=True`` ``right`` is ignored (0), as in FlashAttention (``flash_api.cpp``: ``if (is_causal)
+            window_size_right = 0``). Anything but a pair raises ``ValueError``.
         cache_leftpad: ``[B]`` int32, the row each sequence's cache starts at (FlashAttention's left padding):
             the keys are rows ``[cache_leftpad[b], cache_seqlens[b] + S_new)``, the new ``k``/``v`` are still
             written at row ``cache_seqlens[b]``, and the query's position is counted in rows (so causal, window
             and ALiBi distances are the same as FlashAttention's over the unpadded keys). Rotary tables are indexed
             by row, as FlashAttention does. Works with ``block_table`` too (FlashAttention 2 refuses that pair).
+            Value contract: ``0 <= cache_leftpad[b] <= cache_seqlens[b]`` (a first key row past the row the new
+            tokens go to would hide them), checked before anything is written.
         alibi_slopes: ``[H_q]`` or ``[B, H_q]`` float32: ALiBi, ``- slope * |pos - j|`` added to the score of key
             ``j`` (after softcap, before masking). The output is FlashAttention's; under ``causal`` FlashAttention's
             kernel adds ``slope * j`` instead, which differs by a per-query constant, so its ``softmax_lse`` differs
@@ -110,14 +113,15 @@ def flash_attn_with_kvcache(
             ``num_kv_heads`` or ``head_dim`` 0. Every check, the attention's included, runs before ``k``/``v`` are
             appended: a failing call changes no cache.
         ValueError (features): ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``; ``cache_leftpad`` not int32
-            ``[B]``; a ``window_size`` bound below -1. A negative ``cache_leftpad`` value is a value contract
-            (``RuntimeError`` from ``kvops.paged_attention``).
+            ``[B]``; ``window_size`` not a pair, or a bound below -1. A ``cache_leftpad[b]`` outside ``[0,
+            cache_seqlens[b]]`` is a value contract (``RuntimeError``, below).
         NotImplementedError: ``cache_batch_idx``.
         RuntimeError: value contracts (docs/semantics.md §7), before anything is written: a ``cache_seqlens``
             value with ``cache_seqlens[b] + S_new`` past the capacity addressable by ``block_table``, or negative
             (``"flash_attn_with_kvcache: sequence b has cache_seqlens=n; ... block_table addresses only C tokens
             ..."``, as FlashAttention's ``RuntimeError`` matching ``"block_table"``), or a block id outside
-            ``[0, P)`` among the blocks a sequence uses. Checked per the value-check mode: ``"eager"`` (default;
+            ``[0, P)`` among the blocks a sequence uses, or a ``cache_leftpad[b]`` outside ``[0,
+            cache_seqlens[b]]``. Checked per the value-check mode: ``"eager"`` (default;
             eager calls, one host sync), ``"async"`` (``torch._assert_async``, also in compiled/exported graphs;
             the write is skipped), ``"off"``. Unchecked (``"off"``, or compiled code in ``"eager"`` mode),
             positions past the capacity are neither written (slot -1) nor read (``seq_lens`` clamped), so no other
@@ -155,7 +159,8 @@ def flash_attn_with_kvcache(
     # the attention's contract too, before anything is written (a failing call changes nothing)
     check_paged_attention(q_rows, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s_q, softmax_scale,
                           right == 0, window_size[0], softcap, None, k_scale, v_scale, "NHD", **features)
-    ok = values.check_kvcache(base, user_table, k_cache, s_new)  # value contract, docs/semantics.md §7
+    ok = values.check_kvcache(base, user_table, k_cache, s_new,  # value contract, docs/semantics.md §7
+                              cache_leftpad=cache_leftpad)
 
     if k is not None and s_new > 0:
         pos = base[:, None] + torch.arange(s_new, dtype=torch.int64, device=device)[None, :]  # [B, S_new]

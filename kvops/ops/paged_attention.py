@@ -182,14 +182,17 @@ def paged_attention(
         alibi_slopes: (keyword-only, as every argument below; docs/attention_features.md) float32 ``[H_q]`` or
             ``[B, H_q]``: FlashAttention's ALiBi, score ``- slope * |pos - j|`` added after softcap, before masking.
         window_right: right window (``-1``: none) when ``causal=False``: keys ``j <= pos + window_right`` are
-            visible (FlashAttention's ``window_size[1]``); ``causal=True`` means 0.
+            visible (FlashAttention's ``window_size[1]``). With ``causal=True`` it is ignored: the causal bound
+            (0) wins, as in FlashAttention (``flash_api.cpp`` sets ``window_size_right = 0`` when ``is_causal``).
         cache_leftpad: int32 ``[B]``, the first KV row of each sequence (FlashAttention's ``cache_leftpad``): rows
             ``[0, cache_leftpad[b])`` are never read; the keys are rows ``[cache_leftpad[b], seq_lens[b])`` and
             positions (causal, window, ALiBi distances) are rows; RoPE at read time counts from the first key.
         sink_tokens: StreamingLLM: with ``window_left >= 0`` the first ``sink_tokens`` keys of each sequence stay
             visible besides the window (still subject to ``causal``/``window_right``). Table entries of blocks that
             no query can see (wholly between the sinks and the earliest query's window) are never read: evicted
-            blocks may hold ``-1`` (``PagedKVCache(window_left=..., sink_tokens=...)`` frees them).
+            blocks may hold ``-1`` (``PagedKVCache(window_left=..., sink_tokens=...)`` frees them). Without a
+            window (``window_left=-1``) it changes nothing (every key is visible already) and is accepted, so one
+            setting serves a model's windowed and global layers.
         rope_theta, rope_scale: RoPE at read time (FlashInfer's ``pos_encoding_mode="ROPE_LLAMA"``): the cache holds
             un-rotated keys; q and k are rotated GPT-NeoX style (pairs ``(j, j + D/2)``) by angle
             ``position / rope_scale * rope_theta ** (-2i / D)`` inside the kernel; q's position is its sequence
@@ -223,7 +226,8 @@ def paged_attention(
             sequence's ``q_len > max_seqlen_q``; ``seq_lens[b]`` outside ``[0, max_blocks * block_size]`` (the
             capacity of ``block_table``); a block id outside ``[0, P)`` in the first ``ceil(seq_len / block_size)``
             entries of a ``block_table`` row (the message names ``block_table[b, j]``, the id and ``P``);
-            ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``; a negative ``cache_leftpad``. With
+            ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``; a ``cache_leftpad[b]`` outside
+            ``[0, seq_lens[b]]``. With
             a window (or ``cache_leftpad``) only the block ids of rows some query can see are checked
             (docs/attention_features.md). ``cu_seqlens_q[-1] < T_q`` is allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
             rows of a CUDA-graph batch. On CPU with the native kernel, eager checks are one native pass over the

@@ -1,0 +1,83 @@
+"""Validator of ``kvops.integrations.flashinfer.BatchDecodeWithPagedKVCacheWrapper`` (``plan`` and ``run``).
+
+``plan`` is host work (as FlashInfer's): it reads ``indptr`` and ``last_page_len`` and checks their values here.
+``run`` checks shapes and dtypes against the plan only (no tensor contents, no host sync); the rest is
+``kvops.paged_attention``'s validator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PLAN = "BatchDecodeWithPagedKVCacheWrapper.plan"
+RUN = "BatchDecodeWithPagedKVCacheWrapper.run"
+MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+
+
+def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+               window_left, logits_soft_cap, rope_scale, rope_theta) -> list[int]:
+    """Check a ``plan`` call; returns the number of pages of each sequence (read from ``indptr`` on the host)."""
+    if pos_encoding_mode not in MODES:
+        raise ValueError(f"{PLAN}: pos_encoding_mode must be one of {MODES}, got {pos_encoding_mode!r}.")
+    for name, t, ndim in (("indptr", indptr, 1), ("indices", indices, 1), ("last_page_len", last_page_len, 1)):
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim or t.dtype != torch.int32:
+            raise ValueError(
+                f"{PLAN}: {name} must be a 1-D int32 tensor, got "
+                f"{(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__}."
+            )
+    batch = indptr.shape[0] - 1
+    if batch < 0 or last_page_len.shape[0] != batch:
+        raise ValueError(
+            f"{PLAN}: indptr must be [batch + 1] and last_page_len [batch], got {indptr.shape[0]} and "
+            f"{last_page_len.shape[0]} entries."
+        )
+    for name, n in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                    ("page_size", page_size)):
+        if n < 1:
+            raise ValueError(f"{PLAN}: {name} must be >= 1, got {n}.")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"{PLAN}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads}) (GQA).")
+    if window_left < -1:
+        raise ValueError(f"{PLAN}: window_left must be -1 (no window) or >= 0, got {window_left}.")
+    if logits_soft_cap is not None and logits_soft_cap < 0:
+        raise ValueError(f"{PLAN}: logits_soft_cap must be None or >= 0 (0: off), got {logits_soft_cap}.")
+    if pos_encoding_mode == "ROPE_LLAMA" and not (rope_scale > 0 and rope_theta > 0):
+        raise ValueError(f"{PLAN}: rope_scale and rope_theta must be > 0, got {rope_scale} and {rope_theta}.")
+    ptr = indptr.tolist()  # host work, as FlashInfer's plan
+    counts = [ptr[b + 1] - ptr[b] for b in range(batch)]
+    if ptr[0] != 0 or min(counts, default=0) < 0 or ptr[-1] > indices.shape[0]:
+        raise ValueError(
+            f"{PLAN}: indptr = {ptr} must be non-decreasing from 0 to at most len(indices) = {indices.shape[0]} "
+            f"(sequence b's pages are indices[indptr[b]:indptr[b + 1]])."
+        )
+    last = last_page_len.tolist()
+    for b in range(batch):
+        if counts[b] > 0 and not 1 <= last[b] <= page_size:
+            raise ValueError(
+                f"{PLAN}: last_page_len[{b}] = {last[b]} must be in [1, page_size = {page_size}] (the keys in "
+                f"sequence {b}'s last page)."
+            )
+    return counts
+
+
+def check_run(q, k_cache, v_cache, kv_layout, shape, dtypes, planned_window, window_left) -> None:
+    """Shapes and dtypes of a ``run`` call against its plan (``ValueError``; metadata only)."""
+    batch, h_q, h_kv, head_dim, page_size = shape
+    q_dtype, kv_dtype = dtypes
+    if tuple(q.shape) != (batch, h_q, head_dim):
+        raise ValueError(f"{RUN}: q must be [batch, num_qo_heads, head_dim] = {[batch, h_q, head_dim]} as planned, "
+                         f"got {list(q.shape)}.")
+    if q.dtype != q_dtype or k_cache.dtype != kv_dtype or v_cache.dtype != kv_dtype:
+        raise ValueError(f"{RUN}: planned q_data_type {q_dtype} and kv_data_type {kv_dtype}, got q {q.dtype}, "
+                         f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype}; plan with these dtypes.")
+    if k_cache.dim() == 4:
+        rows, heads = (k_cache.shape[1], k_cache.shape[2]) if kv_layout == "NHD" else (k_cache.shape[2],
+                                                                                        k_cache.shape[1])
+        if rows != page_size or heads != h_kv:
+            dims = "[P, page_size, H_kv, D]" if kv_layout == "NHD" else "[P, H_kv, page_size, D]"
+            raise ValueError(f"{RUN}: k_cache {list(k_cache.shape)} is not {kv_layout} {dims} with page_size "
+                             f"{page_size} and {h_kv} KV heads as planned.")
+    if window_left is not None and window_left != planned_window:
+        raise ValueError(f"{RUN}: window_left={window_left} differs from the planned {planned_window}; pass None "
+                         f"or plan with it.")
