@@ -13,6 +13,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 
 from tests.inductor_utils import code_facts  # noqa: E402
 from tests.test_hf_integration import (  # noqa: E402
+    COMMON,
     FAMILIES,
     NEW_TOKENS,
     make_cache,
@@ -192,3 +193,26 @@ def test_exported_decode_step_serves_every_position(cache):
     assert not [n for n in ep.graph.nodes if "_local_scalar_dense" in str(n.target)]  # no host read of the position
     _run_steps(ep.module(), full, pos, toks, ref)
 
+
+
+def test_aoti_decode_step_serves_every_position(tmp_path):
+    """One AOTInductor package of ``ExportableDecodeStep`` (a 1-layer Llama, ``KvopsStaticCache``, prefilled eagerly
+    before export) decodes 4 successive positions with sdpa's logits; the package carries the cache as its own
+    mutable buffers. Before: the K/V views the cache returned (stored attributes, not registered buffers) were
+    lifted as constants, which AOTInductor copies, so the package attended K/V frozen at export time (max diff 0.11
+    from the first decode step)."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, **{**COMMON,
+                                                                                          "num_hidden_layers": 1})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    step, full, pos, toks, ref = _prefilled_step(model, "static", 16)
+    args = (toks[:, :1], torch.tensor([pos.shape[1]]), full, pos[:, -1:] + 1)
+    with torch.no_grad():
+        ep = torch.export.export(step, args, strict=True)
+    assert not [s for s in ep.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"
+                and s.target.endswith(("keys", "values"))], ep.graph_signature  # K/V read through the buffers
+    package = aoti_load_package(aoti_compile_and_package(ep, package_path=str(tmp_path / "decode.pt2")))
+    _run_steps(package, full, pos, toks, ref)

@@ -96,7 +96,9 @@ class KvopsStaticLayer(CacheLayerMixin):
                           value_states.transpose(1, 2).reshape(-1, *self.v.shape[2:]), self.k, self.v,
                           slots.view(-1))
         self.cumulative_length.add_(t)
-        return self.keys, self.values
+        # views taken here, not the stored ``keys``/``values``: traced, they are views of the ``k``/``v`` buffers
+        # (an exported attribute view would be lifted as a separate constant, which AOTInductor copies: stale K/V)
+        return self.k.transpose(1, 2), self.v.transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -232,11 +234,8 @@ class KvopsPagedLayer(KvopsStaticLayer):
         pool = self.parent.allocate(key_states, value_states)
         self.k, self.v = pool.k_caches[self.layer_idx], pool.v_caches[self.layer_idx]
         self.block_table = self.parent.block_table
-        # the joint [P, block_size, 2, H_kv, D] view: V sits at a fixed storage offset from K (pool allocated joint)
-        p, bs, h, d = self.k.shape
-        kv_stride = self.v.storage_offset() - self.k.storage_offset()
-        self.keys = self.k.as_strided((p, bs, 2, h, d), (*self.k.stride()[:2], kv_stride, *self.k.stride()[2:]))
-        self.values = self.block_table
+        self.kv = self.k._base  # the joint [P, block_size, 2, H_kv, D] allocation; k, v = kv[:, :, 0], kv[:, :, 1]
+        self.keys, self.values = self.kv, self.block_table
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
 
@@ -244,16 +243,17 @@ class KvopsPagedLayer(KvopsStaticLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, _, t, _ = key_states.shape
-        bs, num_slots = self.k.shape[1], self.k.shape[0] * self.k.shape[1]
+        kv = self.kv  # K and V as views of the joint buffer, taken here (see KvopsStaticLayer.update)
+        bs, num_slots = kv.shape[1], kv.shape[0] * kv.shape[1]
         pos = self._positions(t)
         col = (pos // bs).clamp_max(self.block_table.shape[1] - 1)
         slots = self.block_table[:, col].long() * bs + pos % bs  # [B, T]
         slots = torch.where(pos < self.max_cache_len, slots, num_slots)
-        paged_cache_write(key_states.transpose(1, 2).reshape(batch * t, *self.k.shape[2:]),
-                          value_states.transpose(1, 2).reshape(batch * t, *self.v.shape[2:]),
-                          self.k, self.v, slots.view(-1))
+        paged_cache_write(key_states.transpose(1, 2).reshape(batch * t, *kv.shape[3:]),
+                          value_states.transpose(1, 2).reshape(batch * t, *kv.shape[3:]),
+                          kv[:, :, 0], kv[:, :, 1], slots.view(-1))
         self.cumulative_length.add_(t)
-        return self.keys, self.values
+        return kv, self.block_table
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:  # the cache reorders the shared block table once
         raise NotImplementedError("KvopsPagedCache.reorder_cache reorders the shared block table of all layers")
