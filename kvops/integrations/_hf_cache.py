@@ -81,17 +81,27 @@ class KvopsStaticLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _positions(self, num_tokens: int) -> torch.Tensor:
-        """Positions ``[G, G + T)`` as an int64 device tensor, after the eager bounds check."""
-        if not torch.compiler.is_compiling():
-            check_room(self.cache_name, int(self.cumulative_length), num_tokens, self.max_cache_len)
+        """Positions ``[G, G + T)`` as an int64 device tensor (traced code: no guard on ``G``)."""
         return torch.arange(num_tokens, device=self.device) + self.cumulative_length
+
+    def _eager_start(self, num_tokens: int) -> int | None:
+        """Eager calls: ``G`` as a Python int after the bounds check (slots then take one op from it); traced: None."""
+        if torch.compiler.is_compiling():
+            return None
+        g = int(self.cumulative_length)
+        check_room(self.cache_name, g, num_tokens, self.max_cache_len)
+        return g
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[-2]
-        pos = self._positions(t)
-        slots = torch.where(pos < self.max_cache_len, self._row0 + pos, self.batch_size * self.max_cache_len)
+        g = self._eager_start(t)
+        if g is not None:  # in bounds (checked)
+            slots = self._row0 + (g if t == 1 else torch.arange(g, g + t, device=self.device))
+        else:
+            pos = self._positions(t)
+            slots = torch.where(pos < self.max_cache_len, self._row0 + pos, self.batch_size * self.max_cache_len)
         paged_cache_write(key_states.transpose(1, 2).reshape(-1, *self.k.shape[2:]),
                           value_states.transpose(1, 2).reshape(-1, *self.v.shape[2:]), self.k, self.v,
                           slots.view(-1))
@@ -245,10 +255,14 @@ class KvopsPagedLayer(KvopsStaticLayer):
         batch, _, t, _ = key_states.shape
         kv = self.kv  # K and V as views of the joint buffer, taken here (see KvopsStaticLayer.update)
         bs, num_slots = kv.shape[1], kv.shape[0] * kv.shape[1]
-        pos = self._positions(t)
-        col = (pos // bs).clamp_max(self.block_table.shape[1] - 1)
-        slots = self.block_table[:, col].long() * bs + pos % bs  # [B, T]
-        slots = torch.where(pos < self.max_cache_len, slots, num_slots)
+        g = self._eager_start(t)
+        if g is not None and t == 1:  # in bounds (checked): the block and row from the Python-int position
+            slots = self.block_table[:, g // bs].long() * bs + g % bs
+        else:
+            pos = self._positions(t)
+            col = (pos // bs).clamp_max(self.block_table.shape[1] - 1)
+            slots = self.block_table[:, col].long() * bs + pos % bs  # [B, T]
+            slots = torch.where(pos < self.max_cache_len, slots, num_slots)
         paged_cache_write(key_states.transpose(1, 2).reshape(batch * t, *kv.shape[3:]),
                           value_states.transpose(1, 2).reshape(batch * t, *kv.shape[3:]),
                           kv[:, :, 0], kv[:, :, 1], slots.view(-1))
