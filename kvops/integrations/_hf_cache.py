@@ -106,8 +106,10 @@ class KvopsStaticLayer(CacheLayerMixin):
                           value_states.transpose(1, 2).reshape(-1, *self.v.shape[2:]), self.k, self.v,
                           slots.view(-1))
         self.cumulative_length.add_(t)
-        # views taken here, not the stored ``keys``/``values``: traced, they are views of the ``k``/``v`` buffers
-        # (an exported attribute view would be lifted as a separate constant, which AOTInductor copies: stale K/V)
+        if g is not None:
+            return self.keys, self.values
+        # traced: views taken here, so they are views of the ``k``/``v`` buffers (a stored view would be lifted as a
+        # constant of its own, which AOTInductor copies: the package would attend K/V frozen at export time)
         return self.k.transpose(1, 2), self.v.transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
