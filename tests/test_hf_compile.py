@@ -13,6 +13,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 
 from tests.inductor_utils import code_facts  # noqa: E402
 from tests.test_hf_integration import (  # noqa: E402
+    COMMON,
     FAMILIES,
     NEW_TOKENS,
     make_cache,
@@ -192,3 +193,64 @@ def test_exported_decode_step_serves_every_position(cache):
     assert not [n for n in ep.graph.nodes if "_local_scalar_dense" in str(n.target)]  # no host read of the position
     _run_steps(ep.module(), full, pos, toks, ref)
 
+
+
+def test_aoti_decode_step_serves_every_position(tmp_path):
+    """One AOTInductor package of ``ExportableDecodeStep`` (a 1-layer Llama, ``KvopsStaticCache``, prefilled eagerly
+    before export) decodes 4 successive positions with sdpa's logits; the package carries the cache as its own
+    mutable buffers. Before: the K/V views the cache returned (stored attributes, not registered buffers) were
+    lifted as constants, which AOTInductor copies, so the package attended K/V frozen at export time (max diff 0.11
+    from the first decode step)."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, **{**COMMON,
+                                                                                          "num_hidden_layers": 1})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    step, full, pos, toks, ref = _prefilled_step(model, "static", 16)
+    args = (toks[:, :1], torch.tensor([pos.shape[1]]), full, pos[:, -1:] + 1)
+    with torch.no_grad():
+        ep = torch.export.export(step, args, strict=True)
+    assert not [s for s in ep.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"
+                and s.target.endswith(("keys", "values"))], ep.graph_signature  # K/V read through the buffers
+    package = aoti_load_package(aoti_compile_and_package(ep, package_path=str(tmp_path / "decode.pt2")))
+    _run_steps(package, full, pos, toks, ref)
+
+
+
+def _decode_history(kind: str) -> list[tuple[int, torch.Tensor]]:
+    """One compiled decode step reused with a fresh cache of ``kind`` per (max_cache_len, dtype) of a history (eager
+    prefill, 2 decode steps each); returns (graphs compiled so far, tokens) after each cache."""
+    import kvops.integrations.transformers as kvops_hf
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    step, out = torch.compile(decode, fullgraph=True, backend=counter), []
+    for max_len, dtype in ((29, torch.float32), (40, torch.float32), (33, torch.bfloat16), (64, torch.float32)):
+        model = model_for("llama", dtype)
+        model.set_attn_implementation("kvops" if kind == "kvops" else "sdpa")
+        cache = (kvops_hf.KvopsStaticCache(model.config, max_cache_len=max_len) if kind == "kvops"
+                 else StaticCache(config=model.config, max_cache_len=max_len))
+        ids, mask = prompts()
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        with torch.no_grad():
+            toks = [decode(model, ids, mask, pos, cache).argmax(-1)]
+            for _ in range(2):
+                mask, pos = torch.cat([mask, mask.new_ones(2, 1)], 1), pos[:, -1:] + 1
+                toks.append(step(model, toks[-1][:, None], mask, pos, cache).argmax(-1))
+        out.append((counter.frame_count, torch.stack(toks, 1)))
+    return out
+
+
+def test_compiled_step_reused_across_max_cache_len_and_dtype():
+    """A compiled decode step reused with new ``KvopsStaticCache``s of other ``max_cache_len`` values and dtypes (29,
+    40 fp32; 33 bf16; 64 fp32) compiles as many graphs as transformers' StaticCache + sdpa after every cache (2, 3,
+    4, 4: the new length and dtype each recompile once, as for StaticCache; no Dynamo failure; once kvops' cursor
+    was a Python int guarded as ``seen == 37``, and a reused step failed in ``produce_guards`` with ``sources must
+    not be empty``), with StaticCache's tokens."""
+    kvops_run, hf_run = _decode_history("kvops"), _decode_history("hf_static")
+    assert [n for n, _ in kvops_run] == [n for n, _ in hf_run] == [2, 3, 4, 4], (kvops_run, hf_run)
+    for (_, got), (_, want) in zip(kvops_run, hf_run):
+        assert torch.equal(got, want), (got, want)

@@ -218,3 +218,26 @@ def test_import_kvops_does_not_import_transformers():
             offenders += [f"{path.name}: {n}" for n in names
                           if n.split(".")[0] == "transformers" or "integrations" in n]
     assert not offenders, offenders
+
+
+def test_eager_metadata_kept_per_mask_and_recomputed_after_in_place_change():
+    """Eager attention builds the paged-attention metadata once per mask tensor (every layer of a forward shares
+    it); an in-place change of the mask, or K/V of another geometry, recomputes it: outputs equal those of a
+    fresh copy of the mask."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    k, v = torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g)
+    module = torch.nn.Module()
+    mask = kvops_hf.kvops_mask(2, 1, 12, q_offset=10, attention_mask=torch.tensor([[0] * 3 + [1] * 9] * 2))
+
+    def attend(m, key=k, value=v):
+        return kvops_hf.kvops_attention_forward(module, q, key, value, m)[0]
+
+    first = attend(mask)
+    assert hasattr(mask, "_kvops_metadata")
+    torch.testing.assert_close(attend(mask), first, rtol=0, atol=0)
+    mask[0] = 0  # no padding any more: every row visible
+    torch.testing.assert_close(attend(mask), attend(mask.clone()), rtol=0, atol=0)
+    assert not torch.equal(attend(mask), first)
+    k6, v6 = k[:, :, :11].clone(), v[:, :, :11].clone()  # another capacity with the same mask
+    torch.testing.assert_close(attend(mask, k6, v6), attend(mask.clone(), k6, v6), rtol=0, atol=0)

@@ -81,22 +81,36 @@ class KvopsStaticLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _positions(self, num_tokens: int) -> torch.Tensor:
-        """Positions ``[G, G + T)`` as an int64 device tensor, after the eager bounds check."""
-        if not torch.compiler.is_compiling():
-            check_room(self.cache_name, int(self.cumulative_length), num_tokens, self.max_cache_len)
+        """Positions ``[G, G + T)`` as an int64 device tensor (traced code: no guard on ``G``)."""
         return torch.arange(num_tokens, device=self.device) + self.cumulative_length
+
+    def _eager_start(self, num_tokens: int) -> int | None:
+        """Eager calls: ``G`` as a Python int after the bounds check (slots then take one op from it); traced: None."""
+        if torch.compiler.is_compiling():
+            return None
+        g = int(self.cumulative_length)
+        check_room(self.cache_name, g, num_tokens, self.max_cache_len)
+        return g
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[-2]
-        pos = self._positions(t)
-        slots = torch.where(pos < self.max_cache_len, self._row0 + pos, self.batch_size * self.max_cache_len)
+        g = self._eager_start(t)
+        if g is not None:  # in bounds (checked)
+            slots = self._row0 + (g if t == 1 else torch.arange(g, g + t, device=self.device))
+        else:
+            pos = self._positions(t)
+            slots = torch.where(pos < self.max_cache_len, self._row0 + pos, self.batch_size * self.max_cache_len)
         paged_cache_write(key_states.transpose(1, 2).reshape(-1, *self.k.shape[2:]),
                           value_states.transpose(1, 2).reshape(-1, *self.v.shape[2:]), self.k, self.v,
                           slots.view(-1))
         self.cumulative_length.add_(t)
-        return self.keys, self.values
+        if g is not None:
+            return self.keys, self.values
+        # traced: views taken here, so they are views of the ``k``/``v`` buffers (a stored view would be lifted as a
+        # constant of its own, which AOTInductor copies: the package would attend K/V frozen at export time)
+        return self.k.transpose(1, 2), self.v.transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -232,11 +246,8 @@ class KvopsPagedLayer(KvopsStaticLayer):
         pool = self.parent.allocate(key_states, value_states)
         self.k, self.v = pool.k_caches[self.layer_idx], pool.v_caches[self.layer_idx]
         self.block_table = self.parent.block_table
-        # the joint [P, block_size, 2, H_kv, D] view: V sits at a fixed storage offset from K (pool allocated joint)
-        p, bs, h, d = self.k.shape
-        kv_stride = self.v.storage_offset() - self.k.storage_offset()
-        self.keys = self.k.as_strided((p, bs, 2, h, d), (*self.k.stride()[:2], kv_stride, *self.k.stride()[2:]))
-        self.values = self.block_table
+        self.kv = self.k._base  # the joint [P, block_size, 2, H_kv, D] allocation; k, v = kv[:, :, 0], kv[:, :, 1]
+        self.keys, self.values = self.kv, self.block_table
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
 
@@ -244,16 +255,21 @@ class KvopsPagedLayer(KvopsStaticLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, _, t, _ = key_states.shape
-        bs, num_slots = self.k.shape[1], self.k.shape[0] * self.k.shape[1]
-        pos = self._positions(t)
-        col = (pos // bs).clamp_max(self.block_table.shape[1] - 1)
-        slots = self.block_table[:, col].long() * bs + pos % bs  # [B, T]
-        slots = torch.where(pos < self.max_cache_len, slots, num_slots)
-        paged_cache_write(key_states.transpose(1, 2).reshape(batch * t, *self.k.shape[2:]),
-                          value_states.transpose(1, 2).reshape(batch * t, *self.v.shape[2:]),
-                          self.k, self.v, slots.view(-1))
+        kv = self.kv  # K and V as views of the joint buffer, taken here (see KvopsStaticLayer.update)
+        bs, num_slots = kv.shape[1], kv.shape[0] * kv.shape[1]
+        g = self._eager_start(t)
+        if g is not None and t == 1:  # in bounds (checked): the block and row from the Python-int position
+            slots = self.block_table[:, g // bs].long() * bs + g % bs
+        else:
+            pos = self._positions(t)
+            col = (pos // bs).clamp_max(self.block_table.shape[1] - 1)
+            slots = self.block_table[:, col].long() * bs + pos % bs  # [B, T]
+            slots = torch.where(pos < self.max_cache_len, slots, num_slots)
+        paged_cache_write(key_states.transpose(1, 2).reshape(batch * t, *kv.shape[3:]),
+                          value_states.transpose(1, 2).reshape(batch * t, *kv.shape[3:]),
+                          kv[:, :, 0], kv[:, :, 1], slots.view(-1))
         self.cumulative_length.add_(t)
-        return self.keys, self.values
+        return kv, self.block_table
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:  # the cache reorders the shared block table once
         raise NotImplementedError("KvopsPagedCache.reorder_cache reorders the shared block table of all layers")

@@ -55,8 +55,11 @@ class ExportableDecodeStep(torch.nn.Module):
             cache.early_initialization(batch_size, config.num_key_value_heads, head_dim, model.dtype, model.device)
         self.model, self.cache = model, cache
         for i, layer in enumerate(cache.layers):
-            self.register_buffer(f"k_{i}", layer.k, persistent=False)
-            self.register_buffer(f"v_{i}", layer.v, persistent=False)
+            if isinstance(cache, KvopsPagedCache):  # one joint allocation per layer: K/V are views taken in update
+                self.register_buffer(f"kv_{i}", layer.kv, persistent=False)
+            else:
+                self.register_buffer(f"k_{i}", layer.k, persistent=False)
+                self.register_buffer(f"v_{i}", layer.v, persistent=False)
             self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)
         if isinstance(cache, KvopsPagedCache):
             self.register_buffer("block_table", cache.block_table, persistent=False)

@@ -40,6 +40,8 @@ Tested versions: see the ``transformers`` extra in ``pyproject.toml``.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from .._extras import require
@@ -51,6 +53,8 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.utils import logging  # noqa: E402
 
 import kvops
+
+_pa = importlib.import_module("kvops.ops.paged_attention")  # the op's module (_direct, _implementation)
 
 from ._hf_cache import KvopsPagedCache, KvopsPagedLayer, KvopsSlidingLayer, KvopsStaticCache, KvopsStaticLayer
 from ._hf_export import ExportableDecodeStep
@@ -212,6 +216,40 @@ def _token_views(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.
     return views[0], views[1], r
 
 
+def _build_metadata(attention_mask, batch, capacity, block_table, stride, seqs, q_len, device):
+    """``(cu_seqlens_q [seqs + 1], seq_lens [seqs], block_table [seqs, capacity])`` int32 for
+    ``kvops.paged_attention`` over the token views (``block_table is None``: token ``(b, s)`` at block ``b * stride +
+    s``) or the paged storage (``stride`` = ``block_size``)."""
+    if attention_mask is None:
+        start = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        length = torch.full((batch,), capacity, dtype=torch.int32, device=device)
+    else:
+        start, length = attention_mask[0, :, :, 0].long(), attention_mask[1, :, :, 0].reshape(-1)
+    j = (start[..., None] + torch.arange(capacity, device=device)).clamp_max(capacity - 1)  # [B, T_m, S] rows
+    if block_table is not None:
+        table = block_table[:, None].expand(-1, j.shape[1], -1).gather(2, j // stride).long() * stride + j % stride
+    else:
+        table = torch.arange(batch, device=device)[:, None, None] * stride + j
+    cu_seqlens = torch.arange(seqs + 1, dtype=torch.int32, device=device) * q_len
+    return cu_seqlens, length, table.view(seqs, capacity).int()
+
+
+def _metadata(attention_mask, *args):
+    """:func:`_build_metadata`, computed once per forward in eager mode: every layer of a kind gets the same mask
+    tensor from :func:`kvops_mask` and reads caches of the same geometry, so the result is kept on the mask tensor,
+    keyed on the geometry, the block table's identity and the mask's version counter (an in-place change of the
+    mask recomputes it). Traced (``torch.compile``/``torch.export``): always computed (Inductor fuses it)."""
+    if attention_mask is None or torch.compiler.is_compiling() or type(attention_mask) is not torch.Tensor:
+        return _build_metadata(attention_mask, *args)
+    key = (attention_mask._version, args[0], args[1], args[3], args[4], args[5], str(args[6]))
+    memo = getattr(attention_mask, "_kvops_metadata", None)
+    if memo is not None and memo[0] == key and memo[1] is args[2]:
+        return memo[2]
+    out = _build_metadata(attention_mask, *args)
+    attention_mask._kvops_metadata = (key, args[2], out)
+    return out
+
+
 def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             sliding_window: int | None = None, softcap: float | None = None,
@@ -259,25 +297,19 @@ def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         k_tok, v_tok, r = _token_views(key.transpose(1, 2), value.transpose(1, 2))
         capacity = key.shape[2]
     per_query = attention_mask is not None and attention_mask.shape[2] > 1  # a range per query: B * T sequences
-    if attention_mask is None:
-        start = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-        length = torch.full((batch,), capacity, dtype=torch.int32, device=device)
-    else:
-        start, length = attention_mask[0, :, :, 0].long(), attention_mask[1, :, :, 0].reshape(-1)
-    j = (start[..., None] + torch.arange(capacity, device=device)).clamp_max(capacity - 1)  # [B, T_m, S] rows
-    if paged:
-        table = block_table[:, None].expand(-1, j.shape[1], -1).gather(2, j // block_size).long() * block_size
-        table = table + j % block_size
-    else:
-        table = torch.arange(batch, device=device)[:, None, None] * r + j
     seqs, q_len = (batch * t, 1) if per_query else (batch, t)
-    out = kvops.paged_attention(
-        query.transpose(1, 2).reshape(batch * t, num_heads, d), k_tok, v_tok,
-        torch.arange(seqs + 1, dtype=torch.int32, device=device) * q_len, length, table.view(seqs, capacity).int(),
-        q_len, scale=scaling, causal=getattr(module, "is_causal", True),
-        window_left=-1 if sliding_window is None else sliding_window - 1, softcap=softcap or 0.0,
-        sinks=None if s_aux is None else s_aux.float(),
-    )
+    cu_seqlens, length, table = _metadata(attention_mask, batch, capacity, block_table if paged else None,
+                                          block_size if paged else r, seqs, q_len, device)
+    args = (query.transpose(1, 2).reshape(batch * t, num_heads, d), k_tok, v_tok, cu_seqlens, length, table, q_len)
+    kw = dict(scale=scaling, causal=getattr(module, "is_causal", True),
+              window_left=-1 if sliding_window is None else sliding_window - 1, softcap=softcap or 0.0,
+              sinks=None if s_aux is None else s_aux.float())
+    if _pa._direct((*args[:6], kw["sinks"])):  # eager, plain CPU tensors: the op's body (validator + native kernel)
+        # without the wrapper's value-contract pass: the metadata is built here, in range by construction
+        out = _pa._implementation(*args, kw["scale"], kw["causal"], kw["window_left"], kw["softcap"], kw["sinks"],
+                                  None, None, "NHD", native_ok=True)[0]
+    else:
+        out = kvops.paged_attention(*args, **kw)
     return out.view(batch, t, num_heads, out.shape[-1]), None
 
 
