@@ -462,6 +462,10 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     cfg = _tiles(kind, width, operands)
     if rope:
         cfg["num_stages"] = 1
+        if width >= 128 and kind == "decode":
+            cfg.update(block_n=min(cfg["block_n"], 32), num_warps=8)
+        elif width >= 128 and operands != "fp32":
+            cfg.update(block_n=16 if operands == "fp8" and width >= 256 else 32, block_m=16, num_warps=8)
     return cfg
 
 
