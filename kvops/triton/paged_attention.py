@@ -456,7 +456,9 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     loads are gathers through ``block_table``, so deeper pipelining only costs shared memory). With ``rope`` (RoPE at
     read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
-    stages, none at one).
+    stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
+    prefill with 16-bit or fp8 operands: 16 rows x 32 tokens, 16 x 16 for fp8 at 256), which the sink-token loop
+    with its second turned query needs (up to 900 B spills on sm_80 before).
     """
     width = max(block_d, block_dv)
     cfg = _tiles(kind, width, operands)
