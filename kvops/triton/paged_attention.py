@@ -458,7 +458,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
     stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
     prefill with 16-bit or fp8 operands: 16 rows x 32 tokens, 16 x 16 for fp8 at 256), which the sink-token loop
-    with its second turned query needs (up to 900 B spills on sm_80 before).
+    with its second turned query needs (up to 900 B spills on sm_80 before); fp8 decode on sm_100 16-token tiles
+    (16 warps at 256).
     """
     width = max(block_d, block_dv)
     cfg = _tiles(kind, width, operands)
@@ -466,6 +467,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
         cfg["num_stages"] = 1
         if width >= 128 and kind == "decode":
             cfg.update(block_n=min(cfg["block_n"], 32), num_warps=8)
+            if operands == "fp8" and capability >= (10, 0):  # ptxas-blackwell: 8 B spills at 255 registers
+                cfg.update(block_n=16, num_warps=16 if width >= 256 else 8)
         elif width >= 128 and operands != "fp32":
             cfg.update(block_n=16 if operands == "fp8" and width >= 256 else 32, block_m=16, num_warps=8)
     return cfg
