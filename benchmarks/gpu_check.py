@@ -22,7 +22,7 @@ target (kernel, specialization, status, registers, spills, shared memory, num_wa
 anything fails to compile, spills or exceeds the target's shared memory. ``--subset`` runs the CI subset.
 
     python benchmarks/gpu_check.py [--skip-tests] [--skip-examples] [--budget-s 540]
-    python benchmarks/gpu_check.py --aot [--subset] [--targets sm_80,sm_90] [--workers 2]
+    python benchmarks/gpu_check.py --aot [--subset] [--targets sm_80,sm_90] [--kernels REGEX] [--progress]
 """
 
 from __future__ import annotations
@@ -190,7 +190,12 @@ def aot_main(args) -> None:
 
     t0 = time.perf_counter()
     targets = args.targets.split(",") if args.targets else list(aot.TARGETS)
-    rows, refusals = aot.check(targets, subset=args.subset, workers=args.workers)
+    def progress(row):  # one line per compile as it ends: a run stopped by a timeout still leaves its results
+        print(f"[{row['status']}] {row['target']} {row['kernel']} regs={row['regs']} spills={row['spills']} "
+              f"shared={row['shared']} warps={row['num_warps']} {row['spec']} {row['error']}", flush=True)
+
+    rows, refusals = aot.check(targets, subset=args.subset, workers=args.workers, kernels=args.kernels,
+                               on_row=progress if args.progress else None)
     failed = aot_tables(rows, refusals, args.verbose)
     print(f"\n{len(rows)} compiles for {', '.join(targets)} in {time.perf_counter() - t0:.0f} s: {failed} failed")
     sys.exit(1 if failed else 0)
@@ -233,6 +238,8 @@ def main() -> None:
     parser.add_argument("--targets", default="", help="--aot: comma-separated, e.g. sm_80,sm_90 (default: all)")
     parser.add_argument("--workers", type=int, default=2, help="--aot: compile processes (at most 2)")
     parser.add_argument("--verbose", action="store_true", help="--aot: print every compile, not only failures")
+    parser.add_argument("--kernels", default="", help="--aot: only kernels whose name matches this regex")
+    parser.add_argument("--progress", action="store_true", help="--aot: one line per compile as it ends")
     parser.add_argument("--skip-tests", action="store_true", help="skip stage 1 (the Triton tests on CUDA)")
     parser.add_argument("--skip-examples", action="store_true", help="skip stage 2 (the examples with --device cuda)")
     parser.add_argument("--budget-s", type=float, default=540, help="overall time budget for the test/example stages")

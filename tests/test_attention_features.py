@@ -22,8 +22,12 @@ import unittest
 import expecttest
 import torch
 
+import triton
+import triton.language as tl
+
 import kvops
 from kvops.reference.paged_attention import paged_attention as composite
+from kvops.triton.paged_attention import _sincos
 from tests.attention_reference import reference
 from tests.contract import raises_everywhere
 
@@ -262,6 +266,14 @@ class TestPagedFeatures(unittest.TestCase):
         torch.testing.assert_close(torch.compile(f, fullgraph=True)(*args), f(*args), atol=1e-5, rtol=0)
 
 
+@triton.jit
+def _sincos_kernel(x_ptr, sin_ptr, cos_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    sin, cos = _sincos(tl.load(x_ptr + offs))
+    tl.store(sin_ptr + offs, sin)
+    tl.store(cos_ptr + offs, cos)
+
+
 @unittest.skipUnless(os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available(),
                      "the Triton kernels run on CPU only in the interpreter (tests/conftest.py sets it)")
 class TestTritonFeatures(unittest.TestCase):
@@ -285,6 +297,17 @@ class TestTritonFeatures(unittest.TestCase):
                         fixed["causal"], fixed["window_left"], fixed["softcap"], None, None, None, **feats, block_n=16)
                     torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=0)
                     torch.testing.assert_close(lse.cpu().double(), want_lse, atol=1e-4, rtol=0)
+
+    def test_rope_sin_cos_match_fp64_at_long_context_angles(self):
+        """The kernels' RoPE sin/cos (FMA range reduction + polynomials, no libdevice) against fp64, for the fp32
+        angles of positions up to 140K (theta 1e4: the first pair turns by the position itself)."""
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        g = torch.Generator().manual_seed(0)
+        x = torch.cat([torch.linspace(-7, 7, 1024), torch.rand(3072, generator=g) * 140000]).to(dev)
+        sin, cos = torch.empty_like(x), torch.empty_like(x)
+        _sincos_kernel[(x.numel() // 1024,)](x, sin, cos, BLOCK=1024)
+        torch.testing.assert_close(sin.cpu().double(), x.cpu().double().sin(), atol=3e-7, rtol=0)
+        torch.testing.assert_close(cos.cpu().double(), x.cpu().double().cos(), atol=3e-7, rtol=0)
 
     def test_evicted_blocks_are_never_read(self):
         """-1 table entries between the sinks and the window (a StreamingLLM paged cache), decode and prefill."""

@@ -1,9 +1,10 @@
 """Ahead-of-time compile of kvops' Triton kernels for real NVIDIA targets, without a GPU (issue 19; docs/gpu.md).
 
-The CI subset of ``python benchmarks/gpu_check.py --aot``: the launchers' plans for the heaviest production tiles
-(head_dim 256 fp32 prefill with every flag, 128K-context decode, fp8 caches, int2 packed attention, ...) compiled to
-cubins for sm_80, sm_86 (99 KB shared memory per block) and sm_90; each must compile, use no local memory (no
-register spills) and fit the target's shared memory. The compile runs in a subprocess because the test session runs
+The CI subset of ``python benchmarks/gpu_check.py --aot``: the launchers' plans for light shapes of every kernel on
+sm_80, sm_86 (99 KB shared memory per block) and sm_90, and each of the heaviest production tiles (head_dim 256 fp32
+prefill with every flag, 128K-context decode, fp8 caches, the attention features, int4 packed attention) on one of
+them, compiled to cubins; each must compile, use no local memory (no register spills) and fit the target's shared
+memory. The compile runs in a subprocess because the test session runs
 the kernels in the Triton interpreter (``TRITON_INTERPRET=1`` replaces ``triton.jit`` at import time).
 """
 
@@ -61,6 +62,16 @@ class AotCompileTest(unittest.TestCase):
                                                                                                 for r in fp8})
         self.assertEqual([r for r in fp8 if r["status"] != "ok"], [])
         self.assertEqual(self.result["refusals"], [])
+
+    def test_every_attention_feature_compiles(self):
+        # docs/attention_features.md: each feature in at least one compiled spec of each kernel that takes it
+        rows = self.result["rows"]
+        for kernel, names in (("_prefill_kernel", ("alibi", "leftpad", "sink_tokens", "rope", "right")),
+                              ("_decode_split_kernel", ("alibi", "leftpad", "sink_tokens", "rope"))):
+            for name in names:
+                specs = [r for r in rows if r["kernel"] == kernel and name in r["spec"].split("flags=")[1].split(",")]
+                self.assertTrue(specs, f"{kernel}: no spec with {name}")
+                self.assertEqual([r["error"] for r in specs if r["status"] != "ok"], [])
 
     def test_every_boolean_flag_is_compiled_both_ways(self):
         # a flag added to a kernel without a case in kvops/triton/aot_cases.py shows up here

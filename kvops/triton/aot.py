@@ -186,6 +186,8 @@ def plan_matrix(targets, subset: bool = False):
     for target_name in targets:
         cap = TARGETS[target_name].capability
         for label, make in aot_cases.cases(subset):
+            if target_name not in getattr(make, "targets", (target_name,)):  # a subset case for other targets
+                continue
             try:
                 launches = make(cap)
             except NotImplementedError as e:  # the launcher refuses this hardware with a clear error
@@ -198,18 +200,23 @@ def plan_matrix(targets, subset: bool = False):
     return jobs, refusals
 
 
-def check(targets=tuple(TARGETS), subset: bool = False, workers: int = 2):
-    """Compile the matrix; returns ``(rows, refusals)`` with one row per distinct (target, compile)."""
+def check(targets=tuple(TARGETS), subset: bool = False, workers: int = 2, kernels: str = "", on_row=None):
+    """Compile the matrix; returns ``(rows, refusals)`` with one row per distinct (target, compile). ``kernels``:
+    a regular expression, only the kernels whose name it matches; ``on_row(row)`` is called as each compile ends
+    (in completion order), so a long run reports as it goes."""
     jobs, refusals = plan_matrix(targets, subset)
-    keys = list(jobs)
+    keys = [k for k in jobs if re.search(kernels, k[1].name)]
+
+    def row_of(key, res):
+        labels = jobs[key]
+        row = dict(target=key[0], kernel=key[1].name, spec=labels[0].split(" ", 1)[1], cases=len(labels), **res)
+        if on_row is not None:
+            on_row(row)
+        return row
+
     if workers > 1 and len(keys) > 1:
         with ProcessPoolExecutor(max_workers=min(workers, 2)) as pool:  # at most 2: the machines are shared
-            results = list(pool.map(_compile_job, keys, chunksize=1))
+            rows = [row_of(k, r) for k, r in zip(keys, pool.map(_compile_job, keys, chunksize=1))]
     else:
-        results = [_compile_job(k) for k in keys]
-    rows = []
-    for (target_name, spec), res in zip(keys, results):
-        labels = jobs[(target_name, spec)]
-        rows.append(dict(target=target_name, kernel=spec.name, spec=labels[0].split(" ", 1)[1],
-                         cases=len(labels), **res))
+        rows = [row_of(k, _compile_job(k)) for k in keys]
     return rows, refusals

@@ -73,17 +73,28 @@ def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, fla
 FEATURES = dict(alibi=True, leftpad=True, sink_tokens=True, rope=True)  # docs/attention_features.md
 
 
+def on(targets: str, case):
+    """A subset case compiled only for ``targets`` (comma-separated; the rest of the subset's targets skip it)."""
+    label, make = case
+    make.targets = tuple(targets.split(","))
+    return label, make
+
+
 def attention_cases(subset: bool):
     all_on = dict(causal=True, window=True, softcap=True, sinks=True)
     off = dict(causal=False, window=False, softcap=False, sinks=False)
-    if subset:  # the heaviest tiles, fp8 (sm_80 has no e4m3 hardware), one light shape
-        # (the attention features of docs/attention_features.md are in the full matrix only: at these tiles they
-        # spill on sm_80/86/90, see docs/gpu.md)
-        yield _attention("fp32", 256, 8, 16, "NHD", all_on, "prefill")
+    if subset:  # light shapes on every target; the heaviest tiles, fp8 and the features each on one target
         yield _attention("fp8", 80, 7, 1, "HND", off, "prefill")
-        yield _attention("fp32", 256, 8, 16, "HND", all_on, "decode", batch=1, ctx=131072)
-        yield _attention("fp8", 128, 7, 1, "NHD", all_on, "decode")
         yield _attention("bf16", 64, 1, 16, "NHD", off, "decode")
+        yield on("sm_86", _attention("fp32", 256, 8, 16, "NHD", all_on, "prefill"))
+        yield on("sm_90", _attention("fp32", 256, 8, 16, "HND", all_on, "decode", batch=1, ctx=131072))
+        yield on("sm_80", _attention("fp8", 128, 7, 1, "NHD", all_on, "decode"))
+        # every attention feature (docs/attention_features.md) of each kernel: prefill with a right window (not
+        # causal), decode with the features on top of every flag
+        yield on("sm_80", _attention("bf16", 128, 8, 16, "NHD", {**off, "window": True, "softcap": True,
+                                                                  "sinks": True, **FEATURES, "right": True},
+                                     "prefill"))
+        yield on("sm_86", _attention("fp16", 128, 8, 16, "NHD", {**all_on, **FEATURES}, "decode"))
         return
     for mode, dtype, d, group, bs, layout in itertools.product(
             ("decode", "prefill"), (*FLOATS, "fp8"), HEAD_DIMS, GROUPS, BLOCK_SIZES, ("NHD", "HND")):
@@ -208,7 +219,7 @@ def _quant(fmt: str, dtype: str, d: int, group_size: int = 64, stages: int = 1, 
 
 def packed_cases(subset: bool):
     if subset:
-        yield _packed_attention("int4", "fp32", 128, 8, 512, 4096, True, group_size=32)
+        yield on("sm_90", _packed_attention("int4", "fp32", 128, 8, 512, 4096, True, group_size=32))
         yield _packed_attention("fp8", "bf16", 128, 7, 1, 4096, False)
         yield _quant("int4", "bf16", 128, group_size=32)
         yield _quant("int2", "fp16", 256, group_size=32, stages=2, direction="dequantize")
@@ -236,13 +247,16 @@ def cases(subset: bool = False):
 
 
 def flag_coverage(subset: bool = False, capability: tuple[int, int] = (9, 0)) -> list[str]:
-    """Boolean constexprs of a kernel that the cases compile only one way (``[]`` when every flag is covered)."""
+    """Boolean constexprs of a kernel that the cases compile only one way (``[]`` when every flag is covered); a flag
+    a launch leaves at the kernel's default counts as compiled with that default."""
     from .aot import kernel_name
 
     seen: dict[tuple[str, str], set] = {}
     for _, make in cases(subset):
         for launch in make(capability):
-            for name, value in launch.constexprs.items():  # (flags left at their kernel default are not seen)
+            defaults = {p.name: p.default for p in launch.kernel.params
+                        if p.is_constexpr and isinstance(p.default, bool)}
+            for name, value in {**defaults, **launch.constexprs}.items():
                 if isinstance(value, bool):
                     seen.setdefault((kernel_name(launch.kernel), name), set()).add(value)
     return sorted(f"{k}.{f} only {sorted(v)}" for (k, f), v in seen.items() if len(v) < 2)

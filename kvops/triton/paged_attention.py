@@ -99,8 +99,30 @@ def _rope(x, x_partner, position, offs_d, head_dim, rope_coef, rope_inv_scale):
     half = head_dim // 2
     i = tl.where(offs_d < half, offs_d, offs_d - half).to(tl.float32)
     ang = position.to(tl.float32)[:, None] * (tl.exp2(i * rope_coef) * rope_inv_scale)[None, :]
+    sin, cos = _sincos(ang)
     sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
-    return x * tl.cos(ang) + sign * x_partner * tl.sin(ang)
+    return x * cos + sign * x_partner * sin
+
+
+@triton.jit
+def _sincos(x):
+    """``(sin(x), cos(x))`` of fp32 ``x`` to about 1e-7, in FMAs only: Cody-Waite reduction by pi/2 (three-part
+    constant, exact with ``fma`` far beyond the 128K-token angles RoPE produces) and Cephes' single-precision
+    polynomials on [-pi/4, pi/4]. ``tl.sin``/``tl.cos`` inline libdevice's Payne-Hanek path for huge arguments (a
+    local-memory array and ~100 registers per call site), which made every RoPE kernel spill."""
+    j = tl.floor(x * 0.6366197723675814 + 0.5)
+    r = tl.fma(j, -1.5703125, x)
+    r = tl.fma(j, -4.837512969970703125e-4, r)
+    r = tl.fma(j, -7.549789954891882e-8, r)
+    r2 = r * r
+    s = r + r * r2 * (-1.6666654611e-1 + r2 * (8.3321608736e-3 + r2 * -1.9515295891e-4))
+    c = 1.0 - 0.5 * r2 + r2 * r2 * (4.166664568298827e-2 + r2 * (-1.388731625493765e-3 + r2 * 2.443315711809948e-5))
+    quad = j.to(tl.int32) & 3
+    sin = tl.where((quad & 1) == 0, s, c)
+    cos = tl.where((quad & 1) == 0, c, s)
+    sin = tl.where((quad & 2) == 0, sin, -sin)
+    cos = tl.where(((quad + 1) & 2) == 0, cos, -cos)
+    return sin, cos
 
 
 @triton.jit
@@ -421,7 +443,8 @@ def paged_attention(
     return out, lse
 
 
-def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capability: tuple[int, int]) -> dict:
+def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capability: tuple[int, int],
+                rope: bool = False) -> dict:
     """``block_n`` (KV tokens per tile), ``block_m`` (prefill rows), ``num_warps`` and ``num_stages`` of one kernel.
 
     ``kind`` is "decode" or "prefill", ``block_d``/``block_dv`` the padded head dims, ``operands`` what ``tl.dot``
@@ -430,9 +453,28 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     bytes per value in registers and shared memory whatever the cache dtype. Chosen so that no (kernel, head_dim,
     flag) combination spills registers or needs more than 99 KB of shared memory (sm_86/sm_89, the smallest block
     budget of the targets), as checked by ``python benchmarks/gpu_check.py --aot``; two pipeline stages (the K/V
-    loads are gathers through ``block_table``, so deeper pipelining only costs shared memory).
+    loads are gathers through ``block_table``, so deeper pipelining only costs shared memory). With ``rope`` (RoPE at
+    read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
+    loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
+    stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
+    prefill with 16-bit or fp8 operands: 16 rows x 32 tokens, 16 x 16 for fp8 at 256), which the sink-token loop
+    with its second turned query needs (up to 900 B spills on sm_80 before); fp8 decode on sm_100 16-token tiles
+    (16 warps at 256).
     """
     width = max(block_d, block_dv)
+    cfg = _tiles(kind, width, operands)
+    if rope:
+        cfg["num_stages"] = 1
+        if width >= 128 and kind == "decode":
+            cfg.update(block_n=min(cfg["block_n"], 32), num_warps=8)
+            if operands == "fp8" and capability >= (10, 0):  # ptxas-blackwell: 8 B spills at 255 registers
+                cfg.update(block_n=16, num_warps=16 if width >= 256 else 8)
+        elif width >= 128 and operands != "fp32":
+            cfg.update(block_n=16 if operands == "fp8" and width >= 256 else 32, block_m=16, num_warps=8)
+    return cfg
+
+
+def _tiles(kind: str, width: int, operands: str) -> dict:
     if kind == "decode":  # 16 rows (the padded query heads of one KV head)
         if operands == "fp8":  # the e4m3 decode keeps the integer bits and the fp32 values live
             block_n = 32 if width <= 128 else 16
@@ -482,7 +524,8 @@ def plan_paged_attention(
     block_d, block_dv = _pow2(d), _pow2(d_v)
     decode = max_seqlen_q == 1 and not force_prefill
     operands = "fp8" if is_fp8 else "fp32" if q.dtype == torch.float32 else "16bit"
-    cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, operands, capability)
+    cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, operands, capability,
+                      rope=rope_theta is not None)
     block_n = cfg["block_n"] if block_n is None else block_n
     block_m = cfg["block_m"] if block_m is None else block_m
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=True)
