@@ -307,6 +307,10 @@ def main() -> None:
     t0 = time.perf_counter()
     _, _, first_s, _ = run(first_timed)
     graphs_first = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # on-disk compile caches of the first step (a warm start should hit the FX graph cache; with freezing the
+    # AOTAutograd cache is bypassed by torch)
+    caches = {f"{group}.{key}": n for group in ("inductor", "aot_autograd")
+              for key, n in torch._dynamo.utils.counters[group].items() if "cache" in key}
     print(f"  first compiled step {first_step[0]:.1f} s ({first_step[1]:.1f} s CPU), first compiled run "
           f"{time.perf_counter() - t0:.1f} s",
           flush=True)
@@ -328,7 +332,7 @@ def main() -> None:
 
     print(f"greedy tokens identical eager vs compiled: {same} ({n_tokens} tokens over {len(eager_out)} requests)")
     print(f"compilations: {graphs_first} graph(s) in the first compiled run (first step {first_step[0]:.1f} s), "
-          f"{graphs} after {args.repeats} more runs")
+          f"{graphs} after {args.repeats} more runs; compile caches: {caches}")
     print(f"tokens/s, median [min-max] of {args.repeats} interleaved runs: eager {spread(eager_tps)}, compiled "
           f"{spread(compiled_tps)}; compiled/eager per pair {spread(ratios, '{:.2f}')}x")
     print(f"blocks in use: peak {peak['peak']} of {num_blocks + (args.impl == 'aten')} per layer; {peak['allocated']} "
@@ -339,7 +343,7 @@ def main() -> None:
             json.dump({"example": "llm_serving", "impl": args.impl, "threads": torch.get_num_threads(),
                        "identical": same, "graphs_first": graphs_first, "graphs": graphs,
                        "first_step_s": first_step[0], "first_step_cpu_s": first_step[1], "first_run_s": first_s,
-                       "eager_tokens_per_s": eager_tps,
+                       "compile_caches": caches, "eager_tokens_per_s": eager_tps,
                        "compiled_tokens_per_s": compiled_tps, "ratios": ratios}, f)
     if not same:
         raise SystemExit(1)
