@@ -199,7 +199,8 @@ def configure_cpu_inference_compile(device: torch.device) -> str:
     GEMM backend only (one candidate, so nothing is benchmarked at compile time) generates a GEMM over the prepacked
     weights with the bias/activation fused in. Only parameters are frozen: the KV caches are arguments of the
     compiled function (mutated graph inputs), never constants. Weight updates after the first compiled call are not
-    seen by the compiled model (freezing's contract).
+    seen by the compiled model (freezing's contract). Cost: torch 2.13 caches no frozen graph on disk (AOTAutograd
+    and FX graph caches bypass it), so every process traces and generates code again (docs/compile.md).
     """
     if device.type != "cpu":
         return "inductor: defaults"
@@ -307,8 +308,8 @@ def main() -> None:
     t0 = time.perf_counter()
     _, _, first_s, _ = run(first_timed)
     graphs_first = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    # on-disk compile caches of the first step (a warm start should hit the FX graph cache; with freezing the
-    # AOTAutograd cache is bypassed by torch)
+    # on-disk compile caches of the first step: with the CPU settings (freezing) torch 2.13 bypasses both the
+    # AOTAutograd and the FX graph cache (docs/compile.md), so a second process traces again
     caches = {f"{group}.{key}": n for group in ("inductor", "aot_autograd")
               for key, n in torch._dynamo.utils.counters[group].items() if "cache" in key}
     print(f"  first compiled step {first_step[0]:.1f} s ({first_step[1]:.1f} s CPU), first compiled run "
