@@ -158,7 +158,11 @@ def configure_cpu_inference_compile(device: torch.device) -> str:
     GEMM backend only (one candidate, so nothing is benchmarked at compile time) generates a GEMM over the prepacked
     weights with the bias/activation fused in. Only parameters are frozen: the KV caches are arguments of the
     compiled function (mutated graph inputs), never constants. Weight updates after the first compiled call are not
-    seen by the compiled model (freezing's contract).
+    seen by the compiled model (freezing's contract). torch 2.13's freezing fails to compile a graph whose mutated
+    inputs are views of one tensor (reproduced without kvops: a module writing ``k[:, :4] = h; v[:, :4] = 2 * h``
+    with ``k, v = kv[:, :, 0], kv[:, :, 1]`` raises IndexError under freezing and compiles without it), so with
+    freezing on, this example allocates K and V separately. Cost: torch 2.13 caches no frozen graph on disk, so
+    every process traces and generates code again (docs/compile.md).
     """
     if device.type != "cpu":
         return "inductor: defaults"
