@@ -68,9 +68,12 @@ class AtenCausalCache:
     """The ``--impl aten`` baseline: this example's use of ``CausalKVCache`` (append a chunk at the end or rewrite the
     newest chunk; when full, evict the oldest rows after the sink) with plain slice copies, Python-int cursors."""
 
-    def __init__(self, batch: int, size: int, sink_tokens: int, dtype, device):
-        kv = torch.zeros(batch, size, 2, HEADS, HEAD_DIM, dtype=dtype, device=device)
-        self.k, self.v = kv[:, :, 0], kv[:, :, 1]
+    def __init__(self, batch: int, size: int, sink_tokens: int, dtype, device, fused_kv: bool = True):
+        if fused_kv:  # K and V: views of one allocation, as CausalKVCache.allocate(fused_kv=True)
+            kv = torch.zeros(batch, size, 2, HEADS, HEAD_DIM, dtype=dtype, device=device)
+            self.k, self.v = kv[:, :, 0], kv[:, :, 1]
+        else:
+            self.k, self.v = (torch.zeros(batch, size, HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in "kv")
         self.sink, self.global_end, self.local_end = sink_tokens, 0, 0
 
     def reset_indices(self) -> None:
@@ -240,7 +243,8 @@ def main() -> None:
 
         def fresh_caches(cls=RingCausalKVCache if args.layout == "ring" else CausalKVCache):
             if args.impl == "aten":
-                return [AtenCausalCache(1, window_f * tpf, sink_f * tpf, dtype, device) for _ in range(args.layers)]
+                return [AtenCausalCache(1, window_f * tpf, sink_f * tpf, dtype, device, fused_kv)
+                        for _ in range(args.layers)]
             return [
                 cls.allocate(
                     1, window_f * tpf, HEADS, HEAD_DIM, dtype=dtype, device=device, fused_kv=fused_kv,
