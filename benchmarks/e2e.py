@@ -13,7 +13,8 @@ own medians and spreads, and this script collects their ``--json`` results):
   process on that cache). Compiles run with ``TORCHINDUCTOR_COMPILE_THREADS=1`` so that their CPU seconds (the
   process and its finished children: the C++ compiler) are counted; CPU seconds are the figure to compare on a
   loaded machine, wall seconds are printed next to them. Targets: kvops adds <= 20% to the cold compile's CPU
-  seconds; the warm start takes < 5 s.
+  seconds; the warm start takes < 5 s. (The examples' compiled CPU path freezes the weights, and torch 2.13 caches
+  no frozen graph on disk, so the warm start re-traces and regenerates code: docs/compile.md.)
 * transformers decode (``benchmarks/hf_decode.py``, when present): run as a subprocess, its output printed.
 
 Nothing is asserted; the ``met`` column says whether a row meets its target (by the median; ``noisy`` when the

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 import torch._dynamo
+import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
@@ -67,9 +68,12 @@ class AtenCausalCache:
     """The ``--impl aten`` baseline: this example's use of ``CausalKVCache`` (append a chunk at the end or rewrite the
     newest chunk; when full, evict the oldest rows after the sink) with plain slice copies, Python-int cursors."""
 
-    def __init__(self, batch: int, size: int, sink_tokens: int, dtype, device):
-        kv = torch.zeros(batch, size, 2, HEADS, HEAD_DIM, dtype=dtype, device=device)
-        self.k, self.v = kv[:, :, 0], kv[:, :, 1]
+    def __init__(self, batch: int, size: int, sink_tokens: int, dtype, device, fused_kv: bool = True):
+        if fused_kv:  # K and V: views of one allocation, as CausalKVCache.allocate(fused_kv=True)
+            kv = torch.zeros(batch, size, 2, HEADS, HEAD_DIM, dtype=dtype, device=device)
+            self.k, self.v = kv[:, :, 0], kv[:, :, 1]
+        else:
+            self.k, self.v = (torch.zeros(batch, size, HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in "kv")
         self.sink, self.global_end, self.local_end = sink_tokens, 0, 0
 
     def reset_indices(self) -> None:
@@ -148,6 +152,29 @@ def stream(model, caches, latents: torch.Tensor, chunk_tokens: int, steps: int, 
     return torch.cat(outputs, dim=1), times
 
 
+def configure_cpu_inference_compile(device: torch.device) -> str:
+    """Inductor settings for the compiled CPU path (set in ``main`` only; returned as a line to print).
+
+    Both examples are GEMM-bound at their CPU scale (``aten::addmm``/``mm`` are ~90% of an eager step, measured with
+    torch.profiler), and by default Inductor calls the same GEMM as eager. Under ``torch.no_grad``, ``freezing``
+    turns the weights into constants (constant folding, weight prepacking) and ``max_autotune`` with the ``CPP``
+    GEMM backend only (one candidate, so nothing is benchmarked at compile time) generates a GEMM over the prepacked
+    weights with the bias/activation fused in. Only parameters are frozen: the KV caches are arguments of the
+    compiled function (mutated graph inputs), never constants. Weight updates after the first compiled call are not
+    seen by the compiled model (freezing's contract). torch 2.13's freezing fails to compile a graph whose mutated
+    inputs are views of one tensor (reproduced without kvops: a module writing ``k[:, :4] = h; v[:, :4] = 2 * h``
+    with ``k, v = kv[:, :, 0], kv[:, :, 1]`` raises IndexError under freezing and compiles without it), so with
+    freezing on, this example allocates K and V separately. Cost: torch 2.13 caches no frozen graph on disk, so
+    every process traces and generates code again (docs/compile.md).
+    """
+    if device.type != "cpu":
+        return "inductor: defaults"
+    torch._inductor.config.freezing = True
+    torch._inductor.config.max_autotune = True
+    torch._inductor.config.max_autotune_gemm_backends = "CPP"
+    return "inductor: freezing, max_autotune with the CPP GEMM backend (weights prepacked; caches are inputs)"
+
+
 def spread(values, fmt="{:.1f}") -> str:
     """``median [min-max]`` of a list of measurements."""
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
@@ -202,7 +229,11 @@ def main() -> None:
         f"(model: 30), FFN {args.ffn} (model: 8960), {tpf} tokens/frame (model: 1560 at 480x832), {args.chunks} chunks, "
         f"{args.steps} denoising steps + 1 context pass per chunk", flush=True
     )
+    print(configure_cpu_inference_compile(device), flush=True)
     compiled = torch.compile(model, fullgraph=True)
+    # K and V as views of one allocation (fused_kv) are aliased mutated graph inputs, which Inductor's freezing
+    # mishandles in torch 2.13 (configure_cpu_inference_compile): separate K and V buffers when freezing.
+    fused_kv = not torch._inductor.config.freezing
     # compiled matmuls/RMSNorm may round differently from eager; the cache data movement itself is bit-exact (tests)
     tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
     ok, results = True, {}
@@ -212,10 +243,11 @@ def main() -> None:
 
         def fresh_caches(cls=RingCausalKVCache if args.layout == "ring" else CausalKVCache):
             if args.impl == "aten":
-                return [AtenCausalCache(1, window_f * tpf, sink_f * tpf, dtype, device) for _ in range(args.layers)]
+                return [AtenCausalCache(1, window_f * tpf, sink_f * tpf, dtype, device, fused_kv)
+                        for _ in range(args.layers)]
             return [
                 cls.allocate(
-                    1, window_f * tpf, HEADS, HEAD_DIM, dtype=dtype, device=device, fused_kv=True,
+                    1, window_f * tpf, HEADS, HEAD_DIM, dtype=dtype, device=device, fused_kv=fused_kv,
                     sink_tokens=sink_f * tpf,
                 )
                 for _ in range(args.layers)
@@ -268,7 +300,8 @@ def main() -> None:
         kv_diff = max(
             (e.k.float() - c.k.float()).abs().max().item() for e, c in zip(eager_caches, compiled_caches)
         )
-        cache_bytes = sum(c.k.untyped_storage().nbytes() for c in compiled_caches)  # K and V share one allocation
+        cache_bytes = sum(c.k.untyped_storage().nbytes() + (not fused_kv) * c.v.untyped_storage().nbytes()
+                          for c in compiled_caches)  # fused: K and V share one allocation
         within = diff <= tol and kv_diff <= tol
         ok &= within and graphs == graphs_first
         print(f"  max |eager - compiled| over all chunk outputs: {diff:.3e}, final caches' K: {kv_diff:.3e} "
