@@ -257,14 +257,17 @@ void run(const Problem& pb, const std::vector<Item>& items) {
           }
           ks.load(it.b, it.h, t0, nt, kt.data(), 1, BN);  // K transposed: kt[e * BN + j]
           // scores of 8 rows at a time: each K column vector feeds 8 FMAs
+          // (in hardware-width parts of NW tokens, vec.h: on AVX2 the 8 accumulators are 8 ymm registers)
           for (int r0 = 0; r0 < rows_pad; r0 += 8) {
             const float* q0 = qf.data() + static_cast<size_t>(r0) * dp;
-            vf a[8] = {};
-            for (int e = 0; e < pb.d; ++e) {
-              const vf kv = loadu(kt.data() + static_cast<size_t>(e) * BN);
-              for (int i = 0; i < 8; ++i) a[i] += q0[i * dp + e] * kv;
+            for (int c = 0; c < NH; ++c) {
+              nv a[8] = {};
+              for (int e = 0; e < pb.d; ++e) {
+                const nv kv = loadn(kt.data() + static_cast<size_t>(e) * BN + c * NW);
+                for (int i = 0; i < 8; ++i) a[i] += q0[i * dp + e] * kv;
+              }
+              for (int i = 0; i < 8; ++i) storen(reinterpret_cast<float*>(&p[r0 + i]) + c * NW, a[i]);
             }
-            for (int i = 0; i < 8; ++i) p[r0 + i] = a[i];
           }
           vi lane;
           for (int c = 0; c < BN; ++c) lane[c] = c;
@@ -285,16 +288,16 @@ void run(const Problem& pb, const std::vector<Item>& items) {
           if (ks.counts)  // a row not visible may hold anything (stale ring rows): never let it reach acc
             for (int j = 0; j < nt; ++j)
               if (wv[j] == 0.0f) std::fill(vt.begin() + static_cast<size_t>(j) * dvp, vt.begin() + (j + 1) * dvp, 0.f);
-          for (int e0 = 0; e0 < dvp; e0 += BN) {
+          for (int e0 = 0; e0 < dvp; e0 += NW) {
             for (int r0 = 0; r0 < rows_pad; r0 += 8) {
-              vf a[8];
+              nv a[8];
               for (int i = 0; i < 8; ++i)
-                a[i] = loadu(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
+                a[i] = loadn(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
               for (int j = 0; j < nt; ++j) {
-                const vf vv = loadu(vt.data() + static_cast<size_t>(j) * dvp + e0);
+                const nv vv = loadn(vt.data() + static_cast<size_t>(j) * dvp + e0);
                 for (int i = 0; i < 8; ++i) a[i] += p[r0 + i][j] * vv;
               }
-              for (int i = 0; i < 8; ++i) storeu(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
+              for (int i = 0; i < 8; ++i) storen(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
             }
           }
         }

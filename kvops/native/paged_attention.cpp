@@ -319,6 +319,24 @@ void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, 
   }
 }
 
+// NW (vec.h) values of a row as fp32
+template <typename T>
+inline nv load_nw(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return loadn(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    typedef uint16_t vhn __attribute__((vector_size(NW * 2)));
+    typedef uint32_t vun __attribute__((vector_size(NW * 4)));
+    vhn h;
+    std::memcpy(&h, p, sizeof h);
+    return (nv)(__builtin_convertvector(h, vun) << 16);
+  } else {
+    nv v;
+    for (int i = 0; i < NW; ++i) v[i] = to_f(p[i]);
+    return v;
+  }
+}
+
 template <typename T>
 inline vf load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
@@ -362,21 +380,24 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
   }
   // scores: S[r] = q_r . k_t for the 16 tokens, RB rows at a time (each kt[e] load feeds RB FMAs); NA accumulator
   // sets (dims e = j mod NA) keep 8 FMA chains in flight when RB < 8
+  // (in hardware-width parts of NW tokens, vec.h: on AVX2 NA * RB = 8 accumulators are 8 of the 16 ymm registers)
   constexpr int NA = 8 / RB;
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     const float* q0 = qf + static_cast<size_t>(r0) * dp;
-    vf a[NA][RB] = {};
-    for (int e = 0; e < dp; e += NA) {
-      for (int j = 0; j < NA; ++j) {
-        pf.step();
-        const vf kv = loadu(kt + static_cast<size_t>(e + j) * L);
-        for (int i = 0; i < RB; ++i) a[j][i] += q0[i * dp + e + j] * kv;
+    for (int c = 0; c < NH; ++c) {
+      nv a[NA][RB] = {};
+      for (int e = 0; e < dp; e += NA) {
+        for (int j = 0; j < NA; ++j) {
+          pf.step();
+          const nv kv = loadn(kt + static_cast<size_t>(e + j) * L + c * NW);
+          for (int i = 0; i < RB; ++i) a[j][i] += q0[i * dp + e + j] * kv;
+        }
       }
-    }
-    for (int i = 0; i < RB; ++i) {
-      vf sum = a[0][i];
-      for (int j = 1; j < NA; ++j) sum += a[j][i];
-      storeu(S + (r0 + i) * L, sum);
+      for (int i = 0; i < RB; ++i) {
+        nv sum = a[0][i];
+        for (int j = 1; j < NA; ++j) sum += a[j][i];
+        storen(S + (r0 + i) * L + c * NW, sum);
+      }
     }
   }
   // online softmax per row (softcap before masking)
@@ -410,17 +431,17 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     storeu(P + r * L, pr);
     lv[r] = lv[r] * alpha[r] + pr;
   }
-  // acc[r] = acc[r] * alpha[r] + sum_t P[r, t] v_t, RB rows x 16 dims of accumulators at a time
-  for (int e0 = 0; e0 < dvp; e0 += L) {
+  // acc[r] = acc[r] * alpha[r] + sum_t P[r, t] v_t, RB rows x NW dims (vec.h) of accumulators at a time
+  for (int e0 = 0; e0 < dvp; e0 += NW) {
     for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-      vf a[RB];
-      for (int i = 0; i < RB; ++i) a[i] = loadu(acc + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
+      nv a[RB];
+      for (int i = 0; i < RB; ++i) a[i] = loadn(acc + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
       for (int t = 0; t < n; ++t) {
         pf.step();
-        const vf vv = load16(vp[t] + e0);
+        const nv vv = load_nw(vp[t] + e0);
         for (int i = 0; i < RB; ++i) a[i] += P[(r0 + i) * L + t] * vv;
       }
-      for (int i = 0; i < RB; ++i) storeu(acc + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
+      for (int i = 0; i < RB; ++i) storen(acc + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
     }
   }
   pf.rest();

@@ -1,12 +1,26 @@
 // Vector helpers shared by the native CPU kernels (paged_attention.cpp, packed_attention.cpp): 16-lane fp32/int32
-// vectors (GCC/Clang vector extensions; AVX-512 / AVX2 / NEON under -march=native), unaligned loads and stores,
-// select, horizontal sum, a vectorized exp, and the fp8 e4m3 -> fp32 table. Header-only; each kernel includes it
-// inside its own namespace. kvops/native/__init__.py hashes it with the sources.
+// vectors (GCC/Clang vector extensions under -march=native: one zmm register on AVX-512, two ymm on AVX2, four q on
+// NEON), unaligned loads and stores, select, horizontal sum, a vectorized exp, and the fp8 e4m3 -> fp32 table; and
+// nv, the hardware-width vector the hottest loops accumulate in. Header-only; each kernel includes it inside its own
+// namespace. kvops/native/__init__.py hashes it with the sources.
 #pragma once
 
 constexpr int L = 16;  // vector lanes
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
+// GCC lowers arrays of 16-lane vectors badly where the hardware vector is narrower: on AVX2 (Zen 3) the
+// accumulators of the score and PV loops went through the stack and general registers (vmovq / vpinsrq) at every
+// FMA. Those loops accumulate in nv instead: 8 lanes (one ymm) on x86 without AVX-512, and the 16-lane vf elsewhere
+// (AVX-512, NEON: unchanged), looping over the NH = L / NW parts of a 16-lane row; the sums are the same.
+#if defined(__x86_64__) && !defined(__AVX512F__)
+constexpr int NW = 8;
+#else
+constexpr int NW = L;
+#endif
+constexpr int NH = L / NW;
+typedef float nv __attribute__((vector_size(NW * 4)));
+inline nv loadn(const float* p) { nv v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storen(float* p, nv v) { std::memcpy(p, &v, sizeof v); }
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
