@@ -216,6 +216,23 @@ BatchDecodeWithPagedKVCacheWrapper.run: k_cache [7, 8, 2, 64] is not HND [P, H_k
         self.assertExpectedInline(str(cm.exception), """\
 BatchDecodeWithPagedKVCacheWrapper.run: planned q_data_type torch.float16 and kv_data_type torch.float16, got q torch.float32, k_cache torch.float16 and v_cache torch.float16; plan with these dtypes.""")
 
+    def test_out_and_lse_buffers_are_checked_before_the_attention(self):
+        # before: a wrong lse layout gave torch's raw broadcast error after the attention ran, and a float32 out for
+        # float16 q was accepted (the result silently came back in the buffer's dtype)
+        w = BatchDecodeWithPagedKVCacheWrapper(None)
+        w.plan(self.indptr, self.indices, self.last, 4, 2, 64, 8, q_data_type=torch.float16)
+        for kw in (dict(lse=torch.empty(4, 2)), dict(out=torch.empty(2, 4, 64)), dict(out=torch.empty(2, 4, 32,
+                                                                                                  dtype=torch.float16))):
+            with self.subTest(list(kw)[0]), self.assertRaises(ValueError) as cm:
+                w.run(self.q, self.kv, return_lse=True, **kw)
+            self.assertIn("pass", str(cm.exception))
+        with self.assertRaises(ValueError) as cm:
+            w.run(self.q, self.kv, lse=torch.empty(4, 2), return_lse=True)
+        self.assertExpectedInline(str(cm.exception), """BatchDecodeWithPagedKVCacheWrapper.run: lse must be a torch.float32 tensor of shape [2, 4] on cpu, got [4, 2] torch.float32 on cpu; pass lse=None to get a new one.""")
+        out, lse = torch.empty(2, 4, 64, dtype=torch.float16), torch.empty(2, 4)
+        o, l2 = w.run(self.q, self.kv, out=out, lse=lse, return_lse=True)
+        self.assertTrue(o.data_ptr() == out.data_ptr() and l2.data_ptr() == lse.data_ptr())
+
 
 if __name__ == "__main__":
     unittest.main()

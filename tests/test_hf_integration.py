@@ -172,7 +172,8 @@ def test_paged_cache_overflow_is_an_error():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     assert str(info.value) == (
         "KvopsPagedCache: writing 9 tokens at positions [0, 9) exceeds max_cache_len=8, the tokens each sequence holds "
-        "(prompt + generated). Allocate the cache with max_cache_len >= 9 (the prompt length + max_new_tokens).")
+        "(prompt + generated). Allocate the cache with max_cache_len >= the prompt length + max_new_tokens of the "
+        "whole generate() call (this step alone needs 9).")
 
 
 def test_static_cache_generating_past_max_cache_len_names_it():
@@ -196,8 +197,8 @@ def test_static_cache_generating_past_max_cache_len_names_it():
         handle.remove()
     assert str(info.value) == (
         "KvopsStaticCache: writing 1 tokens at positions [11, 12) exceeds max_cache_len=11, the tokens each sequence "
-        "holds (prompt + generated). Allocate the cache with max_cache_len >= 12 (the prompt length + "
-        "max_new_tokens).")
+        "holds (prompt + generated). Allocate the cache with max_cache_len >= the prompt length + max_new_tokens of "
+        "the whole generate() call (this step alone needs 12).")
     assert len(snapshots) == 3 and all(torch.equal(a, layer.k) for a, layer in zip(snapshots[-1], cache.layers))
 
 

@@ -61,10 +61,18 @@ def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_
     return counts
 
 
-def check_run(q, k_cache, v_cache, kv_layout, shape, dtypes, planned_window, window_left) -> None:
-    """Shapes and dtypes of a ``run`` call against its plan (``ValueError``; metadata only)."""
+def check_run(q, k_cache, v_cache, kv_layout, shape, dtypes, planned_window, window_left, out=None,
+              lse=None) -> None:
+    """Shapes and dtypes of a ``run`` call against its plan (``ValueError``; metadata only), including the optional
+    ``out`` ``[batch, num_qo_heads, head_dim_vo]`` (q's dtype) and ``lse`` ``[batch, num_qo_heads]`` (float32)
+    buffers, checked before any attention runs."""
     batch, h_q, h_kv, head_dim, page_size = shape
     q_dtype, kv_dtype = dtypes
+    for name, buf, want, dtype in (("out", out, (batch, h_q, v_cache.shape[-1]), q.dtype),
+                                   ("lse", lse, (batch, h_q), torch.float32)):
+        if buf is not None and (tuple(buf.shape) != want or buf.dtype != dtype or buf.device != q.device):
+            raise ValueError(f"{RUN}: {name} must be a {dtype} tensor of shape {list(want)} on {q.device}, got "
+                             f"{list(buf.shape)} {buf.dtype} on {buf.device}; pass {name}=None to get a new one.")
     if tuple(q.shape) != (batch, h_q, head_dim):
         raise ValueError(f"{RUN}: q must be [batch, num_qo_heads, head_dim] = {[batch, h_q, head_dim]} as planned, "
                          f"got {list(q.shape)}.")

@@ -28,7 +28,8 @@ def check_room(cache: str, seen, num_tokens, max_cache_len: int) -> None:
         raise ValueError(
             f"{cache}: writing {num_tokens} tokens at positions [{seen}, {seen + num_tokens}) exceeds max_cache_len="
             f"{max_cache_len}, the tokens each sequence holds (prompt + generated). Allocate the cache with "
-            f"max_cache_len >= {seen + num_tokens} (the prompt length + max_new_tokens)."
+            f"max_cache_len >= the prompt length + max_new_tokens of the whole generate() call (this step alone "
+            f"needs {seen + num_tokens})."
         )
 
 
