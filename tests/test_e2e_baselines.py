@@ -4,28 +4,17 @@ and benchmarks/e2e.py answers ``--help`` without importing torch.
 Eager only (no compile): the baselines are plain torch, compared with the kvops ops over the same steps.
 """
 
-import importlib.util
-import pathlib
 import subprocess
 import sys
 
 import torch
 
 from kvops.cache import CausalKVCache, PagedKVCache
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load(path: pathlib.Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.example_loader import ROOT, load_example, load_module
 
 
-llm = load(ROOT / "examples" / "llm_serving.py", "kvops_example_llm_serving_e2e")
-video = load(ROOT / "examples" / "streaming_video.py", "kvops_example_streaming_video_e2e")
+llm = load_example("llm_serving")
+video = load_example("streaming_video")
 
 
 def test_llm_aten_baseline_matches_kvops_over_mixed_steps():
@@ -87,7 +76,7 @@ def test_e2e_help_is_fast_and_documents_every_option():
             "assert 'torch' not in sys.modules, 'e2e.py --help imported torch'\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    bench = load(ROOT / "benchmarks" / "e2e.py", "kvops_bench_e2e")
+    bench = load_module(ROOT / "benchmarks" / "e2e.py", "kvops_bench_e2e")
     parser_actions = bench.build_parser()._actions
     missing = [a.option_strings for a in parser_actions if not a.help]
     assert not missing, missing

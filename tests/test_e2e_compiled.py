@@ -2,27 +2,14 @@
 ``configure_cpu_inference_compile``) freeze the weights only: the paged KV caches stay graph inputs that every
 compiled step writes and the next step reads. One small compile (~10 s of CPU)."""
 
-import importlib.util
-import pathlib
-import sys
-
 import torch
 import torch._inductor.config
 
 from kvops.cache import PagedKVCache
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load(path: pathlib.Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.example_loader import load_example
 
 
-llm = load(ROOT / "examples" / "llm_serving.py", "kvops_example_llm_serving_compiled")
+llm = load_example("llm_serving")
 
 
 def test_llm_layer_frozen_compile_writes_and_reads_the_caches_it_is_given():

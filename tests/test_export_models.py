@@ -13,9 +13,6 @@ appear as ``USER_INPUT_MUTATION`` outputs.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
 import unittest
 
 import torch
@@ -24,16 +21,7 @@ import torch.nn.functional as F
 import kvops
 from kvops.cache import CausalKVCache, PagedKVCache
 from kvops.export import init_cursors, streaming_update
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"kvops_example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # strict export (Dynamo) imports the module of the code it traces
-    spec.loader.exec_module(module)
-    return module
+from tests.example_loader import load_example
 
 
 llm = load_example("llm_serving")
