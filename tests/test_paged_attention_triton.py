@@ -116,6 +116,19 @@ class TestPagedAttentionTriton(expecttest.TestCase):
         out, lse = run({**inputs, "sinks": None}, num_splits=2)
         self.assertTrue(torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[:, 0]).all())
 
+    def test_decode_merge_more_splits_than_one_chunk(self):
+        """The merge reads ``BLOCK_S`` splits at a time (``merge_splits``); 40 splits (of 16 tokens) at D_v=256 take 3 chunks (16,
+        16, 8), with and without sinks, a zero-length sequence and a short one whose later splits are all empty."""
+        inputs = make_inputs(14, [600, 37, 0], [1, 1, 1], block_size=16, h_q=3, h_kv=1, d=16, d_v=256, sinks=True)
+        args = {k: v for k, v in inputs.items() if k not in ("max_seqlen_q", "k_scale", "v_scale", "sinks")}
+        launches, _, _ = tri.plan_paged_attention(
+            **args, max_seqlen_q=1, scale=0.25, causal=True, window_left=-1, softcap=0.0, sinks=inputs["sinks"],
+            k_scale=None, v_scale=None, capability=(8, 0), num_splits=40, block_n=16)
+        merge = launches[1]
+        self.assertEqual((merge.args[-2], merge.constexprs["BLOCK_S"]), (40, 16))  # num_splits, splits per chunk
+        for sinks in (inputs["sinks"], None):
+            self.check({**inputs, "sinks": sinks}, num_splits=40, softcap=5.0)
+
     def test_decode_matches_prefill_kernel(self):
         inputs = make_inputs(6, [33, 12, 1], [1, 1, 1], block_size=4, h_q=6, h_kv=3, d=16, sinks=True)
         dec = self.check(inputs, window_left=10, num_splits=3)

@@ -88,6 +88,8 @@ def attention_cases(subset: bool):
         yield _attention("bf16", 64, 1, 16, "NHD", off, "decode")
         yield on("sm_86", _attention("fp32", 256, 8, 16, "NHD", all_on, "prefill"))
         yield on("sm_90", _attention("fp32", 256, 8, 16, "HND", all_on, "decode", batch=1, ctx=131072))
+        # one KV head at 128K: 256 splits, which the merge reads in chunks of 16 (it spilled 6 KB loading all)
+        yield on("sm_80", _attention("bf16", 256, 8, 16, "NHD", all_on, "decode", batch=1, ctx=131072, h_kv=1))
         yield on("sm_80", _attention("fp8", 128, 7, 1, "NHD", all_on, "decode"))
         # every attention feature (docs/attention_features.md) of each kernel: prefill with a right window (not
         # causal), decode with the features on top of every flag

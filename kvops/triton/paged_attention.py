@@ -30,6 +30,7 @@ import triton.language as tl
 from .launch import Launch, capability_of, run
 
 _TARGET_PROGRAMS = 256  # decode: aim for about this many (sequence, KV head, split) programs (~2 per SM on H100/H200)
+_MERGE_VALUES = 4096  # decode merge: partial-output values per step (32 fp32 registers a thread at 4 warps)
 
 
 @triton.jit
@@ -248,27 +249,39 @@ def _decode_merge_kernel(
     s_ot, s_oh, s_od, s_lh, num_splits, head_dim_v,
     HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """One program per (sequence, query head): ``softmax``-weighted sum of the splits' partial outputs (and the
+    sink's weight in the denominator), read ``BLOCK_S`` splits at a time with an online max/rescale, so the
+    registers hold one ``[BLOCK_S, BLOCK_DV]`` tile whatever ``num_splits`` is (128K contexts: hundreds of
+    splits; loading them all at once spilled up to 6 KB per thread on sm_80)."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     q_start = tl.load(cu_q_ptr + b).to(tl.int64)
     q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row = (b * tl.num_programs(1) + head) * num_splits + offs_s
-    lse_s = tl.load(part_lse_ptr + row, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse_s, axis=0)
+    base = (b * tl.num_programs(1) + head) * num_splits
+    # the running max starts at the sink (weight exp(sink - m)), so one chunk computes what a single pass would
+    m = tl.full([], float("-inf"), tl.float32)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head)
-        m = tl.maximum(m, sink)
+        m = tl.load(sinks_ptr + head).to(tl.float32)
+    den = tl.exp(m - tl.where(m == float("-inf"), 0.0, m))  # 1 with a finite sink, else 0
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        split = s0 + offs_s
+        row = base + split
+        lse_s = tl.load(part_lse_ptr + row, mask=split < num_splits, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse_s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe)
+        o_s = tl.load(part_o_ptr + row[:, None] * head_dim_v + offs_dv[None, :],
+                      mask=(split[:, None] < num_splits) & (offs_dv[None, :] < head_dim_v), other=0.0)
+        den = den * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o_s, axis=0)
+        m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe)
-    den = tl.sum(w, axis=0)
-    if HAS_SINKS:
-        den += tl.exp(sink - m_safe)
-    o_s = tl.load(part_o_ptr + row[:, None] * head_dim_v + offs_dv[None, :],
-                  mask=(offs_s[:, None] < num_splits) & (offs_dv[None, :] < head_dim_v), other=0.0)
     has = den > 0
-    o = tl.sum(w[:, None] * o_s, axis=0) / tl.where(has, den, 1.0)
+    o = acc / tl.where(has, den, 1.0)
     lse = tl.where(has, m_safe + tl.log(tl.where(has, den, 1.0)), float("-inf"))
     tl.store(out_ptr + q_start * s_ot + head * s_oh + offs_dv * s_od, o.to(out_ptr.dtype.element_ty),
              mask=(offs_dv < head_dim_v) & (offs_dv * 0 + q_len > 0))
@@ -443,6 +456,12 @@ def paged_attention(
     return out, lse
 
 
+def merge_splits(num_splits: int, block_dv: int) -> int:
+    """``BLOCK_S``: splits ``_decode_merge_kernel`` reads per step, at most ``_MERGE_VALUES // block_dv`` (the
+    partial outputs of all of them are live in registers at once)."""
+    return min(_pow2(num_splits, 1), max(1, _MERGE_VALUES // block_dv))
+
+
 def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capability: tuple[int, int],
                 rope: bool = False) -> dict:
     """``block_n`` (KV tokens per tile), ``block_m`` (prefill rows), ``num_warps`` and ``num_stages`` of one kernel.
@@ -562,7 +581,8 @@ def plan_paged_attention(
         merge = Launch(_decode_merge_kernel, (batch, num_heads), (
             part_o, part_lse, sinks if sinks is not None else part_lse, cu_seqlens_q, out, lse,
             *out.stride(), lse.stride(0), num_splits, d_v),
-            dict(HAS_SINKS=sinks is not None, BLOCK_S=_pow2(num_splits, 1), BLOCK_DV=block_dv), wrap=True)
+            dict(HAS_SINKS=sinks is not None, BLOCK_S=merge_splits(num_splits, block_dv), BLOCK_DV=block_dv),
+            wrap=True)
         return [split, merge], out, lse
     block_g = triton.next_power_of_2(group)  # prefill rows are (token, head) pairs: only BLOCK_T * BLOCK_G >= 16
     block_t = max(block_m // block_g, triton.cdiv(16, block_g), 1)
