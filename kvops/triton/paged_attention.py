@@ -472,7 +472,11 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     bytes per value in registers and shared memory whatever the cache dtype. Chosen so that no (kernel, head_dim,
     flag) combination spills registers or needs more than 99 KB of shared memory (sm_86/sm_89, the smallest block
     budget of the targets), as checked by ``python benchmarks/gpu_check.py --aot``; two pipeline stages (the K/V
-    loads are gathers through ``block_table``, so deeper pipelining only costs shared memory). With ``rope`` (RoPE at
+    loads are gathers through ``block_table``, so deeper pipelining only costs shared memory). Prefill tiles: fp32
+    16 rows x 16 tokens over 8 warps; padded width 256 16 x 32 over 8 warps; 16-bit at width 128 32 x 32 over 8
+    warps (64 x 32 over 4 warps took 255 registers with causal + window + softcap + sinks and spilled 20-32 B on
+    sm_80; over 8 warps ptxas for sm_100 capped it at 128 registers and spilled 4-8 B), 64 x 32 over 4 warps at
+    width 64; fp8 32 x 32 over 4 warps. With ``rope`` (RoPE at
     read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
     stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
@@ -504,6 +508,8 @@ def _tiles(kind: str, width: int, operands: str) -> dict:
         return dict(block_n=16, block_m=16, num_warps=8, num_stages=2)
     if width >= 256:
         return dict(block_n=32, block_m=16, num_warps=8, num_stages=2)
+    if operands == "16bit" and width >= 128:  # 64 rows over 4 warps: 255 registers, spills with every flag
+        return dict(block_n=32, block_m=32, num_warps=8, num_stages=2)
     block_m = 64 if operands == "16bit" else 32
     return dict(block_n=32, block_m=block_m, num_warps=4, num_stages=2)
 
