@@ -463,7 +463,7 @@ def merge_splits(num_splits: int, block_dv: int) -> int:
 
 
 def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capability: tuple[int, int],
-                rope: bool = False) -> dict:
+                rope: bool = False, group: int = 1) -> dict:
     """``block_n`` (KV tokens per tile), ``block_m`` (prefill rows), ``num_warps`` and ``num_stages`` of one kernel.
 
     ``kind`` is "decode" or "prefill", ``block_d``/``block_dv`` the padded head dims, ``operands`` what ``tl.dot``
@@ -473,7 +473,9 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     flag) combination spills registers or needs more than 99 KB of shared memory (sm_86/sm_89, the smallest block
     budget of the targets), as checked by ``python benchmarks/gpu_check.py --aot``; two pipeline stages (the K/V
     loads are gathers through ``block_table``, so deeper pipelining only costs shared memory). Prefill tiles: fp32
-    16 rows x 16 tokens over 8 warps; padded width 256 16 x 32 over 8 warps; 16-bit at width 128 32 x 32 over 8
+    16 rows x 16 tokens over 8 warps (32 x 16 at width 256 for GQA ``group`` 3-8 without RoPE: 16 rows of 2
+    tokens x 8 heads were held to 64 registers by ptxas for sm_80 and spilled 4 B, 4 x 4 on sm_100; 32 rows
+    spilled for 1 head or with RoPE on sm_90); padded width 256 16 x 32 over 8 warps; 16-bit at width 128 32 x 32 over 8
     warps (64 x 32 over 4 warps took 255 registers with causal + window + softcap + sinks and spilled 20-32 B on
     sm_80; over 8 warps ptxas for sm_100 capped it at 128 registers and spilled 4-8 B), 64 x 32 over 4 warps at
     width 64; fp8 32 x 32 over 4 warps. With ``rope`` (RoPE at
@@ -486,6 +488,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     """
     width = max(block_d, block_dv)
     cfg = _tiles(kind, width, operands)
+    if kind == "prefill" and operands == "fp32" and width >= 256 and 2 < group <= 8 and not rope:
+        cfg["block_m"] = 32
     if rope:
         cfg["num_stages"] = 1
         if width >= 128 and kind == "decode":
@@ -550,7 +554,7 @@ def plan_paged_attention(
     decode = max_seqlen_q == 1 and not force_prefill
     operands = "fp8" if is_fp8 else "fp32" if q.dtype == torch.float32 else "16bit"
     cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, operands, capability,
-                      rope=rope_theta is not None)
+                      rope=rope_theta is not None, group=group)
     block_n = cfg["block_n"] if block_n is None else block_n
     block_m = cfg["block_m"] if block_m is None else block_m
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=True)
