@@ -23,7 +23,9 @@ import argparse
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--family", choices=["llama", "qwen2"], default="llama", help="model family (tiny config)")
+    parser.add_argument("--family", choices=["llama", "qwen2", "smollm2"], default="llama",
+                        help="tiny config: llama (8/2 heads x 32), qwen2 (14/2 x 16) or smollm2 (SmolLM2-135M's "
+                             "attention: 9/3 heads x 64, hidden 576, MLP 1536; --layers of its 30)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024], help="tokens held when decoding")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra-op thread counts to run")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds per candidate")
@@ -39,9 +41,13 @@ def _model(family: str, layers: int, max_len: int, dtype):
 
     common = dict(vocab_size=512, num_hidden_layers=layers, max_position_embeddings=max_len + 8,
                   intermediate_size=512)
-    config = (LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, **common)
-              if family == "llama" else
-              Qwen2Config(hidden_size=224, num_attention_heads=14, num_key_value_heads=2, **common))
+    if family == "smollm2":  # the geometry of issue 22's real model (random weights, fewer layers)
+        common.update(intermediate_size=1536, vocab_size=2048)
+        config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, **common)
+    elif family == "llama":
+        config = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, **common)
+    else:
+        config = Qwen2Config(hidden_size=224, num_attention_heads=14, num_key_value_heads=2, **common)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).to(dtype).eval()
 

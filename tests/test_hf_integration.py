@@ -242,3 +242,59 @@ def test_eager_metadata_kept_per_mask_and_recomputed_after_in_place_change():
     assert not torch.equal(attend(mask), first)
     k6, v6 = k[:, :, :11].clone(), v[:, :, :11].clone()  # another capacity with the same mask
     torch.testing.assert_close(attend(mask, k6, v6), attend(mask.clone(), k6, v6), rtol=0, atol=0)
+
+
+def test_eager_fast_paths_agree_with_the_general_ones():
+    """The eager shortcuts of a decode step give what the general code gives: the unpadded mask built from host ints
+    equals the tensor formula (int and 0-d tensor ``q_offset``), the token tables reused across forwards are those of
+    the current padding, and the static layer's direct row copy writes the rows paged_cache_write writes."""
+    for q_offset in (10, torch.tensor(10)):
+        fast = kvops_hf.kvops_mask(3, 1, 12, q_offset=q_offset, attention_mask=torch.ones(3, 12, dtype=torch.bool))
+        assert fast.dtype == torch.int32 and fast.shape == (2, 3, 1, 1)
+        assert fast.view(2, 3).tolist() == [[0, 0, 0], [11, 11, 11]]
+    assert kvops_hf.kvops_mask(2, 1, 12, q_offset=10).view(2, 2).tolist() == [[0, 0], [11, 11]]
+    for pad in ([0, 0], [3, 1], [0, 0]):  # tables cached by padding: a new padding never reuses another's table
+        mask = kvops_hf.kvops_mask(2, 1, 12, q_offset=10,
+                                   attention_mask=torch.tensor([[0] * p + [1] * (12 - p) for p in pad]))
+        got = kvops_hf._metadata(mask, 2, 12, None, 12, 2, 1, torch.device("cpu"))
+        want = kvops_hf._build_metadata(mask, 2, 12, None, 12, 2, 1, torch.device("cpu"))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), pad
+    config = _configs()["llama"][0]
+    cache = kvops_hf.KvopsStaticCache(config, max_cache_len=8)
+    head_dim = config.hidden_size // config.num_attention_heads
+    cache.early_initialization(2, config.num_key_value_heads, head_dim, torch.float32, "cpu")
+    layer = cache.layers[0]
+    layer.cumulative_length.fill_(3)
+    shape = (2, config.num_key_value_heads, 2, head_dim)
+    k, v = torch.randn(shape), torch.randn(shape)
+    keys, values = layer.update(k, v)
+    assert torch.equal(keys[:, :, 3:5], k) and torch.equal(values[:, :, 3:5], v) and int(layer.cumulative_length) == 5
+    assert not keys[:, :, 5:].any() and not keys[:, :, :3].any()
+
+
+def test_eager_static_update_of_another_dtype_raises_and_writes_nothing():
+    """Inputs the storage does not take as they are (another dtype) go to paged_cache_write's validator, which names
+    the problem before anything is written (the direct row copy would cast silently)."""
+    config = _configs()["llama"][0]
+    cache = kvops_hf.KvopsStaticCache(config, max_cache_len=8)
+    head_dim = config.hidden_size // config.num_attention_heads
+    cache.early_initialization(1, config.num_key_value_heads, head_dim, torch.float32, "cpu")
+    layer = cache.layers[0]
+    k = torch.randn(1, config.num_key_value_heads, 1, head_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        layer.update(k, k)
+    assert not layer.k.any() and int(layer.cumulative_length) == 0
+
+
+def test_attention_revalidates_when_the_query_changes():
+    """The validator's verdict is reused only for the same K/V views, metadata and query geometry: a query with a
+    head count that is not a multiple of the KV heads still raises after a good call on the same cache views."""
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)
+    mask = kvops_hf.kvops_mask(1, 1, 12, q_offset=11)
+    module = torch.nn.Module()
+    good = kvops_hf.kvops_attention_forward(module, torch.randn(1, 4, 1, 8, generator=g), k, v, mask)[0]
+    assert good.shape == (1, 1, 4, 8)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        kvops_hf.kvops_attention_forward(module, torch.randn(1, 3, 1, 8, generator=g), k, v, mask)

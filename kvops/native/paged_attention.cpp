@@ -19,12 +19,15 @@
 // chunk's end point at a zero buffer), so NaN/inf in unused slots or unreferenced blocks is never read. Caches are
 // addressed through their four strides (joint K|V allocations, interleaved blocks, HND caches viewed as NHD, sliced
 // heads); a last-dim stride != 1 or a head_dim that is not a multiple of 16 goes through a small fp32 staging tile.
-// A KV head's rows go through the math in blocks of 1, 2, 4 (decode with GQA ratio <= 4: no padding to 8) or 8.
+// A KV head's rows go through the math in blocks of 1, 2, 3, 4 (decode with GQA ratio <= 4: no padding) or 8.
 // The K/V rows ~8 KiB ahead are software-prefetched (blocks are scattered), one cache line per inner-loop step
 // (a burst per chunk overflows the miss buffers and is mostly dropped). Vector code uses GCC/Clang vector
 // extensions (AVX-512 / AVX2 / NEON under -march=native). Also here: the one-pass value-contract check of eager CPU
 // calls (paged_attention_values_bad, used by kvops/_checks/values.py).
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -117,6 +120,49 @@ inline void transpose16(vf* m) {
                      vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
 }
 
+// tile [16 tokens][16 dims] -> out [16 dims][16 tokens] (row e of out: dim e of every token).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: four 8x8 transposes of ymm registers (unpack, shuffle, lane permute: 24 instructions each). GCC lowers
+// transpose16's 16-lane two-source shuffles to ~950 scalar moves on AVX2, which made the K transpose the main cost
+// of decode at small GQA groups (G = 1: 2.4x SDPA's time at head_dim 64).
+inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+inline void transpose16_to(const vf* tile, float* out) {
+  const float* f = reinterpret_cast<const float*>(tile);
+  for (int bt = 0; bt < L; bt += 8)  // tokens [bt, bt + 8) x dims [be, be + 8) -> out rows be.., columns bt..
+    for (int be = 0; be < L; be += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(f + (bt + i) * L + be);
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (be + i) * L + bt, r[i]);
+    }
+}
+#else
+inline void transpose16_to(const vf* tile, float* out) {
+  vf m[L];
+  for (int t = 0; t < L; ++t) m[t] = tile[t];
+  transpose16(m);
+  for (int e = 0; e < L; ++e) storeu(out + e * L, m[e]);
+}
+#endif
+
 // --- loading one row of n elements (element stride st) into n_pad fp32 values (zeros after n) ------------------
 
 template <typename T>
@@ -158,8 +204,8 @@ inline void prefetch_line(const char* p) {
 }
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
-// rows of a KV head padded to the row block of the math: 1, 2, 4 (decode with GQA ratio <= 4), else a multiple of 8
-inline int pad_rows(int rows) { return rows <= 4 ? (rows <= 1 ? 1 : rows <= 2 ? 2 : 4) : round_up(rows, 8); }
+// rows of a KV head padded to the row block of the math: 1, 2, 3, 4 (decode with GQA ratio <= 4), else a multiple of 8
+inline int pad_rows(int rows) { return rows <= 4 ? rows : round_up(rows, 8); }
 
 // Cache lines of a later chunk, prefetched one per inner-loop step of the current chunk's math: a burst of hundreds
 // of prefetches overflows the core's miss buffers and most of them are dropped, while one per step keeps memory
@@ -366,8 +412,7 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
   for (int e0 = 0; e0 < dp; e0 += L) {
     vf tile[L];
     for (int t = 0; t < L; ++t) tile[t] = load16(kp[t] + e0);
-    transpose16(tile);
-    for (int e = 0; e < L; ++e) storeu(kt + static_cast<size_t>(e0 + e) * L, tile[e]);
+    transpose16_to(tile, kt + static_cast<size_t>(e0) * L);
   }
   if (pb.rope_freq) {  // RoPE at read time: turn the 16 keys by their positions (sc.rc / sc.rs, set by attend)
     const int half = pb.d / 2;
@@ -632,6 +677,7 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
         switch (rows_pad) {
           case 1: attend<TK, 1>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
           case 2: attend<TK, 2>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
+          case 3: attend<TK, 3>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
           case 4: attend<TK, 4>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
           default: attend<TK, 8>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size);
         }
@@ -643,6 +689,7 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
         switch (rows_pad) {
           case 1: attend<TK, 1>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
           case 2: attend<TK, 2>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
+          case 3: attend<TK, 3>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
           case 4: attend<TK, 4>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
           default: attend<TK, 8>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size);
         }
