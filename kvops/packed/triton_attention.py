@@ -193,16 +193,21 @@ def segment_config(block_d: int, block_dv: int, rows: int, quant, capability: tu
                 num_stages=2)
 
 
-def segment_warps(width: int, fmt, q_dtype: torch.dtype, num_warps: int) -> int:
-    """``num_warps`` of one segment's launch (the rows and tokens of :func:`segment_config` are shared by every
-    segment, which update one state; the warps need not be): dense bf16/fp16 segments at padded width 256 take 4
-    (over 8 warps ptxas for sm_80 held them to 80 registers and spilled 8 B; fp32 keeps 8: 4 spilled on sm_100),
-    int4 segments at width 128 take 8 (4: 168 registers and 12 B spills on sm_80)."""
-    if fmt is None and q_dtype != torch.float32 and width >= 256:
-        return 4
+def segment_launch(width: int, fmt, q_dtype: torch.dtype, cfg: dict) -> dict:
+    """``block_n`` and ``num_warps`` of one segment's launch (the rows of :func:`segment_config` are shared by every
+    segment, which update one state; tokens per tile and warps need not be): dense bf16/fp16 segments take 32-token
+    tiles at padded width 128 (16: ptxas for sm_100 held them to 80 registers and spilled 20 B) and 4 warps at 256
+    (8: 80 registers and 8 B spills on sm_80; fp32 keeps 8, 4 spilled on sm_100); int4 segments at width 128 take
+    8 warps (4: 168 registers and 12 B spills on sm_80)."""
+    out = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"])
+    if fmt is None and q_dtype != torch.float32:
+        if width == 128:
+            out["block_n"] = 32
+        elif width >= 256:
+            out["num_warps"] = 4
     if fmt == "int4" and width == 128:
-        return 8
-    return num_warps
+        out["num_warps"] = 8
+    return out
 
 
 def plan_packed_attention(q, segments, hkv: int, m, l, acc, counts, scale: float,
@@ -225,11 +230,11 @@ def plan_packed_attention(q, segments, hkv: int, m, l, acc, counts, scale: float
             continue
         kp, kst, k_stages, k_group = _layout(ks, fmt)
         vp, vst, v_stages, v_group = _layout(vs, fmt)
+        seg = segment_launch(max(block_d, block_dv), fmt, q.dtype, cfg)
         launches.append(Launch(_segment_kernel, grid, (
             q, *kp, *vp, m, l, acc, m if counts is None else counts[row - n :],
             *q.stride(), *kst, *vst, n, g, hkv, rows, d, d_v, k_stages, v_stages, scale),
             dict(KIND=_KIND[fmt], K_GROUP=k_group, V_GROUP=v_group, HAS_COUNTS=counts is not None,
-                 BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv),
-            num_warps=segment_warps(max(block_d, block_dv), fmt, q.dtype, cfg["num_warps"]),
-            num_stages=cfg["num_stages"]))
+                 BLOCK_M=block_m, BLOCK_N=seg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv),
+            num_warps=seg["num_warps"], num_stages=cfg["num_stages"]))
     return launches
