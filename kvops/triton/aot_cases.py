@@ -90,6 +90,10 @@ def attention_cases(subset: bool):
         yield on("sm_90", _attention("fp32", 256, 8, 16, "HND", all_on, "decode", batch=1, ctx=131072))
         # one KV head at 128K: 256 splits, which the merge reads in chunks of 16 (it spilled 6 KB loading all)
         yield on("sm_80", _attention("bf16", 256, 8, 16, "NHD", all_on, "decode", batch=1, ctx=131072, h_kv=1))
+        # tiles that spilled before (issue 19): 16-bit prefill at padded width 128 with every flag (sm_80), fp32
+        # decode at 128 with GQA 4:1 (sm_86)
+        yield on("sm_80", _attention("fp16", 80, 1, 16, "NHD", all_on, "prefill"))
+        yield on("sm_86", _attention("fp32", 80, 4, 16, "NHD", off, "decode"))
         yield on("sm_80", _attention("fp8", 128, 7, 1, "NHD", all_on, "decode"))
         # every attention feature (docs/attention_features.md) of each kernel: prefill with a right window (not
         # causal), decode with the features on top of every flag
@@ -222,6 +226,7 @@ def _quant(fmt: str, dtype: str, d: int, group_size: int = 64, stages: int = 1, 
 def packed_cases(subset: bool):
     if subset:
         yield on("sm_90", _packed_attention("int4", "fp32", 128, 8, 512, 4096, True, group_size=32))
+        yield on("sm_80", _packed_attention("int4", "fp32", 128, 1, 1, 4096, True))  # spilled 12 B over 4 warps
         yield _packed_attention("fp8", "bf16", 128, 7, 1, 4096, False)
         yield _quant("int4", "bf16", 128, group_size=32)
         yield _quant("int2", "fp16", 256, group_size=32, stages=2, direction="dequantize")

@@ -478,7 +478,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     spilled for 1 head or with RoPE on sm_90); padded width 256 16 x 32 over 8 warps; 16-bit at width 128 32 x 32 over 8
     warps (64 x 32 over 4 warps took 255 registers with causal + window + softcap + sinks and spilled 20-32 B on
     sm_80; over 8 warps ptxas for sm_100 capped it at 128 registers and spilled 4-8 B), 64 x 32 over 4 warps at
-    width 64; fp8 32 x 32 over 4 warps. With ``rope`` (RoPE at
+    width 64; fp8 32 x 32 over 4 warps. Decode: 16 rows over 4 warps (8 for fp32 at width 128: GQA 4:1 spilled
+    436 B on sm_86 over 4). With ``rope`` (RoPE at
     read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
     stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
@@ -507,7 +508,9 @@ def _tiles(kind: str, width: int, operands: str) -> dict:
             block_n = 32 if width <= 128 else 16
         else:
             block_n = 64 if width <= 64 or (width <= 128 and operands == "16bit") else 32 if width <= 128 else 16
-        return dict(block_n=block_n, block_m=16, num_warps=4, num_stages=2)
+        # fp32 at width 128 over 8 warps: over 4, GQA 4:1 without flags took 255 registers and spilled 436 B (sm_86)
+        return dict(block_n=block_n, block_m=16, num_warps=8 if operands == "fp32" and width == 128 else 4,
+                    num_stages=2)
     if operands == "fp32":  # IEEE products on CUDA cores hold both operands in registers
         return dict(block_n=16, block_m=16, num_warps=8, num_stages=2)
     if width >= 256:
