@@ -26,7 +26,8 @@ def check_room(cache: str, seen, num_tokens, max_cache_len: int) -> None:
     ``seen`` do not fit (raised before anything is written)."""
     if seen + num_tokens > max_cache_len:
         raise ValueError(
-            f"{cache}: writing {num_tokens} tokens at positions [{seen}, {seen + num_tokens}) exceeds max_cache_len="
+            f"{cache}: writing {num_tokens} token{'s' if num_tokens != 1 else ''} at positions [{seen}, "
+            f"{seen + num_tokens}) exceeds max_cache_len="
             f"{max_cache_len}, the tokens each sequence holds (prompt + generated). Allocate the cache with "
             f"max_cache_len >= the prompt length + max_new_tokens of the whole generate() call (this step alone "
             f"needs {seen + num_tokens})."
