@@ -2,8 +2,9 @@
 
 Layers follow transformers' ``CacheLayerMixin`` interface (``lazy_initialization``, ``update``, ``get_mask_sizes``,
 ``get_seq_length``, ``get_max_length``, ``reset``, ``reorder_cache``, ``crop``). The full-attention cursor is a 0-d
-int64 *tensor* on the cache's device, ``cumulative_length``, as in transformers' ``StaticLayer``: writes go through
-``kvops.paged_cache_write`` with slots computed on the device from it, so ``torch.compile`` never guards on a position
+int64 *tensor* on the cache's device, ``cumulative_length``, as in transformers' ``StaticLayer``: traced writes go
+through ``kvops.paged_cache_write`` with slots computed on the device from it (eager writes copy the checked rows
+directly), so ``torch.compile`` never guards on a position
 (one graph for a whole ``generate()`` decode), and an exported decode step reads the position from a buffer the caller
 sets (``kvops.integrations.transformers.ExportableDecodeStep``). Bounds are checked eagerly (a named ``ValueError``
 before anything is written); in a compiled or exported step a position past ``max_cache_len`` maps to a slot outside
@@ -47,9 +48,10 @@ def _crop_count(cache: str, tokens_to_remove: int, seen: int) -> int:
 
 
 class KvopsStaticLayer(CacheLayerMixin):
-    """Full-attention layer: contiguous NHD caches ``[B, max_cache_len, H_kv, D]``, written by
-    ``kvops.paged_cache_write`` (the cache read as ``B`` blocks of ``max_cache_len`` rows; slot ``b * max_cache_len +
-    p``) at rows ``[G, G + T)``, ``G = cumulative_length`` (0-d int64 tensor).
+    """Full-attention layer: contiguous NHD caches ``[B, max_cache_len, H_kv, D]``, written at rows ``[G, G + T)``,
+    ``G = cumulative_length`` (0-d int64 tensor): traced, by ``kvops.paged_cache_write`` (the cache read as ``B``
+    blocks of ``max_cache_len`` rows; slot ``b * max_cache_len + p``); eager, by a copy into those rows once the bounds
+    check passed (inputs of another dtype, device or shape go through ``paged_cache_write``, whose validator raises).
 
     ``update`` returns ``[B, H_kv, max_cache_len, D]`` views (transposes of the NHD storage, no copy); rows ``>= G +
     T`` are unfilled and masked by :func:`kvops_mask`. Raises ``ValueError`` (naming the positions and
