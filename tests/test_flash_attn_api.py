@@ -290,7 +290,7 @@ class TestContracts(expecttest.TestCase):
         msg = self.check(lambda q, kc, k: f(q, kc, kc, k, k, cache_seqlens=5), self.q, kc, self.k)
         self.assertExpectedInline(
             msg,
-            """flash_attn_with_kvcache: writing 1 new tokens at cache_seqlens=5 exceeds the capacity addressable by the cache: 5 tokens (max_blocks 1 x block_size 5). Give block_table more blocks or write fewer tokens.""",
+            """flash_attn_with_kvcache: writing 1 new token at cache_seqlens=5 exceeds the capacity addressable by the cache: 5 tokens (max_blocks 1 x block_size 5). Give block_table more blocks or write fewer tokens.""",
         )
 
     def test_negative_cache_seqlens(self):

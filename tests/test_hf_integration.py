@@ -196,7 +196,7 @@ def test_static_cache_generating_past_max_cache_len_names_it():
     finally:
         handle.remove()
     assert str(info.value) == (
-        "KvopsStaticCache: writing 1 tokens at positions [11, 12) exceeds max_cache_len=11, the tokens each sequence "
+        "KvopsStaticCache: writing 1 token at positions [11, 12) exceeds max_cache_len=11, the tokens each sequence "
         "holds (prompt + generated). Allocate the cache with max_cache_len >= the prompt length + max_new_tokens of "
         "the whole generate() call (this step alone needs 12).")
     assert len(snapshots) == 3 and all(torch.equal(a, layer.k) for a, layer in zip(snapshots[-1], cache.layers))

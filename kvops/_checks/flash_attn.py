@@ -136,8 +136,8 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
     if start < 0 or start + s_new > capacity:
         where = f"at cache_seqlens={cache_seqlens} " if not isinstance(cache_seqlens, torch.Tensor) else ""
         raise ValueError(
-            f"{OP}: writing {s_new} new tokens {where}exceeds the capacity addressable by the cache: "
-            f"{capacity} tokens (max_blocks {capacity // k_cache.shape[1]} x block_size {k_cache.shape[1]}). Give "
+            f"{OP}: writing {s_new} new token{'s' if s_new != 1 else ''} {where}exceeds the capacity addressable by "
+            f"the cache: {capacity} tokens (max_blocks {capacity // k_cache.shape[1]} x block_size {k_cache.shape[1]}). Give "
             f"block_table more blocks or write fewer tokens."
         )
 

@@ -2,8 +2,9 @@
 
 Layers follow transformers' ``CacheLayerMixin`` interface (``lazy_initialization``, ``update``, ``get_mask_sizes``,
 ``get_seq_length``, ``get_max_length``, ``reset``, ``reorder_cache``, ``crop``). The full-attention cursor is a 0-d
-int64 *tensor* on the cache's device, ``cumulative_length``, as in transformers' ``StaticLayer``: writes go through
-``kvops.paged_cache_write`` with slots computed on the device from it, so ``torch.compile`` never guards on a position
+int64 *tensor* on the cache's device, ``cumulative_length``, as in transformers' ``StaticLayer``: traced writes go
+through ``kvops.paged_cache_write`` with slots computed on the device from it (eager writes copy the checked rows
+directly), so ``torch.compile`` never guards on a position
 (one graph for a whole ``generate()`` decode), and an exported decode step reads the position from a buffer the caller
 sets (``kvops.integrations.transformers.ExportableDecodeStep``). Bounds are checked eagerly (a named ``ValueError``
 before anything is written); in a compiled or exported step a position past ``max_cache_len`` maps to a slot outside
@@ -26,7 +27,8 @@ def check_room(cache: str, seen, num_tokens, max_cache_len: int) -> None:
     ``seen`` do not fit (raised before anything is written)."""
     if seen + num_tokens > max_cache_len:
         raise ValueError(
-            f"{cache}: writing {num_tokens} tokens at positions [{seen}, {seen + num_tokens}) exceeds max_cache_len="
+            f"{cache}: writing {num_tokens} token{'s' if num_tokens != 1 else ''} at positions [{seen}, "
+            f"{seen + num_tokens}) exceeds max_cache_len="
             f"{max_cache_len}, the tokens each sequence holds (prompt + generated). Allocate the cache with "
             f"max_cache_len >= the prompt length + max_new_tokens of the whole generate() call (this step alone "
             f"needs {seen + num_tokens})."
@@ -46,9 +48,10 @@ def _crop_count(cache: str, tokens_to_remove: int, seen: int) -> int:
 
 
 class KvopsStaticLayer(CacheLayerMixin):
-    """Full-attention layer: contiguous NHD caches ``[B, max_cache_len, H_kv, D]``, written by
-    ``kvops.paged_cache_write`` (the cache read as ``B`` blocks of ``max_cache_len`` rows; slot ``b * max_cache_len +
-    p``) at rows ``[G, G + T)``, ``G = cumulative_length`` (0-d int64 tensor).
+    """Full-attention layer: contiguous NHD caches ``[B, max_cache_len, H_kv, D]``, written at rows ``[G, G + T)``,
+    ``G = cumulative_length`` (0-d int64 tensor): traced, by ``kvops.paged_cache_write`` (the cache read as ``B``
+    blocks of ``max_cache_len`` rows; slot ``b * max_cache_len + p``); eager, by a copy into those rows once the bounds
+    check passed (inputs of another dtype, device or shape go through ``paged_cache_write``, whose validator raises).
 
     ``update`` returns ``[B, H_kv, max_cache_len, D]`` views (transposes of the NHD storage, no copy); rows ``>= G +
     T`` are unfilled and masked by :func:`kvops_mask`. Raises ``ValueError`` (naming the positions and
