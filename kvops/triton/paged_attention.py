@@ -475,7 +475,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     loads are gathers through ``block_table``, so deeper pipelining only costs shared memory). Prefill tiles: fp32
     16 rows x 16 tokens over 8 warps (32 x 16 at width 256 for GQA ``group`` 3-8 without RoPE: 16 rows of 2
     tokens x 8 heads were held to 64 registers by ptxas for sm_80 and spilled 4 B, 4 x 4 on sm_100; 32 rows
-    spilled for 1 head or with RoPE on sm_90); padded width 256 16 x 32 over 8 warps; 16-bit at width 128 32 x 32 over 8
+    spilled for 1 head or with RoPE on sm_90); padded width 256 16 x 32 over 8 warps (16-bit on sm_90: 16 x 16, as
+    ptxas for sm_90 held 16 x 32 at 80 registers over 8 warps and at 128 over 4 and spilled 4-12 B); 16-bit at width 128 32 x 32 over 8
     warps (64 x 32 over 4 warps took 255 registers with causal + window + softcap + sinks and spilled 20-32 B on
     sm_80; over 8 warps ptxas for sm_100 capped it at 128 registers and spilled 4-8 B), 64 x 32 over 4 warps at
     width 64; fp8 32 x 32 over 4 warps. Decode: 16 rows over 4 warps (8 for fp32 at width 128: GQA 4:1 spilled
@@ -491,6 +492,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     cfg = _tiles(kind, width, operands)
     if kind == "prefill" and operands == "fp32" and width >= 256 and 2 < group <= 8 and not rope:
         cfg["block_m"] = 32
+    if kind == "prefill" and operands == "16bit" and width >= 256 and capability[0] == 9:
+        cfg["block_n"] = 16  # ptxas for sm_90 held 32 tokens at 80 registers (8 warps), 128 (4 warps): 4-12 B spills
     if rope:
         cfg["num_stages"] = 1
         if width >= 128 and kind == "decode":
