@@ -480,7 +480,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     warps (64 x 32 over 4 warps took 255 registers with causal + window + softcap + sinks and spilled 20-32 B on
     sm_80; over 8 warps ptxas for sm_100 capped it at 128 registers and spilled 4-8 B), 64 x 32 over 4 warps at
     width 64; fp8 32 x 32 over 4 warps. Decode: 16 rows over 4 warps (8 for fp32 at width 128: GQA 4:1 spilled
-    436 B on sm_86 over 4). With ``rope`` (RoPE at
+    436 B on sm_86 over 4; 8 for fp8 up to width 128 on sm_90, where ptxas held 4 warps at 80 registers at width
+    64 and 128 at width 128 and spilled 8-28 B). With ``rope`` (RoPE at
     read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
     stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
@@ -494,6 +495,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
         cfg["block_m"] = 32
     if kind == "prefill" and operands == "16bit" and width >= 256 and capability[0] == 9:
         cfg["block_n"] = 16  # ptxas for sm_90 held 32 tokens at 80 registers (8 warps), 128 (4 warps): 4-12 B spills
+    if kind == "decode" and operands == "fp8" and width <= 128 and capability[0] == 9:
+        cfg["num_warps"] = 8  # over 4 ptxas for sm_90 held 80 registers (D=64, 28 B spills), 128 (D=80, 8 B)
     if rope:
         cfg["num_stages"] = 1
         if width >= 128 and kind == "decode":
