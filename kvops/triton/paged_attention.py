@@ -479,8 +479,9 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     ptxas for sm_90 held 16 x 32 at 80 registers over 8 warps and at 128 over 4 and spilled 4-12 B); 16-bit at width 128 32 x 32 over 8
     warps (64 x 32 over 4 warps took 255 registers with causal + window + softcap + sinks and spilled 20-32 B on
     sm_80; over 8 warps ptxas for sm_100 capped it at 128 registers and spilled 4-8 B), 64 x 32 over 4 warps at
-    width 64; fp8 32 x 32 over 4 warps. Decode: 16 rows over 4 warps (8 for fp32 at width 128: GQA 4:1 spilled
-    436 B on sm_86 over 4; 8 for fp8 up to width 128 on sm_90, where ptxas held 4 warps at 80 registers at width
+    width 64; fp8 32 x 32 over 4 warps. Decode: 16 rows over 4 warps (8 for fp32 up to width 128 without RoPE:
+    GQA 4:1 spilled 436 B on sm_86 over 4 at width 128, 4 B at 255 registers on sm_90 at width 64, where 8 warps
+    take 40-57; with RoPE at width 64 8 warps spilled 12 B on sm_100; 8 for fp8 up to width 128 on sm_90, where ptxas held 4 warps at 80 registers at width
     64 and 128 at width 128 and spilled 8-28 B). With ``rope`` (RoPE at
     read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
@@ -503,6 +504,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
             cfg.update(block_n=min(cfg["block_n"], 32), num_warps=8)
             if operands == "fp8" and capability >= (10, 0):  # ptxas-blackwell: 8 B spills at 255 registers
                 cfg.update(block_n=16, num_warps=16 if width >= 256 else 8)
+        elif kind == "decode" and operands == "fp32":  # width 64: over 8 warps 128 registers, 12 B spills (sm_100)
+            cfg["num_warps"] = 4
         elif width >= 128 and operands != "fp32":
             cfg.update(block_n=16 if operands == "fp8" and width >= 256 else 32, block_m=16, num_warps=8)
     return cfg
@@ -514,8 +517,9 @@ def _tiles(kind: str, width: int, operands: str) -> dict:
             block_n = 32 if width <= 128 else 16
         else:
             block_n = 64 if width <= 64 or (width <= 128 and operands == "16bit") else 32 if width <= 128 else 16
-        # fp32 at width 128 over 8 warps: over 4, GQA 4:1 without flags took 255 registers and spilled 436 B (sm_86)
-        return dict(block_n=block_n, block_m=16, num_warps=8 if operands == "fp32" and width == 128 else 4,
+        # fp32 up to width 128 over 8 warps: over 4, GQA 4:1 without flags took 255 registers and spilled 436 B at
+        # width 128 (sm_86), 4 B at width 64 (sm_90)
+        return dict(block_n=block_n, block_m=16, num_warps=8 if operands == "fp32" and width <= 128 else 4,
                     num_stages=2)
     if operands == "fp32":  # IEEE products on CUDA cores hold both operands in registers
         return dict(block_n=16, block_m=16, num_warps=8, num_stages=2)
