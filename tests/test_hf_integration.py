@@ -273,20 +273,6 @@ def test_eager_fast_paths_agree_with_the_general_ones():
     assert not keys[:, :, 5:].any() and not keys[:, :, :3].any()
 
 
-def test_eager_static_update_of_another_dtype_raises_and_writes_nothing():
-    """Inputs the storage does not take as they are (another dtype) go to paged_cache_write's validator, which names
-    the problem before anything is written (the direct row copy would cast silently)."""
-    config = _configs()["llama"][0]
-    cache = kvops_hf.KvopsStaticCache(config, max_cache_len=8)
-    head_dim = config.hidden_size // config.num_attention_heads
-    cache.early_initialization(1, config.num_key_value_heads, head_dim, torch.float32, "cpu")
-    layer = cache.layers[0]
-    k = torch.randn(1, config.num_key_value_heads, 1, head_dim, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="dtype"):
-        layer.update(k, k)
-    assert not layer.k.any() and int(layer.cumulative_length) == 0
-
-
 def test_attention_revalidates_when_the_query_changes():
     """The validator's verdict is reused only for the same K/V views, metadata and query geometry: a query with a
     head count that is not a multiple of the KV heads still raises after a good call on the same cache views."""
@@ -298,3 +284,53 @@ def test_attention_revalidates_when_the_query_changes():
     assert good.shape == (1, 1, 4, 8)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         kvops_hf.kvops_attention_forward(module, torch.randn(1, 3, 1, 8, generator=g), k, v, mask)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "paged"])
+def test_generate_under_inference_mode(cache):
+    """``generate()`` under ``torch.inference_mode()`` (inference tensors have no version counter and their views no
+    ``_base``) gives the tokens it gives under ``torch.no_grad``."""
+    model = model_for("llama")
+    ids, mask = prompts()
+    model.set_attn_implementation("kvops")
+    outs = []
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       past_key_values=make_cache(cache, model.config), pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], reference("llama")[0])
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_layer_update_with_states_the_storage_does_not_take_raises_and_changes_nothing(kind):
+    """States of another batch size, head count, head_dim, rank or dtype than the storage (e.g. a cache reused after
+    reset() for a bigger batch) raise a ValueError naming them, before anything is written: before, a batch-2 key
+    into a batch-1 cache dropped a row silently, a 3-D key was written transposed, and wrong head counts raised
+    torch's reshape error."""
+    config = CONFIGS["llama"][0]
+    cache = make_cache(kind, config)
+    head_dim = config.hidden_size // config.num_attention_heads
+    h = config.num_key_value_heads
+    good = torch.randn(1, h, 4, head_dim)
+    model = model_for("llama")
+    model.set_attn_implementation("kvops")
+    with torch.no_grad():  # a first forward allocates the storage for batch 1
+        model(input_ids=torch.randint(3, 50, (1, 4)), past_key_values=cache)
+    layer = cache.layers[0]
+    before = (int(layer.cumulative_length), layer.k.clone(), layer.v.clone())
+    bad = {"batch": torch.randn(2, h, 1, head_dim), "heads": torch.randn(1, h + 1, 1, head_dim),
+           "head_dim": torch.randn(1, h, 1, head_dim // 2), "rank": torch.randn(h, 1, head_dim),
+           "dtype": good[:, :, :1].to(torch.bfloat16)}
+    for what, key in bad.items():
+        with pytest.raises(ValueError) as e:
+            layer.update(key, key)
+        assert int(layer.cumulative_length) == before[0], what
+        assert torch.equal(layer.k, before[1]) and torch.equal(layer.v, before[2]), what
+    name = "KvopsStaticCache" if kind == "static" else "KvopsPagedCache"
+    assert str(e.value) == (
+        f"{name}: key_states has shape (1, {h}, 1, {head_dim}), dtype torch.bfloat16, device cpu; this cache was "
+        f"allocated at its first forward for [batch_size=1, num_kv_heads={h}, T, head_dim={head_dim}] torch.float32 "
+        f"states on cpu (key and value with the same T). Create a new {name} for this model, batch size or dtype "
+        f"(reset() keeps the allocation)."
+    )

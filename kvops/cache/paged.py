@@ -136,10 +136,12 @@ class PagedKVCache:
         self.k_scale, self.v_scale = k_scale, v_scale
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # joint: each layer's [P, block_size, 2, H_kv, D] allocation
         for _ in range(num_layers):
             if joint:
                 kv = torch.zeros(num_blocks, block_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
                 k, v = kv[:, :, 0], kv[:, :, 1]
+                self.kv_caches.append(kv)
             else:
                 k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
                 v = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim_v, dtype=dtype, device=device)

@@ -35,6 +35,23 @@ def check_room(cache: str, seen, num_tokens, max_cache_len: int) -> None:
         )
 
 
+def check_states(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """``ValueError`` (raised before anything is written) unless ``key_states`` / ``value_states`` are
+    ``[B, H_kv, T, D]`` / ``[B, H_kv, T, D_v]`` of the batch size, KV heads, head dims, dtype and device the layer's
+    storage was allocated for at the cache's first forward."""
+    want = (layer.batch_size, layer.num_heads, key_states.shape[-2] if key_states.dim() == 4 else "T")
+    for name, x, d in (("key_states", key_states, layer.head_dim), ("value_states", value_states, layer.head_dim_v)):
+        if (x.dim() != 4 or tuple(x.shape[:3]) != want or x.shape[3] != d or x.dtype != layer.dtype
+                or x.device != layer.device):
+            raise ValueError(
+                f"{layer.cache_name}: {name} has shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}; this "
+                f"cache was allocated at its first forward for [batch_size={layer.batch_size}, "
+                f"num_kv_heads={layer.num_heads}, T, head_dim={d}] {layer.dtype} states on {layer.device} (key and "
+                f"value with the same T). Create a new {layer.cache_name} for this model, batch size or dtype "
+                f"(reset() keeps the allocation)."
+            )
+
+
 def _crop_count(cache: str, tokens_to_remove: int, seen: int) -> int:
     """Tokens a ``crop(tokens_to_remove)`` removes (transformers' convention: a negative count), or ``ValueError``."""
     if tokens_to_remove > 0:
@@ -51,7 +68,8 @@ class KvopsStaticLayer(CacheLayerMixin):
     """Full-attention layer: contiguous NHD caches ``[B, max_cache_len, H_kv, D]``, written at rows ``[G, G + T)``,
     ``G = cumulative_length`` (0-d int64 tensor): traced, by ``kvops.paged_cache_write`` (the cache read as ``B``
     blocks of ``max_cache_len`` rows; slot ``b * max_cache_len + p``); eager, by a copy into those rows once the bounds
-    check passed (inputs of another dtype, device or shape go through ``paged_cache_write``, whose validator raises).
+    check passed. Raises ``ValueError`` before writing for states of another shape, dtype or device than the
+    storage (:func:`check_states`).
 
     ``update`` returns ``[B, H_kv, max_cache_len, D]`` views (transposes of the NHD storage, no copy); rows ``>= G +
     T`` are unfilled and masked by :func:`kvops_mask`. Raises ``ValueError`` (naming the positions and
@@ -74,8 +92,9 @@ class KvopsStaticLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         shape = (self.batch_size, self.max_cache_len, self.num_heads)
-        self.k = torch.zeros(*shape, key_states.shape[-1], dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(*shape, value_states.shape[-1], dtype=self.dtype, device=self.device)
+        self.head_dim, self.head_dim_v = key_states.shape[-1], value_states.shape[-1]
+        self.k = torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(*shape, self.head_dim_v, dtype=self.dtype, device=self.device)
         self.keys, self.values = self.k.transpose(1, 2), self.v.transpose(1, 2)
         self.cumulative_length = self.cumulative_length.to(self.device)
         self._row0 = torch.arange(self.batch_size, device=self.device)[:, None] * self.max_cache_len  # [B, 1]
@@ -99,18 +118,16 @@ class KvopsStaticLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        check_states(self, key_states, value_states)
         t = key_states.shape[-2]
         g = self._eager_start(t)
-        if g is not None and self._fits(key_states, value_states):  # eager, in bounds (checked): rows [g, g + t)
-            self.keys.narrow(2, g, t).copy_(key_states)  # the rows paged_cache_write would write, without its
-            self.values.narrow(2, g, t).copy_(value_states)  # per-call cost (a tiny model's decode layer is ~100 us)
+        if g is not None:  # eager, in bounds (checked): rows [g, g + t), the rows paged_cache_write would write,
+            self.keys.narrow(2, g, t).copy_(key_states)  # without its per-call cost (a tiny model's decode layer
+            self.values.narrow(2, g, t).copy_(value_states)  # is ~100 us)
             self.cumulative_length.add_(t)
             return self.keys, self.values
-        if g is not None:  # eager inputs the storage does not take as they are: the op's validator names the problem
-            slots = self._row0 + torch.arange(g, g + t, device=self.device)
-        else:
-            pos = self._positions(t)
-            slots = torch.where(pos < self.max_cache_len, self._row0 + pos, self.batch_size * self.max_cache_len)
+        pos = self._positions(t)
+        slots = torch.where(pos < self.max_cache_len, self._row0 + pos, self.batch_size * self.max_cache_len)
         paged_cache_write(key_states.transpose(1, 2).reshape(-1, *self.k.shape[2:]),
                           value_states.transpose(1, 2).reshape(-1, *self.v.shape[2:]), self.k, self.v,
                           slots.view(-1))
@@ -118,14 +135,6 @@ class KvopsStaticLayer(CacheLayerMixin):
         # traced: views taken here, so they are views of the ``k``/``v`` buffers (a stored view would be lifted as a
         # constant of its own, which AOTInductor copies: the package would attend K/V frozen at export time)
         return self.k.transpose(1, 2), self.v.transpose(1, 2)
-
-    def _fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
-        """``[B, H_kv, T, D]`` / ``[B, H_kv, T, D_v]`` inputs of the storage's dtype and device (what
-        ``paged_cache_write`` accepts without converting anything)."""
-        k, v = key_states.shape, value_states.shape
-        return (key_states.dtype is self.dtype is value_states.dtype and key_states.device == self.device
-                and value_states.device == self.device and len(k) == len(v) == 4 and k[:3] == v[:3]
-                and k[:2] == self.keys.shape[:2] and k[3] == self.keys.shape[3] and v[3] == self.values.shape[3])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -258,10 +267,11 @@ class KvopsPagedLayer(KvopsStaticLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
+        self.head_dim, self.head_dim_v = key_states.shape[-1], value_states.shape[-1]
         pool = self.parent.allocate(key_states, value_states)
         self.k, self.v = pool.k_caches[self.layer_idx], pool.v_caches[self.layer_idx]
         self.block_table = self.parent.block_table
-        self.kv = self.k._base  # the joint [P, block_size, 2, H_kv, D] allocation; k, v = kv[:, :, 0], kv[:, :, 1]
+        self.kv = pool.kv_caches[self.layer_idx]  # the joint [P, block_size, 2, H_kv, D] allocation (k = kv[:, :, 0])
         self.keys, self.values = self.kv, self.block_table
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
@@ -269,6 +279,7 @@ class KvopsPagedLayer(KvopsStaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        check_states(self, key_states, value_states)
         batch, _, t, _ = key_states.shape
         kv = self.kv  # K and V as views of the joint buffer, taken here (see KvopsStaticLayer.update)
         bs, num_slots = kv.shape[1], kv.shape[0] * kv.shape[1]

@@ -275,8 +275,9 @@ def _metadata(attention_mask, *args):
     if attention_mask is None or torch.compiler.is_compiling() or type(attention_mask) is not torch.Tensor:
         return _build_metadata(attention_mask, *args)
     batch, capacity, block_table, stride, seqs, q_len, device = args
-    key = (attention_mask._version, batch, capacity, stride, seqs, q_len, device)
-    memo = getattr(attention_mask, "_kvops_metadata", None)
+    inference = attention_mask.is_inference()  # no version counter (torch.inference_mode): not kept on the mask
+    key = (None if inference else attention_mask._version, batch, capacity, stride, seqs, q_len, device)
+    memo = None if inference else getattr(attention_mask, "_kvops_metadata", None)
     if memo is not None and memo[0] == key and memo[1] is block_table:
         return memo[2]
     if block_table is None and attention_mask.shape[2] == 1 and attention_mask.is_cpu:
@@ -284,13 +285,14 @@ def _metadata(attention_mask, *args):
         tables = _TABLES.get((start, *key[1:]))
         if tables is None:
             cu_seqlens, _, table = _build_metadata(attention_mask, *args)
-            if len(_TABLES) >= 64:
+            if len(_TABLES) >= 8:  # (a DynamicCache grows its capacity every step: no unbounded growth)
                 _TABLES.clear()
             tables = _TABLES[(start, *key[1:])] = (cu_seqlens, table)
         out = (tables[0], attention_mask[1].view(-1), tables[1])
     else:
         out = _build_metadata(attention_mask, *args)
-    attention_mask._kvops_metadata = (key, block_table, out)
+    if not inference:
+        attention_mask._kvops_metadata = (key, block_table, out)
     return out
 
 
