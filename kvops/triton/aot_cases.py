@@ -95,6 +95,11 @@ def attention_cases(subset: bool):
         yield on("sm_80", _attention("fp16", 80, 1, 16, "NHD", all_on, "prefill"))
         yield on("sm_86", _attention("fp32", 80, 4, 16, "NHD", off, "decode"))
         yield on("sm_80", _attention("fp8", 128, 7, 1, "NHD", all_on, "decode"))
+        # ptxas for sm_90 held these at 80-255 registers and spilled 4-28 B (bf16 prefill at 256 with 32-token
+        # tiles, fp8 decode at 64 and fp32 decode at 64 over 4 warps)
+        yield on("sm_90", _attention("bf16", 256, 1, 16, "NHD", off, "prefill"))
+        yield on("sm_90", _attention("fp8", 64, 1, 16, "NHD", off, "decode"))
+        yield on("sm_90", _attention("fp32", 64, 4, 1, "NHD", off, "decode"))
         # every attention feature (docs/attention_features.md) of each kernel: prefill with a right window (not
         # causal), decode with the features on top of every flag
         yield on("sm_80", _attention("bf16", 128, 8, 16, "NHD", {**off, "window": True, "softcap": True,
