@@ -475,14 +475,14 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     loads are gathers through ``block_table``, so deeper pipelining only costs shared memory). Prefill tiles: fp32
     16 rows x 16 tokens over 8 warps (32 x 16 at width 256 for GQA ``group`` 3-8 without RoPE: 16 rows of 2
     tokens x 8 heads were held to 64 registers by ptxas for sm_80 and spilled 4 B, 4 x 4 on sm_100; 32 rows
-    spilled for 1 head or with RoPE on sm_90); padded width 256 16 x 32 over 8 warps (16-bit on sm_90: 16 x 16, as
-    ptxas for sm_90 held 16 x 32 at 80 registers over 8 warps and at 128 over 4 and spilled 4-12 B); 16-bit at width 128 32 x 32 over 8
+    spilled for 1 head or with RoPE on sm_90); padded width 256 16 x 32 over 8 warps (16-bit on sm_90 and sm_100: 16 x
+    16, as ptxas for them held 16 x 32 at 80 registers over 8 warps, sm_90's at 128 over 4, and spilled 4-12 B); 16-bit at width 128 32 x 32 over 8
     warps (64 x 32 over 4 warps took 255 registers with causal + window + softcap + sinks and spilled 20-32 B on
     sm_80; over 8 warps ptxas for sm_100 capped it at 128 registers and spilled 4-8 B), 64 x 32 over 4 warps at
     width 64; fp8 32 x 32 over 4 warps. Decode: 16 rows over 4 warps (8 for fp32 up to width 128 without RoPE:
     GQA 4:1 spilled 436 B on sm_86 over 4 at width 128, 4 B at 255 registers on sm_90 at width 64, where 8 warps
-    take 40-57; with RoPE at width 64 8 warps spilled 12 B on sm_100; 8 for fp8 up to width 128 on sm_90, where ptxas held 4 warps at 80 registers at width
-    64 and 128 at width 128 and spilled 8-28 B). With ``rope`` (RoPE at
+    take 40-57; with RoPE at width 64 8 warps spilled 12 B on sm_100; 8 for fp8 up to width 128 on sm_90 and sm_100, where ptxas held 4 warps at 80 registers
+    at width 64 (both) and 128 at width 128 (sm_90) and spilled 8-28 B). With ``rope`` (RoPE at
     read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
     stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
@@ -494,10 +494,12 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     cfg = _tiles(kind, width, operands)
     if kind == "prefill" and operands == "fp32" and width >= 256 and 2 < group <= 8 and not rope:
         cfg["block_m"] = 32
-    if kind == "prefill" and operands == "16bit" and width >= 256 and capability[0] == 9:
-        cfg["block_n"] = 16  # ptxas for sm_90 held 32 tokens at 80 registers (8 warps), 128 (4 warps): 4-12 B spills
-    if kind == "decode" and operands == "fp8" and width <= 128 and capability[0] == 9:
-        cfg["num_warps"] = 8  # over 4 ptxas for sm_90 held 80 registers (D=64, 28 B spills), 128 (D=80, 8 B)
+    if kind == "prefill" and operands == "16bit" and width >= 256 and capability >= (9, 0):
+        # ptxas for sm_90 and sm_100 held 32 tokens at 80 registers (8 warps; 128 over 4): 4-12 B spills
+        cfg["block_n"] = 16
+    if kind == "decode" and operands == "fp8" and width <= 128 and capability >= (9, 0):
+        # over 4 warps ptxas for sm_90 and sm_100 held 80 registers (D=64, 28 B spills), for sm_90 128 (D=80, 8 B)
+        cfg["num_warps"] = 8
     if rope:
         cfg["num_stages"] = 1
         if width >= 128 and kind == "decode":
