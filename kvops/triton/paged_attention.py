@@ -482,7 +482,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     width 64; fp8 32 x 32 over 4 warps. Decode: 16 rows over 4 warps (8 for fp32 up to width 128 without RoPE:
     GQA 4:1 spilled 436 B on sm_86 over 4 at width 128, 4 B at 255 registers on sm_90 at width 64, where 8 warps
     take 40-57; with RoPE at width 64 8 warps spilled 12 B on sm_100; 8 for fp8 up to width 128 on sm_90 and sm_100, where ptxas held 4 warps at 80 registers
-    at width 64 (both) and 128 at width 128 (sm_90) and spilled 8-28 B). With ``rope`` (RoPE at
+    at width 64 (both) and 128 at width 128 (sm_90) and spilled 8-28 B; 8 for bf16/fp16 at width 128 on sm_100:
+    96 registers and 4-8 B spills over 4). With ``rope`` (RoPE at
     read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
     stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
@@ -500,6 +501,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     if kind == "decode" and operands == "fp8" and width <= 128 and capability >= (9, 0):
         # over 4 warps ptxas for sm_90 and sm_100 held 80 registers (D=64, 28 B spills), for sm_90 128 (D=80, 8 B)
         cfg["num_warps"] = 8
+    if kind == "decode" and operands == "16bit" and width == 128 and capability >= (10, 0):
+        cfg["num_warps"] = 8  # over 4 ptxas-blackwell held 96 registers: 4-8 B spills
     if rope:
         cfg["num_stages"] = 1
         if width >= 128 and kind == "decode":
