@@ -483,7 +483,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     GQA 4:1 spilled 436 B on sm_86 over 4 at width 128, 4 B at 255 registers on sm_90 at width 64, where 8 warps
     take 40-57; with RoPE at width 64 8 warps spilled 12 B on sm_100; 8 for fp8 up to width 128 on sm_90 and sm_100, where ptxas held 4 warps at 80 registers
     at width 64 (both) and 128 at width 128 (sm_90) and spilled 8-28 B; 8 for bf16/fp16 at width 128 on sm_100:
-    96 registers and 4-8 B spills over 4). With ``rope`` (RoPE at
+    96 registers and 4-8 B spills over 4; one stage for bf16/fp16 at width 64 on sm_100, where two were held at 72
+    registers and spilled 20 B). With ``rope`` (RoPE at
     read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
     stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
@@ -503,6 +504,9 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
         cfg["num_warps"] = 8
     if kind == "decode" and operands == "16bit" and width == 128 and capability >= (10, 0):
         cfg["num_warps"] = 8  # over 4 ptxas-blackwell held 96 registers: 4-8 B spills
+    if kind == "decode" and operands == "16bit" and width == 64 and capability >= (10, 0):
+        # two stages: ptxas-blackwell, under Triton's --regAllocOptLevel=2, held 72 registers and spilled 20 B
+        cfg["num_stages"] = 1
     if rope:
         cfg["num_stages"] = 1
         if width >= 128 and kind == "decode":
