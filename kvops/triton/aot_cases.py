@@ -100,6 +100,7 @@ def attention_cases(subset: bool):
         yield on("sm_90", _attention("bf16", 256, 1, 16, "NHD", off, "prefill"))
         yield on("sm_90", _attention("fp8", 64, 1, 16, "NHD", off, "decode"))
         yield on("sm_90", _attention("fp32", 64, 4, 1, "NHD", off, "decode"))
+        yield on("sm_86", _attention("fp32", 256, 8, 16, "NHD", {**off, "alibi": True}, "decode"))  # 16 B, 4 warps
         # every attention feature (docs/attention_features.md) of each kernel: prefill with a right window (not
         # causal), decode with the features on top of every flag
         yield on("sm_80", _attention("bf16", 128, 8, 16, "NHD", {**off, "window": True, "softcap": True,
@@ -232,6 +233,10 @@ def packed_cases(subset: bool):
     if subset:
         yield on("sm_90", _packed_attention("int4", "fp32", 128, 8, 512, 4096, True, group_size=32))
         yield on("sm_80", _packed_attention("int4", "fp32", 128, 1, 1, 4096, True))  # spilled 12 B over 4 warps
+        # the second full matrix: ptxas for sm_86 held fp8 D=64 at 128 registers over two stages (8 B spills), for
+        # sm_90 int4 D=64 with 16 rows at 72 over 4 warps (44 B)
+        yield on("sm_86", _packed_attention("fp8", "fp16", 64, 1, 512, 4096, False))
+        yield on("sm_90", _packed_attention("int4", "bf16", 64, 8, 1, 4096, True))
         yield _packed_attention("fp8", "bf16", 128, 7, 1, 4096, False)
         yield _quant("int4", "bf16", 128, group_size=32)
         yield _quant("int2", "fp16", 256, group_size=32, stages=2, direction="dequantize")

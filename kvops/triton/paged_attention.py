@@ -479,12 +479,14 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     16, as ptxas for them held 16 x 32 at 80 registers over 8 warps, sm_90's at 128 over 4, and spilled 4-12 B); 16-bit at width 128 32 x 32 over 8
     warps (64 x 32 over 4 warps took 255 registers with causal + window + softcap + sinks and spilled 20-32 B on
     sm_80; over 8 warps ptxas for sm_100 capped it at 128 registers and spilled 4-8 B), 64 x 32 over 4 warps at
-    width 64; fp8 32 x 32 over 4 warps. Decode: 16 rows over 4 warps (8 for fp32 up to width 128 without RoPE:
+    width 64; fp8 32 x 32 over 4 warps. Decode: 16 rows over 4 warps (8 for fp32, but 4 with RoPE at width 64:
     GQA 4:1 spilled 436 B on sm_86 over 4 at width 128, 4 B at 255 registers on sm_90 at width 64, where 8 warps
-    take 40-57; with RoPE at width 64 8 warps spilled 12 B on sm_100; 8 for fp8 up to width 128 on sm_90 and sm_100, where ptxas held 4 warps at 80 registers
+    take 40-57, ALiBi at width 256 G=8 16 B at 128 registers on sm_86/sm_89; with RoPE at width 64 8 warps spilled
+    12 B on sm_100; 8 for fp8 up to width 128 on sm_90 and sm_100, where ptxas held 4 warps at 80 registers
     at width 64 (both) and 128 at width 128 (sm_90) and spilled 8-28 B; 8 for bf16/fp16 at width 128 on sm_100:
     96 registers and 4-8 B spills over 4; one stage for bf16/fp16 at width 64 on sm_100, where two were held at 72
-    registers and spilled 20 B). With ``rope`` (RoPE at
+    registers and spilled 20 B; 16-bit prefill at width 64 over 8 warps on sm_100: over 4, 96 registers and 4 B
+    with every flag). With ``rope`` (RoPE at
     read time) one stage: K and its rotation partner are turned in registers before the dot, and pipelining both
     loads through shared memory kept two K tiles and their copies live (fp32 D=256 prefill: 304 B spills at two
     stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
@@ -504,6 +506,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
         cfg["num_warps"] = 8
     if kind == "decode" and operands == "16bit" and width == 128 and capability >= (10, 0):
         cfg["num_warps"] = 8  # over 4 ptxas-blackwell held 96 registers: 4-8 B spills
+    if kind == "prefill" and operands == "16bit" and width == 64 and capability >= (10, 0):
+        cfg["num_warps"] = 8  # over 4 ptxas-blackwell held 96 registers with every flag: 4 B spills
     if kind == "decode" and operands == "16bit" and width == 64 and capability >= (10, 0):
         # two stages: ptxas-blackwell, under Triton's --regAllocOptLevel=2, held 72 registers and spilled 20 B
         cfg["num_stages"] = 1
@@ -526,10 +530,9 @@ def _tiles(kind: str, width: int, operands: str) -> dict:
             block_n = 32 if width <= 128 else 16
         else:
             block_n = 64 if width <= 64 or (width <= 128 and operands == "16bit") else 32 if width <= 128 else 16
-        # fp32 up to width 128 over 8 warps: over 4, GQA 4:1 without flags took 255 registers and spilled 436 B at
-        # width 128 (sm_86), 4 B at width 64 (sm_90)
-        return dict(block_n=block_n, block_m=16, num_warps=8 if operands == "fp32" and width <= 128 else 4,
-                    num_stages=2)
+        # fp32 over 8 warps: over 4, GQA 4:1 without flags took 255 registers and spilled 436 B at width 128
+        # (sm_86), 4 B at width 64 (sm_90); ALiBi at width 256 with GQA 8:1 128 registers and 16 B (sm_86/sm_89)
+        return dict(block_n=block_n, block_m=16, num_warps=8 if operands == "fp32" else 4, num_stages=2)
     if operands == "fp32":  # IEEE products on CUDA cores hold both operands in registers
         return dict(block_n=16, block_m=16, num_warps=8, num_stages=2)
     if width >= 256:
