@@ -91,6 +91,7 @@ class TestLoadWithoutKvops(unittest.TestCase):
         script = textwrap.dedent(f"""
             import sys, torch
             from torch._inductor import aoti_load_package
+            torch.set_num_threads({torch.get_num_threads()})  # the parent's: a parallel reduction splits by threads
             inputs = torch.load({str(path)!r})
             out = {{"llm": aoti_load_package({LLM_PACKAGE!r})(*inputs["llm"]),
                    "stream": aoti_load_package({STREAM_PACKAGE!r})(*inputs["stream"])}}
