@@ -61,7 +61,9 @@ print(json.dumps(dict(first_s=first, since_start_s=time.perf_counter() - t_start
 def child(mode: str, cfg: dict, cache_dir: str, package: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     p = subprocess.run([sys.executable, "-c", _CHILD, mode, json.dumps(cfg), package], env=env,
-                       capture_output=True, text=True, check=True)
+                       capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"frozen_cache_repro.py: the {mode} process failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -78,7 +80,8 @@ def main(argv=None) -> None:
             cache_dir = tempfile.mkdtemp(dir=tmp)
             for proc in ("first (cold)", "second (warm)"):
                 r = child("compile", cfg, cache_dir, "")
-                print(f"| {name} | {proc} | {r['first_s']:.2f} | {r['since_start_s']:.2f} | {r['caches']} |", flush=True)
+                print(f"| {name} | {proc} | {r['first_s']:.2f} | {r['since_start_s']:.2f} | {r['caches']} |",
+                      flush=True)
         if args.skip_aoti:
             return
         cfg = SETTINGS["freezing + CPP GEMM"]

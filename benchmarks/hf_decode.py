@@ -40,6 +40,8 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="context 128, 1 thread, 10 rounds, 1 process")
     parser.add_argument("--rows-json", action="store_true", help=argparse.SUPPRESS)  # a child of --processes
     args = parser.parse_args(argv)
+    if args.processes < 1:
+        parser.error(f"--processes {args.processes}: needs at least 1 process")
     if args.quick:
         args.contexts, args.threads, args.rounds, args.processes = [128], [1], 10, 1
     return args
@@ -145,7 +147,9 @@ def over_processes(argv: list[str], n: int) -> list[dict]:
     runs = []
     for _ in range(n):
         p = subprocess.run([sys.executable, __file__, *argv, "--processes", "1", "--rows-json"], capture_output=True,
-                           text=True, check=True)
+                           text=True)
+        if p.returncode:
+            raise SystemExit(f"hf_decode.py: a measuring process failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     rows = []
     for same in zip(*runs):

@@ -194,16 +194,16 @@ def segment_config(block_d: int, block_dv: int, rows: int, quant, capability: tu
 
 
 def segment_launch(width: int, fmt, q_dtype: torch.dtype, cfg: dict) -> dict:
-    """``block_n``, ``num_warps`` and ``num_stages`` of one segment's launch (the rows of :func:`segment_config` are shared by every
-    segment, which update one state; tokens per tile and warps need not be): dense bf16/fp16 segments take 32-token
-    tiles at padded width 128 (16: ptxas for sm_100 held them to 80 registers and spilled 20 B) and 4 warps at 256
-    (8: 80 registers and 8 B spills on sm_80; fp32 keeps 8, 4 spilled on sm_100); int4 segments up to width 128 take
-    8 warps (4: 168 registers and 12 B spills on sm_80 at 128; at 64 with 16 rows ptxas for sm_90 held 72 registers
-    and spilled 32-44 B); fp8 and dense bf16/fp16 segments at width 64 take one pipeline
-    stage (two: ptxas for sm_86/sm_89 held fp8 at 128 registers and spilled 8 B with bf16/fp16 queries, 16 B over 8
-    warps; ptxas-blackwell held dense fp16 with 16 rows and row counts at 64 registers and spilled 24 B)."""
+    """``block_n``, ``num_warps`` and ``num_stages`` of one segment's launch (the rows of :func:`segment_config` are
+    shared by every segment, which update one state; tiles, warps and stages need not be): dense bf16/fp16 segments
+    take 32-token tiles at padded width 128 (16: ptxas for sm_100 held them to 80 registers and spilled 20 B) and 4
+    warps at 256 (8: 80 registers and 8 B spills on sm_80; fp32 keeps 8, 4 spilled on sm_100); int4 segments up to
+    width 128 take 8 warps (4: 168 registers and 12 B spills on sm_80 at 128; at 64 with 16 rows ptxas for sm_90 held
+    72 registers and spilled 32-44 B); fp8 and dense bf16/fp16 segments at width 64 take one pipeline stage (two:
+    ptxas for sm_86/sm_89 held fp8 at 128 registers and spilled 8 B with bf16/fp16 queries, 16 B over 8 warps; ptxas-
+    blackwell held dense fp16 with 16 rows and row counts at 64 registers and spilled 24 B)."""
     out = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if fmt in ("fp8", None) and width <= 64 and (fmt or q_dtype != torch.float32):
+    if width <= 64 and (fmt == "fp8" or (fmt is None and q_dtype != torch.float32)):
         out["num_stages"] = 1
     if fmt is None and q_dtype != torch.float32:
         if width == 128:
