@@ -42,6 +42,12 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.processes < 1:
         parser.error(f"--processes {args.processes}: needs at least 1 process")
+    if args.rounds < 2:
+        parser.error(f"--rounds {args.rounds}: needs at least 2 rounds (the p10-p90 spread)")
+    if min(args.contexts) < 1:
+        parser.error(f"--contexts {' '.join(map(str, args.contexts))}: a decode step needs at least 1 cached token")
+    if min(args.threads) < 1:
+        parser.error(f"--threads {' '.join(map(str, args.threads))}: needs at least 1 thread")
     if args.quick:
         args.contexts, args.threads, args.rounds, args.processes = [128], [1], 10, 1
     return args
