@@ -22,9 +22,12 @@ and the blocks in use.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import pathlib
 import statistics
+import tempfile
 import time
 from collections import deque
 
@@ -210,6 +213,68 @@ def configure_cpu_inference_compile(device: torch.device) -> str:
     return "inductor: freezing, max_autotune with the CPP GEMM backend (weights prepacked; caches are inputs)"
 
 
+class StepWithTensors(nn.Module):
+    """``Model`` with the step's metadata as tensor arguments (what ``--package`` exports): ``max_seqlen_q`` is
+    fixed at ``token_budget``, an upper bound of every padded step's query lengths (FlashAttention's varlen
+    contract)."""
+
+    def __init__(self, model: nn.Module, token_budget: int):
+        super().__init__()
+        self.model, self.max_seqlen_q = model, token_budget
+
+    def forward(self, input_ids, positions, k_caches, v_caches, slot_mapping, cu_seqlens_q, seq_lens, block_table):
+        meta = {"slot_mapping": slot_mapping, "cu_seqlens_q": cu_seqlens_q, "seq_lens": seq_lens,
+                "block_table": block_table, "max_seqlen_q": self.max_seqlen_q}
+        return self.model(input_ids, positions, k_caches, v_caches, meta)
+
+
+class PackagedStep:
+    """``--package DIR``: the compiled step as an AOTInductor package instead of ``torch.compile``, called as the model.
+
+    On the first call the step is exported (``StepWithTensors``; static shapes: ``serve`` pads every step to the same
+    shapes),
+    compiled with the same Inductor settings as the ``torch.compile`` path (``aoti_compile_and_package``, inside
+    ``kvops.native.native_in_aoti_packages()`` so the package calls kvops' native CPU attention) and saved in DIR;
+    a later process finds the file and only loads it. This is the warm start that torch.compile's on-disk caches do
+    not give a frozen graph in torch 2.13 (docs/compile.md). The package holds the weights as constants (freezing),
+    so its file name hashes everything baked in: the arguments that shape the model and the step, dtype, device,
+    threads, the CPU's vector ISA, the Inductor settings, kvops' lowering tag and this file's source.
+    """
+
+    def __init__(self, model: nn.Module, args, directory: str):
+        self.model, self.budget, self.package, self.status = model, args.token_budget, None, None
+        key = {name: getattr(args, name) for name in ("device", "dtype", "layers", "vocab", "max_batch",
+                                                        "token_budget", "max_prompt", "max_new", "block_size", "impl")}
+        key.update(threads=torch.get_num_threads(), isa=torch.backends.cpu.get_cpu_capability(),
+                   torch=torch.__version__, tag=torch.compiler.config.cache_key_tag,
+                   inductor=[torch._inductor.config.freezing, torch._inductor.config.max_autotune,
+                             torch._inductor.config.max_autotune_gemm_backends],
+                   source=hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest())
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = pathlib.Path(directory) / f"llm_serving-{digest}.pt2"
+
+    def __call__(self, input_ids, positions, k_caches, v_caches, meta):
+        tensors = (input_ids, positions, list(k_caches), list(v_caches), meta["slot_mapping"], meta["cu_seqlens_q"],
+                   meta["seq_lens"], meta["block_table"])
+        if self.package is None:
+            from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+            if input_ids.device.type == "cpu":
+                kvops.native.available()  # the native kernel the package calls (built or loaded once per process)
+            if self.path.exists():
+                self.status = f"loaded {self.path}"
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                exported = torch.export.export(StepWithTensors(self.model, self.budget), tensors)
+                with tempfile.TemporaryDirectory(dir=self.path.parent) as tmp:  # a stopped build leaves no file
+                    with kvops.native.native_in_aoti_packages():
+                        built = aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name))
+                    os.replace(built, self.path)
+                self.status = f"built {self.path}"
+            self.package = aoti_load_package(str(self.path))
+        return self.package(*tensors)
+
+
 def spread(values, fmt="{:.1f}") -> str:
     """``median [min-max] (n runs)`` of a list of measurements."""
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
@@ -241,6 +306,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed eager/compiled run pairs after warm-up, interleaved (median and spread printed)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument("--package", default=None, metavar="DIR",
+                   help="compiled = an AOTInductor package of the step (same Inductor settings) instead of "
+                        "torch.compile: built and saved in DIR on the first run, loaded from DIR by later runs with "
+                        "the same arguments (a warm start in well under a second of loading)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements to this JSON file")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -292,7 +361,8 @@ def main() -> None:
     # first graph on its first value and compiles a second, dynamic graph at the next step (twice the compile time).
     torch.compiler.config.dynamic_sources = "L['meta']['max_seqlen_q']"
     print(configure_cpu_inference_compile(device), flush=True)
-    compiled = torch.compile(model, fullgraph=True)
+    packaged = PackagedStep(model, args, args.package) if args.package else None
+    compiled = packaged if packaged is not None else torch.compile(model, fullgraph=True)
     first_step = []
 
     def first_timed(*a):
@@ -304,7 +374,8 @@ def main() -> None:
         first_step.extend([time.perf_counter() - t0, cpu_seconds() - c0])
         return out
 
-    print("compiling (first compiled step), then the first compiled run...", flush=True)
+    print(f"{'AOTInductor package: build or load' if packaged else 'compiling'} (first compiled step), then the first "
+          f"compiled run...", flush=True)
     t0 = time.perf_counter()
     _, _, first_s, _ = run(first_timed)
     graphs_first = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -313,8 +384,7 @@ def main() -> None:
     caches = {f"{group}.{key}": n for group in ("inductor", "aot_autograd")
               for key, n in torch._dynamo.utils.counters[group].items() if "cache" in key}
     print(f"  first compiled step {first_step[0]:.1f} s ({first_step[1]:.1f} s CPU), first compiled run "
-          f"{time.perf_counter() - t0:.1f} s",
-          flush=True)
+          f"{time.perf_counter() - t0:.1f} s" + (f"; package {packaged.status}" if packaged else ""), flush=True)
     print(f"timed runs: {args.repeats} x (eager, compiled), interleaved...", flush=True)
     eager_tps, compiled_tps, ratios, same = [], [], [], True
     for r in range(args.repeats):
@@ -332,8 +402,12 @@ def main() -> None:
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
     print(f"greedy tokens identical eager vs compiled: {same} ({n_tokens} tokens over {len(eager_out)} requests)")
-    print(f"compilations: {graphs_first} graph(s) in the first compiled run (first step {first_step[0]:.1f} s), "
-          f"{graphs} after {args.repeats} more runs; compile caches: {caches}")
+    if packaged:
+        print(f"compilations: none by torch.compile (an AOTInductor package, {packaged.status.split()[0]}; first step "
+              f"{first_step[0]:.1f} s)")
+    else:
+        print(f"compilations: {graphs_first} graph(s) in the first compiled run (first step {first_step[0]:.1f} s), "
+              f"{graphs} after {args.repeats} more runs; compile caches: {caches}")
     print(f"tokens/s, median [min-max] of {args.repeats} interleaved runs: eager {spread(eager_tps)}, compiled "
           f"{spread(compiled_tps)}; compiled/eager per pair {spread(ratios, '{:.2f}')}x")
     print(f"blocks in use: peak {peak['peak']} of {num_blocks + (args.impl == 'aten')} per layer; {peak['allocated']} "
@@ -344,7 +418,7 @@ def main() -> None:
             json.dump({"example": "llm_serving", "impl": args.impl, "threads": torch.get_num_threads(),
                        "identical": same, "graphs_first": graphs_first, "graphs": graphs,
                        "first_step_s": first_step[0], "first_step_cpu_s": first_step[1], "first_run_s": first_s,
-                       "compile_caches": caches, "eager_tokens_per_s": eager_tps,
+                       "compile_caches": caches, "package": packaged and packaged.status, "eager_tokens_per_s": eager_tps,
                        "compiled_tokens_per_s": compiled_tps, "ratios": ratios}, f)
     if not same:
         raise SystemExit(1)

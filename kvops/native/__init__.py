@@ -23,7 +23,8 @@ ids, sequence lengths, slots, cluster ids) and raise instead of reading or writi
 value-check mode.
 
 ``use_native()`` is what ``kvops.paged_attention`` asks: ``available()``, except under AOTInductor compilation, whose
-packages must load without kvops and so get the composite traced into aten ops. ``available()`` says whether the
+packages must load without kvops and so get the composite traced into aten ops (unless compiled inside
+``native_in_aoti_packages()``, whose packages call the native kernel and need ``import kvops`` where they load). ``available()`` says whether the
 kernel is usable. When the build fails (no compiler, missing headers) it returns
 False after ONE ``RuntimeWarning`` per process, and ``kvops.paged_attention`` keeps using the composite torch kernel
 (``kvops/reference/paged_attention.py``), which gives the same results, only slower. Setting ``KVOPS_NATIVE=0``
@@ -32,6 +33,7 @@ selects the composite without trying to build.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -53,6 +55,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 OP_NAME = "kvops::_paged_attention_native"
 
 _state: bool | None = None  # None: not tried yet in this process
+_native_in_aoti = False  # native_in_aoti_packages()
 
 # The one-time build notice goes to this logger at WARNING, so Python's default handling prints it to stderr without
 # any logging set up (a warning category would turn it into an error under ``-W error`` and into noise in tests that
@@ -195,8 +198,28 @@ def available() -> bool:
 def use_native() -> bool:
     """Whether a CPU paged attention should call the native kernel now: when it is available, except while
     AOTInductor compiles (its packages must run in processes that never import kvops, so they get the composite
-    traced into aten ops)."""
+    traced into aten ops) outside ``native_in_aoti_packages()``."""
     inductor_v = sys.modules.get("torch._inductor.virtualized")
-    if inductor_v is not None and inductor_v.V.aot_compilation:
+    if inductor_v is not None and inductor_v.V.aot_compilation and not _native_in_aoti:
         return False
     return available()
+
+
+@contextlib.contextmanager
+def native_in_aoti_packages():
+    """Within this context, AOTInductor packages compiled for CPU call the native paged attention
+    (``kvops::_paged_attention_native``, an extern call through the package's proxy executor) instead of the
+    composite traced into aten ops, which the package otherwise carries so that it runs without kvops.
+
+    Cost and contract: the process that runs such a package must ``import kvops`` before ``aoti_load_package``
+    (the op's schema is defined at import; it runs the native kernel once ``available()`` has built or loaded it,
+    the composite fallback before that or where no build is possible: the same results). Speed: one
+    ``examples/llm_serving.py`` step (Qwen2.5-0.5B geometry, 2 layers, 32 tokens, 1 thread) took 44-48 ms in a
+    native package against 54-63 ms in a composite one (benchmarks/e2e.py's package rows use this).
+    """
+    global _native_in_aoti
+    before, _native_in_aoti = _native_in_aoti, True
+    try:
+        yield
+    finally:
+        _native_in_aoti = before

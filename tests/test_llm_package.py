@@ -1,0 +1,86 @@
+"""``examples/llm_serving.py --package DIR``: the compiled step as an AOTInductor package, built by one process and
+loaded by the next (the warm start torch.compile's caches cannot give a frozen graph in torch 2.13), and
+``kvops.native.native_in_aoti_packages``, under which the package calls kvops' native CPU attention.
+
+One AOTInductor compile (a 1-layer model at the example's geometry; ~20-40 s of CPU) and two example processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import types
+import unittest
+import zipfile
+
+import torch
+
+import kvops.native
+from tests.example_loader import ROOT, load_example
+
+llm = load_example("llm_serving")
+TINY = ["--layers", "1", "--vocab", "256", "--requests", "3", "--max-prompt", "20", "--max-new", "4",
+        "--repeats", "1", "--threads", "1"]
+
+
+def run_example(package_dir: str, out: pathlib.Path) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "llm_serving.py"), *TINY, "--package", package_dir,
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+class TestPackagedServing(unittest.TestCase):
+    def test_built_then_loaded_tokens_identical_and_native_attention(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            first = run_example(tmp, pathlib.Path(tmp) / "first.json")
+            packages = sorted(pathlib.Path(tmp).glob("*.pt2"))
+            self.assertEqual(len(packages), 1, packages)  # and no temporary left behind
+            self.assertEqual(first["package"], f"built {packages[0]}")
+            second = run_example(tmp, pathlib.Path(tmp) / "second.json")
+            self.assertEqual(second["package"], f"loaded {packages[0]}")
+            # greedy tokens of the package equal eager's, in the building and in the loading process
+            self.assertTrue(first["identical"] and second["identical"])
+            self.assertEqual(first["graphs_first"] + second["graphs_first"], 0)  # torch.compile never ran
+            with zipfile.ZipFile(packages[0]) as z:  # the package's extern calls (proxy executor nodes)
+                externs = json.loads(z.read(next(n for n in z.namelist() if n.endswith("wrapper.json"))))
+            targets = [node["node"]["target"] for node in externs["nodes"]]
+            self.assertEqual(targets, ["kvops::_paged_attention_native"])  # native_in_aoti_packages, one layer
+
+    def test_package_name_hashes_what_the_package_bakes_in(self):
+        base = {"device": "cpu", "dtype": "float32", "layers": 1, "vocab": 256, "max_batch": 6, "token_budget": 32,
+                "max_prompt": 20, "max_new": 4, "block_size": 16, "impl": "kvops"}
+        path = lambda **kw: llm.PackagedStep(None, types.SimpleNamespace(**{**base, **kw}), "d").path  # noqa: E731
+        self.assertEqual(path(), path())
+        names = {path(), path(layers=2), path(token_budget=16), path(dtype="bfloat16"), path(impl="aten")}
+        self.assertEqual(len(names), 5)
+        threads, before = torch.get_num_threads(), path()
+        try:
+            torch.set_num_threads(threads + 1)  # Inductor's CPP GEMM is generated for a thread count
+            self.assertNotEqual(path(), before)
+        finally:
+            torch.set_num_threads(threads)
+
+
+class TestNativeInAotiPackages(unittest.TestCase):
+    def test_use_native_under_aot_compilation(self):
+        """Outside the context AOTInductor compilation gets the composite (packages that run without kvops); inside,
+        the native kernel when it is available; the setting is restored on exit, also after an error."""
+        from torch._inductor.virtualized import V
+
+        with V.set_aot_compilation(True):
+            self.assertFalse(kvops.native.use_native())
+            with kvops.native.native_in_aoti_packages():
+                self.assertEqual(kvops.native.use_native(), kvops.native.available())
+            self.assertFalse(kvops.native.use_native())
+            with self.assertRaises(KeyError), kvops.native.native_in_aoti_packages():
+                raise KeyError
+            self.assertFalse(kvops.native.use_native())
+        self.assertEqual(kvops.native.use_native(), kvops.native.available())
+
+
+if __name__ == "__main__":
+    unittest.main()
