@@ -1,0 +1,125 @@
+"""The examples' GEMMs alone (no kvops): eager ``F.linear`` vs what the compiled step runs in their place.
+
+Both examples are GEMM-bound at their CPU scale (``aten::mm``/``addmm`` are 85-93% of an eager step in
+torch.profiler), so a compiled step can only be as much faster than eager as its GEMMs are: with a GEMM share ``s``
+of the eager step and GEMMs ``g`` times faster, the step is at most ``1 / ((1 - s) + s / g)`` times faster even if
+everything else took no time. This script times each GEMM shape of ``examples/llm_serving.py`` (Qwen2.5-0.5B
+projections, 32 tokens a step) and ``examples/streaming_video.py`` (Wan-2.1 1.3B projections at this scale, 24 tokens
+a pass) four ways, interleaved (thread CPU time per call at 1 thread, wall time at more):
+
+* ``eager``: ``F.linear`` (MKL/oneDNN sgemm on CPU);
+* ``default``: ``torch.compile`` of the linear with Inductor's defaults (an extern call to the same GEMM);
+* ``freezing``: ``torch._inductor.config.freezing`` (weights constant-folded and packed for MKL's packed GEMM);
+* ``freezing+CPP``: freezing with ``max_autotune`` and the ``CPP`` GEMM backend only, the examples' setting
+  (Inductor's C++ GEMM template over prepacked weights).
+
+It prints per shape: median time [min-max] over ``--repeats`` rounds, GFLOP/s, and each variant's speedup over eager;
+then, per example, the step-level bound for each variant (the GEMM share is given by ``--gemm-share``, measured with
+torch.profiler on an eager step). The outcome depends on the CPU and its BLAS: on an AVX2 host (AMD EPYC, Zen 3) a
+frozen CPP-GEMM LLM step took 70 ms against 110 ms eager; on an AVX-512 host (AMD EPYC with AVX-512) every compiled
+variant's GEMMs were 0.88-1.0x eager's here, so compiling cannot make these steps much faster at 1 thread
+(docs/compile.md).
+
+    python benchmarks/gemm_backends.py                 # 1 thread
+    python benchmarks/gemm_backends.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+# (example, name, tokens M, in K, out N) of one layer; the LLM's lm_head runs on the 7 last tokens of a step
+SHAPES = [
+    ("llm_serving", "qkv (bias)", 32, 896, 1152), ("llm_serving", "o", 32, 896, 896),
+    ("llm_serving", "gate_up", 32, 896, 9728), ("llm_serving", "down", 32, 4864, 896),
+    ("streaming_video", "qkv (bias)", 24, 1536, 4608), ("streaming_video", "out (bias)", 24, 1536, 1536),
+    ("streaming_video", "ffn up (bias)", 24, 1536, 2240), ("streaming_video", "ffn down (bias)", 24, 2240, 1536),
+]
+VARIANTS = {
+    "default": {},
+    "freezing": {"freezing": True},
+    "freezing+CPP": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median and spread printed)")
+    p.add_argument("--calls", type=int, default=20, help="calls per variant per round (median taken)")
+    p.add_argument("--gemm-share", type=float, nargs=2, default=[0.93, 0.89], metavar=("LLM", "STREAM"),
+                   help="GEMM share of an eager step of each example (torch.profiler; default: measured on a 2-core "
+                        "AVX-512 host, 1 thread)")
+    return p
+
+
+def call_time(fn, x, calls: int, clock) -> float:
+    """Median seconds of one call on ``clock``."""
+    times = []
+    for _ in range(calls):
+        t0 = clock()
+        fn(x)
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.threads < 1 or args.repeats < 1 or args.calls < 1:
+        raise SystemExit("--threads, --repeats and --calls must be >= 1")
+    import torch  # after parsing: --help answers without importing torch
+    import torch._inductor.config
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    # one thread: this thread's CPU time (what other load on the machine inflates least); more: wall time (the
+    # calling thread's CPU time does not count the other threads' work)
+    clock, clock_name = (time.thread_time, "thread CPU time") if args.threads == 1 else (time.perf_counter, "wall time")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; {clock_name} per call, median [min-max] of {args.repeats} "
+          f"interleaved rounds", flush=True)
+    speedups = {}
+    with torch.no_grad():
+        for example, name, m, k, n in SHAPES:
+            linear = torch.nn.Linear(k, n, bias="bias" in name).eval()
+            x = torch.randn(m, k)
+            fns = {"eager": linear}
+            torch._dynamo.reset()  # the shapes' graphs would pass Dynamo's recompile limit (then run eagerly)
+            for label, settings in VARIANTS.items():
+                # a module of its own per variant: Dynamo guards on the module, so each compiles its own graph under
+                # its own settings (a shared module would reuse the first variant's graph)
+                compiled = torch.compile(copy.deepcopy(linear), fullgraph=True)
+                with torch._inductor.config.patch(settings):
+                    torch.testing.assert_close(compiled(x), linear(x), atol=1e-3, rtol=1e-4)  # compiles here
+                fns[label] = compiled
+            rounds = {label: [] for label in fns}
+            for r in range(args.repeats):
+                order = list(fns.items())
+                for label, fn in order if r % 2 == 0 else order[::-1]:
+                    rounds[label].append(call_time(fn, x, args.calls, clock))
+            eager = statistics.median(rounds["eager"])
+            cells = []
+            for label, ts in rounds.items():
+                med = statistics.median(ts)
+                speedups.setdefault(example, {}).setdefault(label, []).append((eager / med, 2 * m * k * n))
+                cells.append(f"{label} {1e6 * med:.0f} [{1e6 * min(ts):.0f}-{1e6 * max(ts):.0f}] us "
+                             f"{2 * m * k * n / med / 1e9:.0f} GF/s ({eager / med:.2f}x)")
+            print(f"{example:15} {name:15} M{m} K{k} N{n}: " + "; ".join(cells), flush=True)
+    print("\nstep-level bound: 1 / ((1 - s) + s / g), g = the variant's FLOP-weighted GEMM speedup over eager, "
+          "everything else free")
+    for (example, per_variant), share in zip(speedups.items(), args.gemm_share):
+        parts = []
+        for label, items in per_variant.items():
+            if label == "eager":
+                continue
+            flops = sum(f for _, f in items)
+            g = flops / sum(f / s for s, f in items)  # total eager time / total variant time
+            parts.append(f"{label}: GEMMs {g:.2f}x -> step <= {1 / ((1 - share) + share / g):.2f}x")
+        print(f"{example:15} (GEMM share {share:.0%}): " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
