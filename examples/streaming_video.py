@@ -12,21 +12,27 @@ sink/chunk/window ratios are the model's.
 
 Printed: each phase as it starts (flushed); max |eager - compiled| over every chunk output, compilations, per-chunk
 latency eager vs compiled (after warm-up; median and spread of interleaved streams, `--repeats`), and the resident
-cache bytes. `--impl aten` runs the same model on plain slice-copy caches (the compile-cost baseline).
+cache bytes. `--impl aten` runs the same model on plain slice-copy caches (the compile-cost baseline). `--package DIR`:
+the compiled path is an AOTInductor package per cache configuration (``StreamStep``: tensor cursors), built and saved
+in DIR by the first run and loaded by later ones (torch.compile re-traces a frozen graph in every process).
 
     python examples/streaming_video.py                 # CPU, about a minute on 2 cores
     python examples/streaming_video.py --kv-cache-quant int8 fp8 int4 int2   # + packed (quantized) caches
     python examples/streaming_video.py --layout ring   # RingCausalKVCache (issue 12 §3), compared with the roll layout
+    python examples/streaming_video.py --package /tmp/video-packages   # twice: the second run loads the packages
     python examples/streaming_video.py --device cuda --dtype bfloat16 --tokens-per-frame 1560 --layers 30 --ffn 8960
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import pathlib
 import statistics
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -38,6 +44,7 @@ from torch import nn
 
 import kvops
 from kvops.cache import CausalKVCache, PackedCausalKVCache, RingCausalKVCache
+from kvops.export import init_cursors, streaming_update
 from kvops.packed import packed_attention
 
 # Wan-2.1 1.3B (models.md): 12 heads x 128 = dim 1536, FFN 8960, 30 layers; chunk 3 frames, window 21 frames.
@@ -104,10 +111,7 @@ class Block(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(dim, ffn), nn.GELU(approximate="tanh"), nn.Linear(ffn, dim))
 
     def forward(self, x: torch.Tensor, cache: CausalKVCache, start: int) -> torch.Tensor:
-        b, n, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, HEADS, HEAD_DIM).unbind(2)
-        positions = torch.arange(n, device=x.device) + start
-        q, k = rope(self.q_norm(q), positions), rope(self.k_norm(k), positions)
+        q, k, v = self.project(x, start)
         if isinstance(cache, PackedCausalKVCache):  # --kv-cache-quant: attend to the packed segments directly
             view = cache.update(k, v, current_chunk_start=start)
             attn = packed_attention(q, view.k, view.v).transpose(1, 2)
@@ -117,7 +121,19 @@ class Block(nn.Module):
             # RoPE was applied before the write (RingKVView's docstring).
             view = cache.update_and_get_attention_kv(k, v, current_chunk_start=start)
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), view.k.transpose(1, 2), view.v.transpose(1, 2))
-        x = x + self.out(attn.transpose(1, 2).reshape(b, n, -1))
+        return self.finish(x, attn.transpose(1, 2))
+
+    def project(self, x: torch.Tensor, start) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B, n, dim]`` at global position ``start`` (int or int64 ``[]``) -> q, k, v ``[B, n, H, D]`` (RoPE'd
+        q and k)."""
+        b, n, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, HEADS, HEAD_DIM).unbind(2)
+        positions = torch.arange(n, device=x.device) + start
+        return rope(self.q_norm(q), positions), rope(self.k_norm(k), positions), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection of ``attn [B, n, H, D]``, residuals and FFN."""
+        x = x + self.out(attn.reshape(*x.shape[:2], -1))
         return x + self.ffn(self.norm2(x))
 
 
@@ -133,6 +149,110 @@ class StreamingModel(nn.Module):
         for block, cache in zip(self.blocks, caches):
             x = block(x, cache, start)
         return x
+
+
+# --- --package: the pass with tensor cursors (kvops.export.streaming_update), exported and AOTInductor-compiled ----
+def aten_streaming_update(key, value, k_cache, v_cache, cursors, current_chunk_start, *, sink_tokens: int = 0):
+    """``--impl aten --package``: ``kvops.export.streaming_update``'s update (window = the whole cache) in plain aten
+    ops, as ``AtenCausalCache`` is ``CausalKVCache``'s: the eviction gathers the whole cache (``index_select``), the
+    chunk is written with ``index_copy_``; no position checks. Same arguments and results ``(mask [S], cursors)``."""
+    n, size = key.shape[1], k_cache.shape[1]
+    g, l, s = cursors[0], cursors[1], current_chunk_start
+    added = (s + n - g).clamp(min=0)
+    evicted = (l + added - size).clamp(min=0)
+    new_l = l + added - evicted
+    rows = torch.arange(size, device=k_cache.device)
+    src = torch.where((rows >= sink_tokens) & (rows < l - evicted), rows + evicted, rows)  # evict: rows move down
+    dst = new_l - (g + added - s) + torch.arange(n, device=k_cache.device)  # the chunk's rows after the update
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        cache.copy_(cache.index_select(1, src))
+        cache.index_copy_(1, dst, new)
+    return rows < new_l, torch.stack([g + added, new_l])
+
+
+class StreamStep(nn.Module):
+    """One pass of ``StreamingModel`` over a chunk with the caches as tensors (what ``--package`` exports, also
+    tests/test_aoti.py and test_onnx.py): ``(x [B, n, dim], k_caches, v_caches (lists of [B, S, H, D], zero-initialized,
+    mutated), cursors int64 [2], start int64 []) -> (x, new_cursors, *k_caches, *v_caches, *chunk_keys,
+    *chunk_values)``. Every layer shares the cursors (they advance identically); attention is SDPA over the whole
+    cache with ``streaming_update``'s row mask, so one program serves appends, rewrites and evicting appends. The
+    caches are returned for ONNX (no in-place inputs), the chunk's K/V so a test can replay the updates eagerly."""
+
+    def __init__(self, model: StreamingModel, sink_tokens: int, update=streaming_update):
+        super().__init__()
+        self.blocks, self.sink_tokens, self.update = model.blocks, sink_tokens, update
+
+    def forward(self, x, k_caches, v_caches, cursors, start):
+        new_cursors, keys, values = cursors, [], []
+        for block, k_cache, v_cache in zip(self.blocks, k_caches, v_caches):
+            q, k, v = block.project(x, start)
+            mask, new_cursors = self.update(k, v, k_cache, v_cache, cursors, start, sink_tokens=self.sink_tokens)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                                  attn_mask=mask[None, :])
+            x = block.finish(x, attn.transpose(1, 2))
+            keys.append(k)
+            values.append(v)
+        return (x, new_cursors, *k_caches, *v_caches, *keys, *values)
+
+
+class TensorCursorCache(NamedTuple):
+    """A layer's K and V ``[1, S, H, D]`` for ``PackagedStep``; the layers of a stream share ``cursors``."""
+    k: torch.Tensor
+    v: torch.Tensor
+    cursors: torch.Tensor
+
+    def reset_indices(self) -> None:
+        self.cursors.zero_()  # a new stream (the rows hold finite values: streaming_update's contract)
+
+
+def package_path(args, config: tuple[int, int, int], directory: str) -> pathlib.Path:
+    """The package file of a cache configuration ``(sink, chunk, window frames)``: its name hashes everything baked
+    in (the weights are constants: freezing): the arguments that shape the model and the pass, the configuration,
+    threads, the CPU's vector ISA, torch, the Inductor settings, kvops' lowering tag and this file's source."""
+    key = {name: getattr(args, name) for name in ("device", "dtype", "layers", "tokens_per_frame", "ffn", "impl")}
+    key.update(config=list(config), threads=torch.get_num_threads(), isa=torch.backends.cpu.get_cpu_capability(),
+               torch=torch.__version__, tag=torch.compiler.config.cache_key_tag,
+               inductor=[torch._inductor.config.freezing, torch._inductor.config.max_autotune,
+                         torch._inductor.config.max_autotune_gemm_backends],
+               source=hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest())
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return pathlib.Path(directory) / f"streaming_video-{digest}.pt2"
+
+
+class PackagedStep:
+    """``--package DIR``: a configuration's compiled pass as an AOTInductor package of ``StreamStep``, called by
+    ``stream()`` as the model, on ``TensorCursorCache`` layers.
+
+    On the first call the step is exported (static shapes: every pass of a stream has the chunk's shape), compiled
+    with the same Inductor settings as the torch.compile path (``aoti_compile_and_package``) and saved as
+    ``package_path`` in DIR; a later process finds the file and only loads it (the warm start torch.compile's caches
+    do not give a frozen graph in torch 2.13, docs/compile.md). Each call stores the returned cursors in place, so
+    ``reset_indices`` (which zeros them) starts a new stream."""
+
+    def __init__(self, model: StreamingModel, args, config: tuple[int, int, int], directory: str):
+        update = aten_streaming_update if args.impl == "aten" else streaming_update
+        self.step = StreamStep(model, config[0] * args.tokens_per_frame, update)
+        self.path, self.package, self.status = package_path(args, config, directory), None, None
+
+    def __call__(self, x: torch.Tensor, caches: list[TensorCursorCache], start: int) -> torch.Tensor:
+        cursors = caches[0].cursors
+        tensors = (x, [c.k for c in caches], [c.v for c in caches], cursors, torch.tensor(start, device=x.device))
+        if self.package is None:
+            from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+            if self.path.exists():
+                self.status = f"loaded {self.path}"
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                exported = torch.export.export(self.step, tensors)
+                with tempfile.TemporaryDirectory(dir=self.path.parent) as tmp:  # a stopped build leaves no file
+                    os.replace(aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name)),
+                               self.path)
+                self.status = f"built {self.path}"
+            self.package = aoti_load_package(str(self.path))
+        out = self.package(*tensors)
+        cursors.copy_(out[1])
+        return out[0]
 
 
 def stream(model, caches, latents: torch.Tensor, chunk_tokens: int, steps: int, sync):
@@ -208,6 +328,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed eager/compiled stream pairs after warm-up, interleaved (median and spread printed)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument("--package", default=None, metavar="DIR",
+                   help="compiled = an AOTInductor package of each configuration's pass (StreamStep, same Inductor "
+                        "settings) instead of torch.compile: built and saved in DIR on the first run, loaded from DIR "
+                        "by later runs with the same arguments (dense roll-layout caches only)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements to this JSON file")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -215,6 +339,9 @@ def main() -> None:
     if args.impl == "aten" and (args.layout != "roll" or args.kv_cache_quant != ["off"]):
         raise SystemExit("--impl aten is the dense roll-layout baseline: use it without --layout ring and "
                          "--kv-cache-quant")
+    if args.package and args.layout != "roll":
+        raise SystemExit("--package exports the dense roll-layout pass (kvops.export.streaming_update): use it "
+                         "without --layout ring (with --impl kvops or --impl aten)")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -230,10 +357,10 @@ def main() -> None:
         f"{args.steps} denoising steps + 1 context pass per chunk", flush=True
     )
     print(configure_cpu_inference_compile(device), flush=True)
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = None if args.package else torch.compile(model, fullgraph=True)
     # K and V as views of one allocation (fused_kv) are aliased mutated graph inputs, which Inductor's freezing
     # mishandles in torch 2.13 (configure_cpu_inference_compile): separate K and V buffers when freezing.
-    fused_kv = not torch._inductor.config.freezing
+    fused_kv = not torch._inductor.config.freezing and not args.package
     # compiled matmuls/RMSNorm may round differently from eager; the cache data movement itself is bit-exact (tests)
     tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
     ok, results = True, {}
@@ -241,7 +368,11 @@ def main() -> None:
         chunk_tokens = chunk_f * tpf
         latents = torch.randn(1, args.chunks * chunk_tokens, HEADS * HEAD_DIM, device=device, dtype=dtype)
 
-        def fresh_caches(cls=RingCausalKVCache if args.layout == "ring" else CausalKVCache):
+        def fresh_caches(cls=RingCausalKVCache if args.layout == "ring" else CausalKVCache, packaged=False):
+            if packaged:  # separate zeroed K and V per layer, one cursors tensor for the stream
+                cursors = init_cursors(device)
+                return [TensorCursorCache(*(torch.zeros(1, window_f * tpf, HEADS, HEAD_DIM, dtype=dtype, device=device)
+                                            for _ in "kv"), cursors) for _ in range(args.layers)]
             if args.impl == "aten":
                 return [AtenCausalCache(1, window_f * tpf, sink_f * tpf, dtype, device, fused_kv)
                         for _ in range(args.layers)]
@@ -261,14 +392,20 @@ def main() -> None:
             eager_out, _ = stream(model, eager_caches, latents, chunk_tokens, args.steps, sync)
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            compiled_caches = fresh_caches()
-            print("  compiling (first compiled stream: every graph compiles in its first chunks)...", flush=True)
+            compiled_caches = fresh_caches(packaged=bool(args.package))
+            if args.package:
+                compiled = PackagedStep(model, args, (sink_f, chunk_f, window_f), args.package)
+                print("  AOTInductor package: build or load (first compiled stream)...", flush=True)
+            else:
+                print("  compiling (first compiled stream: every graph compiles in its first chunks)...", flush=True)
             t0, c0 = time.perf_counter(), cpu_seconds()
             compiled_out, first_times = stream(compiled, compiled_caches, latents, chunk_tokens, args.steps, sync)
             first_stream, first_cpu = time.perf_counter() - t0, cpu_seconds() - c0
             graphs_first = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            status = compiled.status if args.package else None
             print(f"  first compiled stream {first_stream:.1f} s ({first_cpu:.1f} s CPU; first chunk "
-                  f"{first_times[0]:.1f} s), {graphs_first} graphs", flush=True)
+                  f"{first_times[0]:.1f} s), " + (f"package {status}" if status else f"{graphs_first} graphs"),
+                  flush=True)
             print(f"  timed streams: {args.repeats} x (eager, compiled) on reset caches, interleaved...", flush=True)
             warm = slice(args.chunks // 2, None)  # after the window filled up and eviction started
             eager_ms, compiled_ms, ratios = [], [], []
@@ -310,9 +447,13 @@ def main() -> None:
             ok &= layout_diff <= tol
             print(f"  layout ring vs roll (eager): max |ring - roll| over all chunk outputs: {layout_diff:.3e} "
                   f"(tolerance {tol:g}: {'OK' if layout_diff <= tol else 'EXCEEDED'})")
-        print(f"  compilations: {graphs_first} graphs in the first stream of {args.chunks} chunks x "
-              f"{args.steps + 1} passes; {graphs} after a second stream on reset caches "
-              f"(second stream equals the first: max diff {diff2:.1e})")
+        if status:
+            print(f"  compilations: none by torch.compile (an AOTInductor package, {status.split()[0]}; {graphs} "
+                  f"graphs); second stream on reset caches equals the first: max diff {diff2:.1e}")
+        else:
+            print(f"  compilations: {graphs_first} graphs in the first stream of {args.chunks} chunks x "
+                  f"{args.steps + 1} passes; {graphs} after a second stream on reset caches "
+                  f"(second stream equals the first: max diff {diff2:.1e})")
         print(f"  per-chunk latency (median over chunks {warm.start + 1}-{args.chunks} of a stream), median [min-max] "
               f"of "
               f"{args.repeats} interleaved streams: eager {spread(eager_ms)} ms, compiled {spread(compiled_ms)} ms; "
@@ -320,7 +461,8 @@ def main() -> None:
               f"{first_stream:.1f} s")
         results[name] = {"graphs_first": graphs_first, "graphs": graphs, "first_stream_s": first_stream,
                          "first_stream_cpu_s": first_cpu, "first_chunk_s": first_times[0], "eager_ms": eager_ms,
-                         "compiled_ms": compiled_ms, "ratios": ratios, "max_diff": diff, "within_tolerance": within}
+                         "compiled_ms": compiled_ms, "ratios": ratios, "max_diff": diff, "within_tolerance": within,
+                         "package": status}
         print(f"  resident cache: {cache_bytes / 2**20:.2f} MiB for {args.layers} layers "
               f"({cache_bytes // args.layers} bytes/layer: [1, {window_f * tpf}, 2, {HEADS}, {HEAD_DIM}] {dtype})")
         for quant in args.kv_cache_quant:

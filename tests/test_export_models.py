@@ -2,9 +2,10 @@
 
 - LLM decode step: ``examples/llm_serving.py``'s ``Model`` (Qwen2.5-0.5B attention geometry, random weights, 1 layer,
   vocab 256) on a ``PagedKVCache``; the step returns the greedy tokens.
-- Streaming chunk step: ``examples/streaming_video.py``'s blocks (Wan-2.1 heads 12 x 128, random weights) with
-  ``kvops.export.streaming_update`` instead of ``CausalKVCache``: the cursors are tensors and the visible window is an
-  attention mask, so one program serves appends, rewrites and evicting appends.
+- Streaming chunk step: ``examples/streaming_video.py``'s ``StreamStep`` (what its ``--package`` exports; Wan-2.1 heads
+  12 x 128, random weights): its blocks on ``kvops.export.streaming_update`` instead of ``CausalKVCache``, so the
+  cursors are tensors and the visible window is an attention mask, and one program serves appends, rewrites and
+  evicting appends.
 
 Signature (torch 2.13): ``torch.export`` keeps each cache write as an in-place ``kvops`` node and the graph signature
 lists no mutated inputs; after ``run_decompositions()`` each write is an ``auto_functionalized_v2`` node and the caches
@@ -16,7 +17,6 @@ from __future__ import annotations
 import unittest
 
 import torch
-import torch.nn.functional as F
 
 import kvops
 from kvops.cache import CausalKVCache, PagedKVCache
@@ -79,42 +79,7 @@ class LLMSession:
         self.tokens["b"].append(int(next_tokens[1]))
 
 
-# --- streaming chunk step ---------------------------------------------------------------------------------------
-class ExportableBlock(video.Block):
-    """``video.Block`` with ``streaming_update`` (tensor cursors, masked attention over the whole cache)."""
-
-    def forward(self, x, k_cache, v_cache, cursors, start, sink_tokens: int):
-        b, n, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, video.HEADS, video.HEAD_DIM).unbind(2)
-        positions = torch.arange(n, device=x.device) + start
-        q, k = video.rope(self.q_norm(q), positions), video.rope(self.k_norm(k), positions)
-        mask, new_cursors = streaming_update(k, v, k_cache, v_cache, cursors, start, sink_tokens=sink_tokens)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                              attn_mask=mask[None, :])
-        x = x + self.out(attn.transpose(1, 2).reshape(b, n, -1))
-        return x + self.ffn(self.norm2(x)), new_cursors, k, v
-
-
-class StreamStep(torch.nn.Module):
-    """One pass of the streaming model over a chunk: ``(x, k_caches, v_caches, cursors, start) -> (x, cursors,
-    *k_caches, *v_caches, *chunk_keys, *chunk_values)``; every layer shares the cursors (they advance identically).
-    The chunk's K/V of every layer are returned too, so a test can replay the cache updates eagerly on exactly the
-    values a compiled program wrote and compare the caches bit for bit."""
-
-    def __init__(self, model: video.StreamingModel, sink_tokens: int):
-        super().__init__()
-        self.blocks, self.sink_tokens = model.blocks, sink_tokens
-
-    def forward(self, x, k_caches, v_caches, cursors, start):
-        new_cursors, keys, values = cursors, [], []
-        for block, k_cache, v_cache in zip(self.blocks, k_caches, v_caches):
-            x, new_cursors, k, v = ExportableBlock.forward(block, x, k_cache, v_cache, cursors, start,
-                                                            self.sink_tokens)
-            keys.append(k)
-            values.append(v)
-        return (x, new_cursors, *k_caches, *v_caches, *keys, *values)
-
-
+# --- streaming chunk step: the example's StreamStep ------------------------------------------------------------
 class StreamSession:
     """A scaled-down stream: 2 layers, 4 tokens/frame, chunk 1 frame, sink 1 frame, cache 4 frames (so chunks 4 and 5
     evict), 2 denoising steps (append, rewrite) + a context pass per chunk. The eager reference is the example's
@@ -125,7 +90,7 @@ class StreamSession:
     def __init__(self, seed: int = 0):
         torch.manual_seed(seed)
         self.model = video.StreamingModel(self.LAYERS, self.FFN).eval()
-        self.step = StreamStep(self.model, self.SINK)
+        self.step = video.StreamStep(self.model, self.SINK)
         dim = video.HEADS * video.HEAD_DIM
         self.latents = torch.randn(1, 6 * self.TOKENS, dim, generator=torch.Generator().manual_seed(seed + 1))
 
