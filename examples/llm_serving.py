@@ -16,6 +16,7 @@ time to the first compiled step, tokens/s eager vs compiled (median and spread o
 and the blocks in use.
 
     python examples/llm_serving.py                   # CPU
+    python examples/llm_serving.py --package pkgs    # compiled = an AOTInductor package, built once, then loaded
     python examples/llm_serving.py --device cuda --dtype bfloat16 --layers 24 --vocab 151936
 """
 
@@ -232,10 +233,9 @@ class PackagedStep:
     """``--package DIR``: the compiled step as an AOTInductor package instead of ``torch.compile``, called as the model.
 
     On the first call the step is exported (``StepWithTensors``; static shapes: ``serve`` pads every step to the same
-    shapes),
-    compiled with the same Inductor settings as the ``torch.compile`` path (``aoti_compile_and_package``, inside
-    ``kvops.native.native_in_aoti_packages()`` so the package calls kvops' native CPU attention) and saved in DIR;
-    a later process finds the file and only loads it. This is the warm start that torch.compile's on-disk caches do
+    shapes), compiled with the same Inductor settings as the ``torch.compile`` path (``aoti_compile_and_package``,
+    inside ``kvops.native.native_in_aoti_packages()`` so the package calls kvops' native CPU attention) and saved in
+    DIR; a later process finds the file and only loads it. This is the warm start that torch.compile's on-disk caches do
     not give a frozen graph in torch 2.13 (docs/compile.md). The package holds the weights as constants (freezing),
     so its file name hashes everything baked in: the arguments that shape the model and the step, dtype, device,
     threads, the CPU's vector ISA, the Inductor settings, kvops' lowering tag and this file's source.
@@ -418,8 +418,8 @@ def main() -> None:
             json.dump({"example": "llm_serving", "impl": args.impl, "threads": torch.get_num_threads(),
                        "identical": same, "graphs_first": graphs_first, "graphs": graphs,
                        "first_step_s": first_step[0], "first_step_cpu_s": first_step[1], "first_run_s": first_s,
-                       "compile_caches": caches, "package": packaged and packaged.status, "eager_tokens_per_s": eager_tps,
-                       "compiled_tokens_per_s": compiled_tps, "ratios": ratios}, f)
+                       "compile_caches": caches, "package": packaged and packaged.status,
+                       "eager_tokens_per_s": eager_tps, "compiled_tokens_per_s": compiled_tps, "ratios": ratios}, f)
     if not same:
         raise SystemExit(1)
 

@@ -24,8 +24,8 @@ value-check mode.
 
 ``use_native()`` is what ``kvops.paged_attention`` asks: ``available()``, except under AOTInductor compilation, whose
 packages must load without kvops and so get the composite traced into aten ops (unless compiled inside
-``native_in_aoti_packages()``, whose packages call the native kernel and need ``import kvops`` where they load). ``available()`` says whether the
-kernel is usable. When the build fails (no compiler, missing headers) it returns
+``native_in_aoti_packages()``, whose packages call the native kernel and need ``import kvops`` where they load).
+``available()`` says whether the kernel is usable. When the build fails (no compiler, missing headers) it returns
 False after ONE ``RuntimeWarning`` per process, and ``kvops.paged_attention`` keeps using the composite torch kernel
 (``kvops/reference/paged_attention.py``), which gives the same results, only slower. Setting ``KVOPS_NATIVE=0``
 selects the composite without trying to build.
