@@ -14,9 +14,10 @@ own medians and spreads, and this script collects their ``--json`` results):
   process and its finished children: the C++ compiler) are counted; CPU seconds are the figure to compare on a
   loaded machine, wall seconds are printed next to them. Targets: kvops adds <= 20% to the cold compile's CPU
   seconds; the warm start takes < 5 s. (The examples' compiled CPU path freezes the weights, and torch 2.13 caches
-  no frozen graph on disk, so the warm start re-traces and regenerates code: docs/compile.md.) For ``llm_serving``
-  two more rows: ``--package`` (the step as an AOTInductor package with the same settings) built by one process
-  (empty caches) and loaded by the next: that second process's first step is the warm start the caches cannot give.
+  no frozen graph on disk, so the warm start re-traces and regenerates code: docs/compile.md.) Two more rows per
+  example: ``--package`` (the step as an AOTInductor package with the same settings) built by one process (empty
+  caches) and loaded by the next: that second process's first step (stream) is the warm start the caches cannot
+  give.
 * transformers decode (``benchmarks/hf_decode.py``, when present): run as a subprocess, its output printed.
 
 Nothing is asserted; the ``met`` column says whether a row meets its target (by the median; ``noisy`` when the
@@ -124,9 +125,9 @@ def compile_rows(args, workload) -> list[dict]:
         small = [*workload[name], "--repeats", "1", "--threads", "1"]
         if name == "llm_serving":
             small += ["--requests", "2", "--max-new", "6"]
-        # llm_serving --package: an AOTInductor package built by a first process (cold Inductor cache), loaded by a
+        # --package: the step as an AOTInductor package built by a first process (empty Inductor cache), loaded by a
         # second: the warm start that torch.compile's caches do not give a frozen graph in torch 2.13
-        phases = ("cold", "warm") + (("package build", "package load") if name == "llm_serving" else ())
+        phases = ("cold", "warm", "package build", "package load")
         res = {}
         for impl in ("aten", "kvops"):
             with tempfile.TemporaryDirectory(prefix="e2e_inductor_") as cache_dir, \
