@@ -1,24 +1,26 @@
 """The examples' GEMMs alone (no kvops): eager ``F.linear`` vs what the compiled step runs in their place.
 
 Both examples are GEMM-bound at their CPU scale (``aten::mm``/``addmm`` are 85-93% of an eager step in
-torch.profiler), so a compiled step can only be as much faster than eager as its GEMMs are: with a GEMM share ``s``
-of the eager step and GEMMs ``g`` times faster, the step is at most ``1 / ((1 - s) + s / g)`` times faster even if
-everything else took no time. This script times each GEMM shape of ``examples/llm_serving.py`` (Qwen2.5-0.5B
+torch.profiler), so a compiled step can only be as much faster than eager as its GEMMs allow: with a GEMM share
+``s`` of the eager step and GEMMs ``g`` times faster, the step is ``1 / ((1 - s) + s / g)`` times faster if everything
+else takes as long as in eager (Amdahl), and at most ``g / s`` times faster even if everything else took no time
+(the ceiling). This script times each GEMM shape of ``examples/llm_serving.py`` (Qwen2.5-0.5B
 projections, 32 tokens a step) and ``examples/streaming_video.py`` (Wan-2.1 1.3B projections at this scale, 24 tokens
 a pass) four ways, interleaved (thread CPU time per call at 1 thread, wall time at more):
 
 * ``eager``: ``F.linear`` (MKL/oneDNN sgemm on CPU);
-* ``default``: ``torch.compile`` of the linear with Inductor's defaults (an extern call to the same GEMM);
+* ``default``: ``torch.compile`` of the linear with Inductor's defaults (an extern call to the same GEMM: its gap to
+  eager is the compiled call's own cost on a one-op graph, a floor under every compiled variant here);
 * ``freezing``: ``torch._inductor.config.freezing`` (weights constant-folded and packed for MKL's packed GEMM);
 * ``freezing+CPP``: freezing with ``max_autotune`` and the ``CPP`` GEMM backend only, the examples' setting
   (Inductor's C++ GEMM template over prepacked weights).
 
 It prints per shape: median time [min-max] over ``--repeats`` rounds, GFLOP/s, and each variant's speedup over eager;
-then, per example, the step-level bound for each variant (the GEMM share is given by ``--gemm-share``, measured with
-torch.profiler on an eager step). The outcome depends on the CPU and its BLAS: on an AVX2 host (AMD EPYC, Zen 3) a
-frozen CPP-GEMM LLM step took 70 ms against 110 ms eager; on an AVX-512 host (AMD EPYC with AVX-512) every compiled
-variant's GEMMs were 0.88-1.0x eager's here, so compiling cannot make these steps much faster at 1 thread
-(docs/compile.md).
+then, per example, the step-level estimate and ceiling for each variant (the GEMM share is given by ``--gemm-share``,
+measured with torch.profiler on an eager step). The outcome depends on the CPU (how fast eager's sgemm is there): on an
+AVX2 host (AMD EPYC, Zen 3) a frozen CPP-GEMM LLM step took 70 ms against 110 ms eager; on an AVX-512 host (AMD EPYC
+with AVX-512) every compiled variant's GEMMs were 0.88-1.0x eager's, a ceiling of about 1.03x (LLM) and 1.06x
+(streaming) at 1 thread, so compiling cannot make these steps much faster there (docs/compile.md).
 
     python benchmarks/gemm_backends.py                 # 1 thread
     python benchmarks/gemm_backends.py --threads 2
@@ -108,8 +110,9 @@ def main(argv=None) -> None:
                 cells.append(f"{label} {1e6 * med:.0f} [{1e6 * min(ts):.0f}-{1e6 * max(ts):.0f}] us "
                              f"{2 * m * k * n / med / 1e9:.0f} GF/s ({eager / med:.2f}x)")
             print(f"{example:15} {name:15} M{m} K{k} N{n}: " + "; ".join(cells), flush=True)
-    print("\nstep-level bound: 1 / ((1 - s) + s / g), g = the variant's FLOP-weighted GEMM speedup over eager, "
-          "everything else free")
+    print("\nstep level, g = the variant's FLOP-weighted GEMM speedup over eager, s = the GEMM share of an eager step"
+          f"{' (measured at 1 thread)' if args.threads > 1 else ''}: Amdahl 1 / ((1 - s) + s / g) with the rest as in "
+          "eager; ceiling g / s with the rest free")
     for (example, per_variant), share in zip(speedups.items(), args.gemm_share):
         parts = []
         for label, items in per_variant.items():
@@ -117,7 +120,8 @@ def main(argv=None) -> None:
                 continue
             flops = sum(f for _, f in items)
             g = flops / sum(f / s for s, f in items)  # total eager time / total variant time
-            parts.append(f"{label}: GEMMs {g:.2f}x -> step <= {1 / ((1 - share) + share / g):.2f}x")
+            amdahl = 1 / ((1 - share) + share / g)
+            parts.append(f"{label}: GEMMs {g:.2f}x -> step {amdahl:.2f}x, ceiling {g / share:.2f}x")
         print(f"{example:15} (GEMM share {share:.0%}): " + "; ".join(parts))
 
 

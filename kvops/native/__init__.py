@@ -212,10 +212,16 @@ def native_in_aoti_packages():
     composite traced into aten ops, which the package otherwise carries so that it runs without kvops.
 
     Cost and contract: the process that runs such a package must ``import kvops`` before ``aoti_load_package``
-    (the op's schema is defined at import; it runs the native kernel once ``available()`` has built or loaded it,
-    the composite fallback before that or where no build is possible: the same results). Speed: one
-    ``examples/llm_serving.py`` step (Qwen2.5-0.5B geometry, 2 layers, 32 tokens, 1 thread) took 44-48 ms in a
-    native package against 54-63 ms in a composite one (benchmarks/e2e.py's package rows use this).
+    (the op's schema is defined at import; otherwise loading fails with "Could not find schema for
+    kvops::_paged_attention_native"). The package's first call loads the native extension, building it (30-40 s,
+    needs a C++ compiler) where ``TORCH_EXTENSIONS_DIR`` has no build yet: run ``python -m kvops.native`` when
+    deploying. With ``KVOPS_NATIVE=0`` or no compiler the call runs the composite kernel (same results, slower).
+
+        with kvops.native.native_in_aoti_packages():
+            path = torch._inductor.aoti_compile_and_package(torch.export.export(step, args))
+
+    Speed: one ``examples/llm_serving.py`` step (Qwen2.5-0.5B geometry, 2 layers, 32 tokens, 1 thread) took
+    44-48 ms in a native package against 54-63 ms in a composite one (``--package`` uses this context).
     """
     global _native_in_aoti
     before, _native_in_aoti = _native_in_aoti, True
