@@ -214,6 +214,29 @@ def configure_cpu_inference_compile(device: torch.device) -> str:
     return "inductor: freezing, max_autotune with the CPP GEMM backend (weights prepacked; caches are inputs)"
 
 
+def kvops_sources() -> str:
+    """sha256 of kvops' version and installed sources (``.py``, ``.cpp``, ``.h``), for ``--package`` file names: a
+    package bakes in kvops code (lowerings, the ops' schemas, ``streaming_update``), so a changed kvops builds anew."""
+    root = pathlib.Path(kvops.__file__).parent
+    digest = hashlib.sha256(kvops.__version__.encode())
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".cpp", ".h"):
+            digest.update(f.relative_to(root).as_posix().encode() + f.read_bytes())
+    return digest.hexdigest()
+
+
+def writable_package_dir(path: pathlib.Path) -> None:
+    """Make sure a package that is not there yet can be built in its folder (else SystemExit naming the folder)."""
+    if path.exists():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--package: cannot create {path.parent} to build {path.name} ({e})") from e
+    if not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"--package: cannot build {path.name} in {path.parent}: the folder is not writable")
+
+
 class StepWithTensors(nn.Module):
     """``Model`` with the step's metadata as tensor arguments (what ``--package`` exports): ``max_seqlen_q`` is
     fixed at ``token_budget``, an upper bound of every padded step's query lengths (FlashAttention's varlen
@@ -249,9 +272,10 @@ class PackagedStep:
                    torch=torch.__version__, tag=torch.compiler.config.cache_key_tag,
                    inductor=[torch._inductor.config.freezing, torch._inductor.config.max_autotune,
                              torch._inductor.config.max_autotune_gemm_backends],
-                   source=hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest())
+                   source=hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest(), kvops=kvops_sources())
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = pathlib.Path(directory) / f"llm_serving-{digest}.pt2"
+        writable_package_dir(self.path)
 
     def __call__(self, input_ids, positions, k_caches, v_caches, meta):
         tensors = (input_ids, positions, list(k_caches), list(v_caches), meta["slot_mapping"], meta["cu_seqlens_q"],
@@ -266,12 +290,15 @@ class PackagedStep:
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 exported = torch.export.export(StepWithTensors(self.model, self.budget), tensors)
-                with tempfile.TemporaryDirectory(dir=self.path.parent) as tmp:  # a stopped build leaves no file
+                with tempfile.TemporaryDirectory(prefix=".building-", dir=self.path.parent) as tmp:  # no half file
                     with kvops.native.native_in_aoti_packages():
                         built = aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name))
                     os.replace(built, self.path)
                 self.status = f"built {self.path}"
-            self.package = aoti_load_package(str(self.path))
+            try:
+                self.package = aoti_load_package(str(self.path))
+            except RuntimeError as e:
+                raise SystemExit(f"--package: {self.path} could not be loaded ({e}); delete it to rebuild it") from e
         return self.package(*tensors)
 
 
@@ -309,9 +336,11 @@ def main() -> None:
     p.add_argument("--package", default=None, metavar="DIR",
                    help="compiled = an AOTInductor package of the step (same Inductor settings) instead of "
                         "torch.compile: built and saved in DIR on the first run, loaded from DIR by later runs with "
-                        "the same arguments (a warm start in well under a second of loading)")
+                        "the same arguments (the second run's first step: about 1.5 s here, load included)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements to this JSON file")
     args = p.parse_args()
+    if args.package and os.path.exists(args.package) and not os.path.isdir(args.package):
+        p.error(f"--package {args.package}: not a directory (give a folder for the packages)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
     if args.threads:

@@ -205,6 +205,29 @@ class TensorCursorCache(NamedTuple):
         self.cursors.zero_()  # a new stream (the rows hold finite values: streaming_update's contract)
 
 
+def kvops_sources() -> str:
+    """sha256 of kvops' version and installed sources (``.py``, ``.cpp``, ``.h``), for ``--package`` file names: a
+    package bakes in kvops code (lowerings, the ops' schemas, ``streaming_update``), so a changed kvops builds anew."""
+    root = pathlib.Path(kvops.__file__).parent
+    digest = hashlib.sha256(kvops.__version__.encode())
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".cpp", ".h"):
+            digest.update(f.relative_to(root).as_posix().encode() + f.read_bytes())
+    return digest.hexdigest()
+
+
+def writable_package_dir(path: pathlib.Path) -> None:
+    """Make sure a package that is not there yet can be built in its folder (else SystemExit naming the folder)."""
+    if path.exists():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--package: cannot create {path.parent} to build {path.name} ({e})") from e
+    if not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"--package: cannot build {path.name} in {path.parent}: the folder is not writable")
+
+
 def package_path(args, config: tuple[int, int, int], directory: str) -> pathlib.Path:
     """The package file of a cache configuration ``(sink, chunk, window frames)``: its name hashes everything baked
     in (the weights are constants: freezing): the arguments that shape the model and the pass, the configuration,
@@ -214,7 +237,7 @@ def package_path(args, config: tuple[int, int, int], directory: str) -> pathlib.
                torch=torch.__version__, tag=torch.compiler.config.cache_key_tag,
                inductor=[torch._inductor.config.freezing, torch._inductor.config.max_autotune,
                          torch._inductor.config.max_autotune_gemm_backends],
-               source=hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest())
+               source=hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest(), kvops=kvops_sources())
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return pathlib.Path(directory) / f"streaming_video-{digest}.pt2"
 
@@ -233,6 +256,7 @@ class PackagedStep:
         update = aten_streaming_update if args.impl == "aten" else streaming_update
         self.step = StreamStep(model, config[0] * args.tokens_per_frame, update)
         self.path, self.package, self.status = package_path(args, config, directory), None, None
+        writable_package_dir(self.path)
 
     def __call__(self, x: torch.Tensor, caches: list[TensorCursorCache], start: int) -> torch.Tensor:
         cursors = caches[0].cursors
@@ -245,11 +269,14 @@ class PackagedStep:
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 exported = torch.export.export(self.step, tensors)
-                with tempfile.TemporaryDirectory(dir=self.path.parent) as tmp:  # a stopped build leaves no file
+                with tempfile.TemporaryDirectory(prefix=".building-", dir=self.path.parent) as tmp:  # no half file
                     os.replace(aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name)),
                                self.path)
                 self.status = f"built {self.path}"
-            self.package = aoti_load_package(str(self.path))
+            try:
+                self.package = aoti_load_package(str(self.path))
+            except RuntimeError as e:
+                raise SystemExit(f"--package: {self.path} could not be loaded ({e}); delete it to rebuild it") from e
         out = self.package(*tensors)
         cursors.copy_(out[1])
         return out[0]
@@ -331,9 +358,12 @@ def main() -> None:
     p.add_argument("--package", default=None, metavar="DIR",
                    help="compiled = an AOTInductor package of each configuration's pass (StreamStep, same Inductor "
                         "settings) instead of torch.compile: built and saved in DIR on the first run, loaded from DIR "
-                        "by later runs with the same arguments (dense roll-layout caches only)")
+                        "by later runs with the same arguments (dense roll-layout caches only; --kv-cache-quant "
+                        "runs stay eager)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements to this JSON file")
     args = p.parse_args()
+    if args.package and os.path.exists(args.package) and not os.path.isdir(args.package):
+        p.error(f"--package {args.package}: not a directory (give a folder for the packages)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
     if args.impl == "aten" and (args.layout != "roll" or args.kv_cache_quant != ["off"]):
@@ -457,14 +487,16 @@ def main() -> None:
         print(f"  per-chunk latency (median over chunks {warm.start + 1}-{args.chunks} of a stream), median [min-max] "
               f"of "
               f"{args.repeats} interleaved streams: eager {spread(eager_ms)} ms, compiled {spread(compiled_ms)} ms; "
-              f"eager/compiled per pair {spread(ratios, '{:.2f}')}x; first compiled stream incl. compilation "
+              f"eager/compiled per pair {spread(ratios, '{:.2f}')}x; first compiled stream incl. "
+              f"{'package ' + status.split()[0].replace('built', 'build') if status else 'compilation'} "
               f"{first_stream:.1f} s")
         results[name] = {"graphs_first": graphs_first, "graphs": graphs, "first_stream_s": first_stream,
                          "first_stream_cpu_s": first_cpu, "first_chunk_s": first_times[0], "eager_ms": eager_ms,
                          "compiled_ms": compiled_ms, "ratios": ratios, "max_diff": diff, "within_tolerance": within,
                          "package": status}
         print(f"  resident cache: {cache_bytes / 2**20:.2f} MiB for {args.layers} layers "
-              f"({cache_bytes // args.layers} bytes/layer: [1, {window_f * tpf}, 2, {HEADS}, {HEAD_DIM}] {dtype})")
+              f"({cache_bytes // args.layers} bytes/layer: K and V [1, {window_f * tpf}, {HEADS}, {HEAD_DIM}] {dtype}"
+              f"{', one allocation' if fused_kv else ''})")
         for quant in args.kv_cache_quant:
             if quant != "off":
                 compare_packed(model, latents, args, quant, eager_out, eager_times, cache_bytes, sink_f * tpf,

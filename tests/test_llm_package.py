@@ -53,7 +53,9 @@ class TestPackagedServing(unittest.TestCase):
     def test_package_name_hashes_what_the_package_bakes_in(self):
         base = {"device": "cpu", "dtype": "float32", "layers": 1, "vocab": 256, "max_batch": 6, "token_budget": 32,
                 "max_prompt": 20, "max_new": 4, "block_size": 16, "impl": "kvops"}
-        path = lambda **kw: llm.PackagedStep(None, types.SimpleNamespace(**{**base, **kw}), "d").path  # noqa: E731
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        path = lambda **kw: llm.PackagedStep(None, types.SimpleNamespace(**{**base, **kw}), tmp.name).path  # noqa: E731
         self.assertEqual(path(), path())
         names = {path(), path(layers=2), path(token_budget=16), path(dtype="bfloat16"), path(impl="aten")}
         self.assertEqual(len(names), 5)
