@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -122,9 +123,10 @@ def steady_rows(args, workload) -> list[dict]:
 def compile_rows(args, workload) -> list[dict]:
     rows = []
     for name in args.examples:
-        small = [*workload[name], "--repeats", "1", "--threads", "1"]
+        small = {**dict(zip(workload[name][::2], workload[name][1::2])), "--repeats": "1", "--threads": "1"}
         if name == "llm_serving":
-            small += ["--requests", "2", "--max-new", "6"]
+            small.update({"--requests": "2", "--max-new": "6"})
+        small = [item for flag_value in small.items() for item in flag_value]
         # --package: the step as an AOTInductor package built by a first process (empty Inductor cache), loaded by a
         # second: the warm start that torch.compile's caches do not give a frozen graph in torch 2.13
         phases = ("cold", "warm", "package build", "package load")
@@ -204,6 +206,9 @@ def plot(steady, out: pathlib.Path):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # a SIGTERM (timeout, kill) unwinds like Ctrl-C: the running example is killed and the temporary Inductor caches
+    # and packages (hundreds of MB) are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     workload = {k: v[1] if args.quick else v[0] for k, v in WORKLOADS.items()}
     steady = [] if "steady" in args.skip else steady_rows(args, workload)
     compile_cost = [] if "compile" in args.skip else compile_rows(args, workload)
@@ -212,8 +217,9 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / ("e2e_quick.json" if args.quick else "e2e.json")).write_text(json.dumps(
         {"steady": steady, "compile": compile_cost}, indent=1))
-    if steady and (png := plot(steady, out)):
-        print(f"plot: {png}")
+    if steady:
+        png = plot(steady, out)
+        print(f"plot: {png}" if png else "no plot: matplotlib is not installed (pip install -e '.[bench]')")
     if "hf" not in args.skip:
         hf_row(args)
 
