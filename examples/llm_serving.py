@@ -265,7 +265,7 @@ class PackagedStep:
     """
 
     def __init__(self, model: nn.Module, args, directory: str):
-        self.model, self.budget, self.package, self.status = model, args.token_budget, None, None
+        self.model, self.budget, self.package, self.status, self.signature = model, args.token_budget, None, None, None
         key = {name: getattr(args, name) for name in ("device", "dtype", "layers", "vocab", "max_batch",
                                                         "token_budget", "max_prompt", "max_new", "block_size", "impl")}
         key.update(threads=torch.get_num_threads(), isa=torch.backends.cpu.get_cpu_capability(),
@@ -280,6 +280,10 @@ class PackagedStep:
     def __call__(self, input_ids, positions, k_caches, v_caches, meta):
         tensors = (input_ids, positions, list(k_caches), list(v_caches), meta["slot_mapping"], meta["cu_seqlens_q"],
                    meta["seq_lens"], meta["block_table"])
+        self._check_inputs([("input_ids", input_ids), ("positions", positions),
+                            *((f"k_caches[{i}]", t) for i, t in enumerate(k_caches)),
+                            *((f"v_caches[{i}]", t) for i, t in enumerate(v_caches)),
+                            *((key, meta[key]) for key in ("slot_mapping", "cu_seqlens_q", "seq_lens", "block_table"))])
         if self.package is None:
             from torch._inductor import aoti_compile_and_package, aoti_load_package
 
@@ -287,8 +291,7 @@ class PackagedStep:
                 kvops.native.available()  # the native kernel the package calls (built or loaded once per process)
             if self.path.exists():
                 self.status = f"loaded {self.path}"
-            else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+            else:  # (writable_package_dir made the folder)
                 exported = torch.export.export(StepWithTensors(self.model, self.budget), tensors)
                 with tempfile.TemporaryDirectory(prefix=".building-", dir=self.path.parent) as tmp:  # no half file
                     with kvops.native.native_in_aoti_packages():
@@ -300,6 +303,19 @@ class PackagedStep:
             except RuntimeError as e:
                 raise SystemExit(f"--package: {self.path} could not be loaded ({e}); delete it to rebuild it") from e
         return self.package(*tensors)
+
+    def _check_inputs(self, named) -> None:
+        """Refuse (ValueError, before the package runs) inputs whose shape, dtype or device differ from the first
+        call's: the package's generated code indexes with the shapes it was built for, and AOTInductor checks none at
+        run time, so other shapes would be read and written out of bounds."""
+        signature = {name: (tuple(t.shape), t.dtype, str(t.device)) for name, t in named}
+        if self.signature is None:
+            self.signature = signature
+        elif signature != self.signature:
+            name = next(n for n in {**signature, **self.signature} if signature.get(n) != self.signature.get(n))
+            raise ValueError(f"{type(self).__name__}: {name} is {signature.get(name)} (shape, dtype, device), but "
+                             f"{self.path.name} serves {self.signature.get(name)}: pass inputs like the first call's, "
+                             f"or build another package (other arguments)")
 
 
 def spread(values, fmt="{:.1f}") -> str:

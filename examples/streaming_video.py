@@ -256,18 +256,20 @@ class PackagedStep:
         update = aten_streaming_update if args.impl == "aten" else streaming_update
         self.step = StreamStep(model, config[0] * args.tokens_per_frame, update)
         self.path, self.package, self.status = package_path(args, config, directory), None, None
+        self.signature = None
         writable_package_dir(self.path)
 
     def __call__(self, x: torch.Tensor, caches: list[TensorCursorCache], start: int) -> torch.Tensor:
         cursors = caches[0].cursors
         tensors = (x, [c.k for c in caches], [c.v for c in caches], cursors, torch.tensor(start, device=x.device))
+        self._check_inputs([("x", x), *((f"caches[{i}].{kv}", getattr(c, kv)) for i, c in enumerate(caches)
+                                        for kv in "kv"), ("cursors", cursors)])
         if self.package is None:
             from torch._inductor import aoti_compile_and_package, aoti_load_package
 
             if self.path.exists():
                 self.status = f"loaded {self.path}"
-            else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+            else:  # (writable_package_dir made the folder)
                 exported = torch.export.export(self.step, tensors)
                 with tempfile.TemporaryDirectory(prefix=".building-", dir=self.path.parent) as tmp:  # no half file
                     os.replace(aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name)),
@@ -280,6 +282,19 @@ class PackagedStep:
         out = self.package(*tensors)
         cursors.copy_(out[1])
         return out[0]
+
+    def _check_inputs(self, named) -> None:
+        """Refuse (ValueError, before the package runs) inputs whose shape, dtype or device differ from the first
+        call's: the package's generated code indexes with the shapes it was built for, and AOTInductor checks none at
+        run time, so other shapes would be read and written out of bounds."""
+        signature = {name: (tuple(t.shape), t.dtype, str(t.device)) for name, t in named}
+        if self.signature is None:
+            self.signature = signature
+        elif signature != self.signature:
+            name = next(n for n in {**signature, **self.signature} if signature.get(n) != self.signature.get(n))
+            raise ValueError(f"{type(self).__name__}: {name} is {signature.get(name)} (shape, dtype, device), but "
+                             f"{self.path.name} serves {self.signature.get(name)}: pass inputs like the first call's, "
+                             f"or build another package (other arguments)")
 
 
 def stream(model, caches, latents: torch.Tensor, chunk_tokens: int, steps: int, sync):

@@ -1,7 +1,9 @@
 """Test helper: import an example or benchmark script (``examples/<name>.py``, ``benchmarks/``) as a module."""
 
 import importlib.util
+import json
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -18,3 +20,12 @@ def load_module(path: pathlib.Path, name: str):
     sys.modules[spec.name] = module  # strict export (Dynamo) imports the module of the code it traces
     spec.loader.exec_module(module)
     return module
+
+
+def run_example_json(name: str, args: list[str], out: pathlib.Path, timeout: int = 600) -> tuple[dict, str]:
+    """Run ``examples/<name>.py args --json out`` in a fresh process; returns (its JSON result, its stdout). A
+    failing run fails the caller with the tail of its output."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py"), *args, "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout

@@ -7,10 +7,7 @@ One AOTInductor compile (a 1-layer model at the example's geometry; ~20-40 s of 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import tempfile
 import types
 import unittest
@@ -19,7 +16,7 @@ import zipfile
 import torch
 
 import kvops.native
-from tests.example_loader import ROOT, load_example
+from tests.example_loader import load_example, run_example_json
 
 llm = load_example("llm_serving")
 TINY = ["--layers", "1", "--vocab", "256", "--requests", "3", "--max-prompt", "20", "--max-new", "4",
@@ -27,10 +24,7 @@ TINY = ["--layers", "1", "--vocab", "256", "--requests", "3", "--max-prompt", "2
 
 
 def run_example(package_dir: str, out: pathlib.Path) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "llm_serving.py"), *TINY, "--package", package_dir,
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_example_json("llm_serving", [*TINY, "--package", package_dir], out)[0]
 
 
 class TestPackagedServing(unittest.TestCase):
@@ -65,6 +59,36 @@ class TestPackagedServing(unittest.TestCase):
             self.assertNotEqual(path(), before)
         finally:
             torch.set_num_threads(threads)
+
+
+class TestPackagedStepInputs(unittest.TestCase):
+    def test_other_shapes_are_refused_before_the_package_runs(self):
+        """The package indexes with the shapes it was built for (AOTInductor checks none at run time): a call with
+        another shape, dtype or device raises ValueError naming the input, and the package is not called."""
+        args = types.SimpleNamespace(device="cpu", dtype="float32", layers=1, vocab=256, max_batch=2, token_budget=4,
+                                     max_prompt=8, max_new=4, block_size=4, impl="kvops")
+        with tempfile.TemporaryDirectory() as tmp:
+            step = llm.PackagedStep(None, args, tmp)
+            calls = []
+            step.package = lambda *tensors: calls.append(tensors) or torch.zeros(3, dtype=torch.long)
+            k, v = torch.zeros(6, 4, llm.H_KV, llm.HEAD_DIM), torch.zeros(6, 4, llm.H_KV, llm.HEAD_DIM)
+            meta = {"slot_mapping": torch.zeros(4, dtype=torch.long), "cu_seqlens_q": torch.zeros(4, dtype=torch.int32),
+                    "seq_lens": torch.zeros(3, dtype=torch.int32), "block_table": torch.zeros(3, 2, dtype=torch.int32)}
+            ids, positions = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+            step(ids, positions, [k], [v], meta)
+            step(ids, positions, [k], [v], meta)  # the same shapes: served
+            for bad in ({"block_table": torch.zeros(3, 5, dtype=torch.int32)},
+                        {"seq_lens": torch.zeros(3, dtype=torch.int64)}):
+                with self.assertRaises(ValueError) as cm:
+                    step(ids, positions, [k], [v], {**meta, **bad})
+                self.assertIn(next(iter(bad)), str(cm.exception))
+            with self.assertRaises(ValueError) as cm:
+                step(ids, positions, [torch.zeros(7, 4, llm.H_KV, llm.HEAD_DIM)], [v], meta)
+            self.assertEqual(str(cm.exception), (
+                f"PackagedStep: k_caches[0] is ((7, 4, 2, 64), torch.float32, 'cpu') (shape, dtype, device), but "
+                f"{step.path.name} serves ((6, 4, 2, 64), torch.float32, 'cpu'): pass inputs like the first call's, or "
+                f"build another package (other arguments)"))
+            self.assertEqual(len(calls), 2)
 
 
 class TestNativeInAotiPackages(unittest.TestCase):

@@ -7,9 +7,7 @@ in the first example process, none in the second."""
 
 from __future__ import annotations
 
-import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 import types
@@ -19,7 +17,7 @@ from unittest import mock
 import torch
 
 from kvops.export import init_cursors, streaming_update
-from tests.example_loader import ROOT, load_example
+from tests.example_loader import load_example, run_example_json
 
 video = load_example("streaming_video")
 TINY = ["--layers", "1", "--tokens-per-frame", "1", "--ffn", "64", "--chunks", "8", "--steps", "1", "--repeats", "1",
@@ -27,11 +25,9 @@ TINY = ["--layers", "1", "--tokens-per-frame", "1", "--ffn", "64", "--chunks", "
 
 
 def run_example(package_dir: str, out: pathlib.Path) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "streaming_video.py"), *TINY, "--package",
-                           package_dir, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compilations: none by torch.compile (an AOTInductor package" in proc.stdout, proc.stdout[-3000:]
-    return json.loads(out.read_text())
+    result, stdout = run_example_json("streaming_video", [*TINY, "--package", package_dir], out)
+    assert "compilations: none by torch.compile (an AOTInductor package" in stdout, stdout[-3000:]
+    return result
 
 
 class TestPackagedStream(unittest.TestCase):
