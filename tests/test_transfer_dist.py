@@ -157,7 +157,11 @@ def run_agreement(rank, pair_group, out):
                 sender.send(rid, n, tables[rid])
     else:
         cache = decode_cache(1, seed=rank)
-        recv = KVReceiver(groups, rank - 8, cache, 2, chunked_prefill_size=CHUNK, timeout_s=FAULT_TIMEOUT_S,
+        # rank 9 fails after its FAULT_TIMEOUT_S metadata deadline and only then votes; rank 8, which received its part
+        # at once, waits in the agreement: with equal deadlines the two expire together and a loaded machine decides
+        # which comes first (rank 8 then reports its own agreement timeout), so rank 8 waits three times as long
+        timeout = FAULT_TIMEOUT_S * (3 if rank == 8 else 1)
+        recv = KVReceiver(groups, rank - 8, cache, 2, chunked_prefill_size=CHUNK, timeout_s=timeout,
                           decode_group=pair_group)
         recv.connect(timeout_s=SETUP_S)
         recv.receive(10_006, lengths[10_006])
