@@ -225,6 +225,12 @@ def kvops_sources() -> str:
     return digest.hexdigest()
 
 
+def input_signature(named) -> dict:
+    """``{name: [shape, dtype, device]}`` of ``(name, tensor)`` pairs: what a ``--package`` records in its metadata
+    (as JSON) and checks every call against."""
+    return {name: [list(t.shape), str(t.dtype), str(t.device)] for name, t in named}
+
+
 def writable_package_dir(path: pathlib.Path) -> None:
     """Make sure a package that is not there yet can be built in its folder (else SystemExit naming the folder)."""
     if path.exists():
@@ -265,7 +271,7 @@ class PackagedStep:
     """
 
     def __init__(self, model: nn.Module, args, directory: str):
-        self.model, self.budget, self.package, self.status, self.signature = model, args.token_budget, None, None, None
+        self.model, self.budget, self.package, self.status, self.signature = model, args.token_budget, None, None, {}
         key = {name: getattr(args, name) for name in ("device", "dtype", "layers", "vocab", "max_batch",
                                                         "token_budget", "max_prompt", "max_new", "block_size", "impl")}
         key.update(threads=torch.get_num_threads(), isa=torch.backends.cpu.get_cpu_capability(),
@@ -280,10 +286,11 @@ class PackagedStep:
     def __call__(self, input_ids, positions, k_caches, v_caches, meta):
         tensors = (input_ids, positions, list(k_caches), list(v_caches), meta["slot_mapping"], meta["cu_seqlens_q"],
                    meta["seq_lens"], meta["block_table"])
-        self._check_inputs([("input_ids", input_ids), ("positions", positions),
-                            *((f"k_caches[{i}]", t) for i, t in enumerate(k_caches)),
-                            *((f"v_caches[{i}]", t) for i, t in enumerate(v_caches)),
-                            *((key, meta[key]) for key in ("slot_mapping", "cu_seqlens_q", "seq_lens", "block_table"))])
+        signature = input_signature([("input_ids", input_ids), ("positions", positions),
+                                     *((f"k_caches[{i}]", t) for i, t in enumerate(k_caches)),
+                                     *((f"v_caches[{i}]", t) for i, t in enumerate(v_caches)),
+                                     *((key, meta[key]) for key in ("slot_mapping", "cu_seqlens_q", "seq_lens",
+                                                                    "block_table"))])
         if self.package is None:
             from torch._inductor import aoti_compile_and_package, aoti_load_package
 
@@ -293,29 +300,31 @@ class PackagedStep:
                 self.status = f"loaded {self.path}"
             else:  # (writable_package_dir made the folder)
                 exported = torch.export.export(StepWithTensors(self.model, self.budget), tensors)
+                metadata = {"aot_inductor.metadata": {"kvops_inputs": json.dumps(signature)}}  # checked on load
                 with tempfile.TemporaryDirectory(prefix=".building-", dir=self.path.parent) as tmp:  # no half file
                     with kvops.native.native_in_aoti_packages():
-                        built = aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name))
+                        built = aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name),
+                                                         inductor_configs=metadata)
                     os.replace(built, self.path)
                 self.status = f"built {self.path}"
             try:
                 self.package = aoti_load_package(str(self.path))
-            except RuntimeError as e:
-                raise SystemExit(f"--package: {self.path} could not be loaded ({e}); delete it to rebuild it") from e
+                self.signature = json.loads(self.package.get_metadata()["kvops_inputs"])
+            except (RuntimeError, KeyError) as e:
+                raise SystemExit(f"--package: {self.path} could not be loaded ({e!r}); delete it to rebuild it") from e
+        self._check_inputs(signature)
         return self.package(*tensors)
 
-    def _check_inputs(self, named) -> None:
-        """Refuse (ValueError, before the package runs) inputs whose shape, dtype or device differ from the first
-        call's: the package's generated code indexes with the shapes it was built for, and AOTInductor checks none at
-        run time, so other shapes would be read and written out of bounds."""
-        signature = {name: (tuple(t.shape), t.dtype, str(t.device)) for name, t in named}
-        if self.signature is None:
-            self.signature = signature
-        elif signature != self.signature:
+    def _check_inputs(self, signature: dict) -> None:
+        """Refuse (ValueError, before the package runs) inputs whose shape, dtype or device differ from those the
+        package was built for (its metadata records them): its generated code indexes with the built shapes, and
+        AOTInductor checks none at run time unless ``AOTI_RUNTIME_CHECK_INPUTS=1``, so other inputs would be read and
+        written out of bounds."""
+        if signature != self.signature:
             name = next(n for n in {**signature, **self.signature} if signature.get(n) != self.signature.get(n))
             raise ValueError(f"{type(self).__name__}: {name} is {signature.get(name)} (shape, dtype, device), but "
-                             f"{self.path.name} serves {self.signature.get(name)}: pass inputs like the first call's, "
-                             f"or build another package (other arguments)")
+                             f"{self.path.name} was built for {self.signature.get(name)}: pass inputs of those "
+                             f"shapes, or build another package (other arguments)")
 
 
 def spread(values, fmt="{:.1f}") -> str:

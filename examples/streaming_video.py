@@ -216,6 +216,12 @@ def kvops_sources() -> str:
     return digest.hexdigest()
 
 
+def input_signature(named) -> dict:
+    """``{name: [shape, dtype, device]}`` of ``(name, tensor)`` pairs: what a ``--package`` records in its metadata
+    (as JSON) and checks every call against."""
+    return {name: [list(t.shape), str(t.dtype), str(t.device)] for name, t in named}
+
+
 def writable_package_dir(path: pathlib.Path) -> None:
     """Make sure a package that is not there yet can be built in its folder (else SystemExit naming the folder)."""
     if path.exists():
@@ -256,14 +262,14 @@ class PackagedStep:
         update = aten_streaming_update if args.impl == "aten" else streaming_update
         self.step = StreamStep(model, config[0] * args.tokens_per_frame, update)
         self.path, self.package, self.status = package_path(args, config, directory), None, None
-        self.signature = None
+        self.signature = {}
         writable_package_dir(self.path)
 
     def __call__(self, x: torch.Tensor, caches: list[TensorCursorCache], start: int) -> torch.Tensor:
         cursors = caches[0].cursors
         tensors = (x, [c.k for c in caches], [c.v for c in caches], cursors, torch.tensor(start, device=x.device))
-        self._check_inputs([("x", x), *((f"caches[{i}].{kv}", getattr(c, kv)) for i, c in enumerate(caches)
-                                        for kv in "kv"), ("cursors", cursors)])
+        signature = input_signature([("x", x), *((f"caches[{i}].{kv}", getattr(c, kv)) for i, c in enumerate(caches)
+                                                 for kv in "kv"), ("cursors", cursors)])
         if self.package is None:
             from torch._inductor import aoti_compile_and_package, aoti_load_package
 
@@ -271,30 +277,31 @@ class PackagedStep:
                 self.status = f"loaded {self.path}"
             else:  # (writable_package_dir made the folder)
                 exported = torch.export.export(self.step, tensors)
+                metadata = {"aot_inductor.metadata": {"kvops_inputs": json.dumps(signature)}}  # checked on load
                 with tempfile.TemporaryDirectory(prefix=".building-", dir=self.path.parent) as tmp:  # no half file
-                    os.replace(aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name)),
-                               self.path)
+                    os.replace(aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name),
+                                                        inductor_configs=metadata), self.path)
                 self.status = f"built {self.path}"
             try:
                 self.package = aoti_load_package(str(self.path))
-            except RuntimeError as e:
-                raise SystemExit(f"--package: {self.path} could not be loaded ({e}); delete it to rebuild it") from e
+                self.signature = json.loads(self.package.get_metadata()["kvops_inputs"])
+            except (RuntimeError, KeyError) as e:
+                raise SystemExit(f"--package: {self.path} could not be loaded ({e!r}); delete it to rebuild it") from e
+        self._check_inputs(signature)
         out = self.package(*tensors)
         cursors.copy_(out[1])
         return out[0]
 
-    def _check_inputs(self, named) -> None:
-        """Refuse (ValueError, before the package runs) inputs whose shape, dtype or device differ from the first
-        call's: the package's generated code indexes with the shapes it was built for, and AOTInductor checks none at
-        run time, so other shapes would be read and written out of bounds."""
-        signature = {name: (tuple(t.shape), t.dtype, str(t.device)) for name, t in named}
-        if self.signature is None:
-            self.signature = signature
-        elif signature != self.signature:
+    def _check_inputs(self, signature: dict) -> None:
+        """Refuse (ValueError, before the package runs) inputs whose shape, dtype or device differ from those the
+        package was built for (its metadata records them): its generated code indexes with the built shapes, and
+        AOTInductor checks none at run time unless ``AOTI_RUNTIME_CHECK_INPUTS=1``, so other inputs would be read and
+        written out of bounds."""
+        if signature != self.signature:
             name = next(n for n in {**signature, **self.signature} if signature.get(n) != self.signature.get(n))
             raise ValueError(f"{type(self).__name__}: {name} is {signature.get(name)} (shape, dtype, device), but "
-                             f"{self.path.name} serves {self.signature.get(name)}: pass inputs like the first call's, "
-                             f"or build another package (other arguments)")
+                             f"{self.path.name} was built for {self.signature.get(name)}: pass inputs of those "
+                             f"shapes, or build another package (other arguments)")
 
 
 def stream(model, caches, latents: torch.Tensor, chunk_tokens: int, steps: int, sync):
@@ -503,7 +510,7 @@ def main() -> None:
               f"of "
               f"{args.repeats} interleaved streams: eager {spread(eager_ms)} ms, compiled {spread(compiled_ms)} ms; "
               f"eager/compiled per pair {spread(ratios, '{:.2f}')}x; first compiled stream incl. "
-              f"{'package ' + status.split()[0].replace('built', 'build') if status else 'compilation'} "
+              f"{'package ' + {'built': 'build', 'loaded': 'load'}[status.split()[0]] if status else 'compilation'} "
               f"{first_stream:.1f} s")
         results[name] = {"graphs_first": graphs_first, "graphs": graphs, "first_stream_s": first_stream,
                          "first_stream_cpu_s": first_cpu, "first_chunk_s": first_times[0], "eager_ms": eager_ms,

@@ -14,6 +14,7 @@ import unittest
 import zipfile
 
 import torch
+from torch._inductor import aoti_load_package
 
 import kvops.native
 from tests.example_loader import load_example, run_example_json
@@ -43,6 +44,11 @@ class TestPackagedServing(unittest.TestCase):
                 externs = json.loads(z.read(next(n for n in z.namelist() if n.endswith("wrapper.json"))))
             targets = [node["node"]["target"] for node in externs["nodes"]]
             self.assertEqual(targets, ["kvops::_paged_attention_native"])  # native_in_aoti_packages, one layer
+            # the inputs it was built for, which every call (the first of a loading process too) is checked against
+            recorded = json.loads(aoti_load_package(str(packages[0])).get_metadata()["kvops_inputs"])
+            self.assertEqual(list(recorded), ["input_ids", "positions", "k_caches[0]", "v_caches[0]", "slot_mapping",
+                                              "cu_seqlens_q", "seq_lens", "block_table"])
+            self.assertEqual(recorded["block_table"], [[7, 2], "torch.int32", "cpu"])
 
     def test_package_name_hashes_what_the_package_bakes_in(self):
         base = {"device": "cpu", "dtype": "float32", "layers": 1, "vocab": 256, "max_batch": 6, "token_budget": 32,
@@ -75,8 +81,11 @@ class TestPackagedStepInputs(unittest.TestCase):
             meta = {"slot_mapping": torch.zeros(4, dtype=torch.long), "cu_seqlens_q": torch.zeros(4, dtype=torch.int32),
                     "seq_lens": torch.zeros(3, dtype=torch.int32), "block_table": torch.zeros(3, 2, dtype=torch.int32)}
             ids, positions = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+            # what a loaded package's metadata holds (test_built_then_loaded... checks a real one records it)
+            step.signature = llm.input_signature([("input_ids", ids), ("positions", positions), ("k_caches[0]", k),
+                                                  ("v_caches[0]", v), *meta.items()])
             step(ids, positions, [k], [v], meta)
-            step(ids, positions, [k], [v], meta)  # the same shapes: served
+            step(ids, positions, [k], [v], meta)  # the built shapes: served
             for bad in ({"block_table": torch.zeros(3, 5, dtype=torch.int32)},
                         {"seq_lens": torch.zeros(3, dtype=torch.int64)}):
                 with self.assertRaises(ValueError) as cm:
@@ -85,9 +94,9 @@ class TestPackagedStepInputs(unittest.TestCase):
             with self.assertRaises(ValueError) as cm:
                 step(ids, positions, [torch.zeros(7, 4, llm.H_KV, llm.HEAD_DIM)], [v], meta)
             self.assertEqual(str(cm.exception), (
-                f"PackagedStep: k_caches[0] is ((7, 4, 2, 64), torch.float32, 'cpu') (shape, dtype, device), but "
-                f"{step.path.name} serves ((6, 4, 2, 64), torch.float32, 'cpu'): pass inputs like the first call's, or "
-                f"build another package (other arguments)"))
+                f"PackagedStep: k_caches[0] is [[7, 4, 2, 64], 'torch.float32', 'cpu'] (shape, dtype, device), but "
+                f"{step.path.name} was built for [[6, 4, 2, 64], 'torch.float32', 'cpu']: pass inputs of those "
+                f"shapes, or build another package (other arguments)"))
             self.assertEqual(len(calls), 2)
 
 
