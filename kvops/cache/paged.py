@@ -8,6 +8,7 @@ goes through ``kvops.paged_cache_write`` (reads through ``kvops.paged_attention`
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping
@@ -180,6 +181,17 @@ class PagedKVCache:
             return self._seqs[seq_id]
         except KeyError:
             raise ValueError(f"PagedKVCache: unknown sequence {seq_id!r}; add it with add_sequence first.") from None
+
+    @contextlib.contextmanager
+    def _atomic(self):
+        """Block-manager transaction: if the block raises, the free pool, reference counts and sequences are
+        restored (tensors are not: do tensor work after the block)."""
+        saved = list(self._free), list(self._refs), {k: _Seq(list(s.blocks), s.length) for k, s in self._seqs.items()}
+        try:
+            yield
+        except BaseException:
+            self._free, self._refs, self._seqs = saved
+            raise
 
     def add_sequence(self, seq_id: Hashable) -> None:
         """Start an empty sequence (no blocks until it is extended)."""
