@@ -64,6 +64,28 @@ def test_paged_beam_reorder_shares_full_blocks_and_copies_the_partial_one():
 
 
 @pytest.mark.parametrize("cache", ["static", "paged"])
+def test_reorder_accepts_what_transformers_caches_accept(cache):
+    """``beam_idx`` as generate() passes it (int64), as int32 (``index_select`` takes it, so transformers' caches do)
+    or as a list of ints: the same K/V rows; the storage keeps its address. Invalid ones: tests/unhappy_hf_cases.py."""
+    model = model_for("llama")
+    model.set_attn_implementation("kvops")
+    ids = torch.randint(3, 96, (3, 6), generator=torch.Generator().manual_seed(3))
+    rows = []
+    for beam in (torch.tensor([2, 0, 0]), torch.tensor([2, 0, 0], dtype=torch.int32), [2, 0, 0]):
+        kv = (kvops_hf.KvopsStaticCache(model.config, max_cache_len=12) if cache == "static"
+              else kvops_hf.KvopsPagedCache(model.config, max_cache_len=12, block_size=4))
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=kv)
+        layer = kv.layers[1]
+        before = layer.keys.data_ptr()
+        kv.reorder_cache(beam)
+        assert layer.keys.data_ptr() == before
+        with torch.no_grad():
+            rows.append(model(input_ids=ids[:, :1], past_key_values=kv).logits)
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
+
+
+@pytest.mark.parametrize("cache", ["static", "paged"])
 def test_prompt_lookup_decoding_matches_greedy(cache):
     """Prompt-lookup (assisted) decoding crops the cache after every rejected draft: tokens identical to sdpa's
     greedy decoding. Before: ``AttributeError: 'KvopsStaticLayer' object has no attribute 'crop'``. A repetitive

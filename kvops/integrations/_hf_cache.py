@@ -368,7 +368,7 @@ class KvopsPagedCache(_KvopsCache):
             try:
                 copies = self._fork_beams(children, full, length)
             except BaseException:
-                self.rows, self._next_id = rows, next_id
+                self.rows[:], self._next_id = rows, next_id
                 raise
         if copies:
             src, dst = (torch.tensor(x, device=self.pool.device) for x in zip(*copies))
@@ -395,7 +395,7 @@ class KvopsPagedCache(_KvopsCache):
                 new_rows[i] = seq
                 if length > full:  # the partly filled block: copied (copy-on-write)
                     copies.append((self.pool.block_ids(self.rows[p])[full // bs], self.pool.block_ids(seq)[full // bs]))
-        self.rows = new_rows
+        self.rows[:] = new_rows
         return copies
 
     def crop(self, tokens_to_remove: int) -> None:
