@@ -1,10 +1,13 @@
-"""Unhappy-path cases of the transformers integration and the StreamingLLM paged cache (issue 29), registered into
+"""Unhappy-path cases of the transformers integration, the StreamingLLM paged cache and the transfer endpoints (issue
+29), registered into
 ``tests/test_unhappy_caches.py``'s harness by :func:`add_cases` (same contract: the documented exception, the
 needles in its message, every tensor byte and cursor unchanged).
 
 Covered: ``KvopsStaticCache`` / ``KvopsPagedCache`` ``reorder_cache`` (beam search), ``crop``, ``update`` with a layer
 the cache lacks, a deeper model reusing a cache, padding masks with a hole or too short, ``ExportableDecodeStep``
-positions, ``kvops_attention_forward``'s own refusals, and ``PagedKVCache.fork`` of an evicted StreamingLLM prefix.
+positions, ``kvops_attention_forward``'s own refusals, ``PagedKVCache.fork`` of an evicted StreamingLLM prefix, and
+``KVSender``/``KVReceiver`` arguments refused before anything is sent or allocated (their malformed-message and
+fault cases need processes: tests/test_transfer_malformed.py, tests/test_transfer_faults.py).
 Each cache first holds a prefill of a batch of 2 (5 tokens) from a tiny random Llama (no download). Skipped
 (registered as nothing) without transformers.
 """
@@ -76,6 +79,7 @@ def _forward(cache_kind, model_layers=2, **kw):
 
 def add_cases(case) -> None:
     _streaming_cases(case)
+    _transfer_cases(case)
     if transformers is None:
         return
     for kind in ("static", "paged"):
@@ -222,3 +226,48 @@ def _streaming_cases(case) -> None:
     case("streaming_fork_partial_block", ValueError, "whole blocks", "num_tokens=200")(fork(200))
     case("streaming_fork_existing_child", ValueError, "sequence 0 already exists")(
         lambda: (lambda c: ({"seqs": c._seqs}, lambda: c.fork(0, 0)))(streaming()))
+
+
+def _transfer_cases(case) -> None:
+    """Endpoint arguments (no process group needed: they are refused before anything is posted)."""
+    import math
+
+    from kvops.cache import PagedKVCache
+    from kvops.transfer import KVReceiver, KVSender, TransferGroups
+
+    groups = TransferGroups((0,), (1,))
+
+    def receiver(**kw):
+        cache = PagedKVCache(4, 4, 2, 8)
+        return cache, KVReceiver(groups, 0, cache, 2, **kw)
+
+    def build_receive(request_id, num_tokens=4):
+        def build():
+            cache, r = receiver()
+            return {"free": cache._free, "seqs": cache._seqs, "ready": r.ready}, lambda: r.receive(request_id,
+                                                                                                   num_tokens)
+        return build
+
+    for label, timeout in (("negative", -1), ("zero", 0), ("inf", math.inf), ("nan", math.nan), ("bool", True)):
+        case(f"transfer_sender_timeout_{label}", ValueError, "timeout_s must be a finite number of seconds > 0",
+             repr(timeout))(lambda t=timeout: ((), lambda: KVSender(groups, 0, [torch.zeros(4, 4, 2, 8)],
+                                                                    [torch.zeros(4, 4, 2, 8)], 2, timeout_s=t)))
+        case(f"transfer_receiver_timeout_{label}", ValueError, "timeout_s must be a finite number", repr(timeout))(
+            lambda t=timeout: ((), lambda: receiver(timeout_s=t)))
+    case("transfer_connect_timeout_negative", ValueError, "connect: timeout_s", "-1")(
+        lambda: (lambda r: ((), lambda: r.connect(timeout_s=-1)))(receiver()[1]))
+    case("transfer_receive_request_id_bool", ValueError, "request_id must be an int in [0, 1073741823]", "True")(
+        build_receive(True))
+    case("transfer_receive_request_id_negative", ValueError, "request_id must be an int", "-1")(build_receive(-1))
+    case("transfer_receive_request_id_float", ValueError, "request_id must be an int", "1.0")(build_receive(1.0))
+    case("transfer_receive_num_tokens_negative", ValueError, "num_tokens must be a non-negative int", "-4")(
+        build_receive(5, -4))
+    case("transfer_receive_num_tokens_bool", ValueError, "num_tokens must be a non-negative int", "True")(
+        build_receive(5, True))
+    case("transfer_send_short_block_table", ValueError, "block_table of shape (1,) covers 4 tokens",
+         "num_tokens=9")(lambda: ((), lambda: KVSender(groups, 0, [torch.zeros(4, 4, 2, 8)], [torch.zeros(4, 4, 2, 8)],
+                                                          2).send(5, 9, torch.zeros(1, dtype=torch.int32))))
+    case("transfer_receiver_heads", ValueError, "caches hold 2 KV heads but total_kv_heads=8")(
+        lambda: ((), lambda: KVReceiver(groups, 0, PagedKVCache(4, 4, 2, 8), 8)))
+    case("transfer_sender_tp_rank", ValueError, "prefill tp_rank=3 is outside [0, 1)")(
+        lambda: ((), lambda: KVSender(groups, 3, [torch.zeros(4, 4, 2, 8)], [torch.zeros(4, 4, 2, 8)], 2)))
