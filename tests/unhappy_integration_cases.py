@@ -184,7 +184,8 @@ def add_cases(case) -> None:
     case("hf_attention_dropout", ValueError, "dropout=0.1", "model.eval()")(attention(dropout=0.1))
     case("hf_attention_custom_4d_mask", ValueError, "attention mask of shape (1, 1, 1, 3)", "torch.float32",
          "2-D padding mask")(attention(attention_mask=torch.zeros(1, 1, 1, 3)))
-    case("hf_attention_gqa", ValueError, "query has 3 heads and key/value 2 KV heads", "multiple")(attention(query=torch.zeros(1, 3, 1, 16)))
+    case("hf_attention_gqa", ValueError, "query has 3 heads and key/value 2 KV heads", "multiple")(
+        attention(query=torch.zeros(1, 3, 1, 16)))
 
     def export_sliding():
         import kvops.integrations.transformers as kh
