@@ -67,7 +67,7 @@ def test_paged_beam_reorder_shares_full_blocks_and_copies_the_partial_one():
 def test_reorder_accepts_what_transformers_caches_accept(cache):
     """``beam_idx`` as generate() passes it (int64), as int32 (``index_select`` takes it, so transformers' caches do)
     or as a list of ints: the same K/V rows; the storage keeps its address (invalid ones:
-    tests/unhappy_integration_cases.py)."""
+    tests/unhappy_integrations.py)."""
     model = model_for("llama")
     model.set_attn_implementation("kvops")
     ids = torch.randint(3, 96, (3, 6), generator=torch.Generator().manual_seed(3))

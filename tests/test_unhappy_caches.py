@@ -24,7 +24,7 @@ import torch
 
 import kvops
 from kvops.cache import PackedCausalKVCache, PagedKVCache, RingCausalKVCache, RollingKVCache
-from tests import unhappy_integration_cases
+from tests import unhappy_integrations
 from tests.contract import raises_everywhere
 from tests.unhappy import changed, check_failing_call, snapshot
 
@@ -211,8 +211,8 @@ case("paged_attention_layer_float", ValueError, "layer must be an int", "1.0")(
     _paged(lambda c, s: c.attention(1.0, rand(3, H, D), s)))
 
 
-# --- transformers caches, StreamingLLM forks, transfer endpoints (tests/unhappy_integration_cases.py) ---------------
-unhappy_integration_cases.add_cases(case)
+# --- transformers caches, StreamingLLM forks, transfer endpoints (tests/unhappy_integrations.py) ---------------
+unhappy_integrations.add_cases(case)
 
 
 # --- the tests ---------------------------------------------------------------------------------------------------------
@@ -267,7 +267,7 @@ class TestMessages(expecttest.TestCase):
         self.assertExpectedInline(msg, """PagedKVCache.extend: num_tokens must be an int, got float 1.5 for sequence 'a'. Pass a whole number of tokens (int(n)).""")
 
     def test_issue29_messages(self):
-        """Beam reorder, padding-mask hole, a deeper model, a StreamingLLM fork (tests/unhappy_integration_cases.py)."""
+        """Beam reorder, padding-mask hole, a deeper model, a StreamingLLM fork (tests/unhappy_integrations.py)."""
         names = ("hf_paged_reorder_short", "hf_static_mask_hole", "hf_static_deeper_model",
                  "streaming_fork_evicted_prefix")
         if not set(names) <= set(CASES):
