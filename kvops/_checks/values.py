@@ -321,6 +321,33 @@ def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_s
             f"{op}: block_table holds a block id outside [0, P = {_known(num_blocks)}) in a used entry. {hint}")
 
 
+def check_alibi_slopes(alibi_slopes, op: str = "kvops.paged_attention"):
+    """Every ALiBi slope finite, in the current mode (a NaN or infinite slope makes every score of its head NaN or
+    +-inf; issue 29). eager: ``RuntimeError`` naming the first bad ``alibi_slopes[...]`` and its value, before
+    anything runs; async: ``torch._assert_async``, returning its ``ok`` flag (so a writer can skip its write);
+    off / tracing in eager mode: unchecked (the kernels then give NaN rows, never 0). Returns None except in async
+    mode. Metadata errors (dtype, shape) are the validator's."""
+    if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
+        return None
+    mode = _active(alibi_slopes)
+    if mode is None:
+        return None
+    bad = ~torch.isfinite(alibi_slopes)
+    if mode == "async":
+        ok = ~bad.any()
+        _assert(ok, f"{op}: alibi_slopes holds a NaN or infinite slope. Run with kvops.value_checks('eager') to see "
+                    f"it.")
+        return ok
+    if bool(bad.any()):
+        at = ", ".join(str(int(i)) for i in bad.nonzero()[0])
+        raise RuntimeError(
+            f"{op}: alibi_slopes[{at}] = {float(alibi_slopes[tuple(bad.nonzero()[0])])} is not finite; ALiBi adds "
+            f"-slope * |pos - j| to every score of its head, so every score would be NaN or infinite. Pass finite "
+            f"slopes (e.g. 2 ** (-8 h / H_q), FlashAttention's and FlashInfer's)."
+        )
+    return None
+
+
 # --- flash_attn_with_kvcache ----------------------------------------------------------------------------------
 def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, k_cache: torch.Tensor,
                   num_new_tokens: int, op: str = "flash_attn_with_kvcache", mode: str | None = None,
