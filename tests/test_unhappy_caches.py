@@ -211,7 +211,7 @@ case("paged_attention_layer_float", ValueError, "layer must be an int", "1.0")(
     _paged(lambda c, s: c.attention(1.0, rand(3, H, D), s)))
 
 
-# --- transformers caches, StreamingLLM forks, transfer endpoints (tests/unhappy_integrations.py) ---------------
+# --- transformers caches, StreamingLLM forks, transfer endpoints (tests/unhappy_integrations.py) --------------------
 unhappy_integrations.add_cases(case)
 
 

@@ -382,9 +382,9 @@ def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     kv_heads = key.shape[3] if paged else key.shape[1] if key.dim() == 4 else None
     if kv_heads and num_heads % kv_heads:
         raise ValueError(
-            f"kvops attention: query has {num_heads} heads and key/value {kv_heads} KV heads; num_attention_heads "
-            f"must be a multiple of num_key_value_heads (GQA: query head h reads KV head h // (num_heads // "
-            f"num_kv_heads)). Check the model config's num_attention_heads / num_key_value_heads."
+            f"kvops attention: query has {num_heads} heads and key/value {kv_heads} KV heads; the query heads must "
+            f"be a multiple of num_kv_heads (GQA: query head h reads KV head h // (num_heads // num_kv_heads)). "
+            f"Check the model config's num_attention_heads / num_key_value_heads."
         )  # a KvopsPagedLayer: joint storage [P, block_size, 2, H_kv, D] and its block table
     if paged:
         block_table, (p, block_size) = value, key.shape[:2]
