@@ -80,6 +80,7 @@ def _forward(cache_kind, model_layers=2, **kw):
 def add_cases(case) -> None:
     _streaming_cases(case)
     _transfer_cases(case)
+    _package_cases(case)
     if transformers is None:
         return
     for kind in ("static", "paged"):
@@ -233,7 +234,7 @@ def _transfer_cases(case) -> None:
     """Endpoint arguments (no process group needed: they are refused before anything is posted)."""
     import math
 
-    from kvops.cache import PagedKVCache
+    from kvops.cache import PagedKVCache, RollingKVCache
     from kvops.transfer import KVReceiver, KVSender, TransferGroups
 
     groups = TransferGroups((0,), (1,))
@@ -272,3 +273,44 @@ def _transfer_cases(case) -> None:
         lambda: ((), lambda: KVReceiver(groups, 0, PagedKVCache(4, 4, 2, 8), 8)))
     case("transfer_sender_tp_rank", ValueError, "prefill tp_rank=3 is outside [0, 1)")(
         lambda: ((), lambda: KVSender(groups, 3, [torch.zeros(4, 4, 2, 8)], [torch.zeros(4, 4, 2, 8)], 2)))
+    case("transfer_plan_float_heads", TypeError, "total_kv_heads must be an int", "8.0")(
+        lambda: ((), lambda: __import__("kvops.transfer", fromlist=["x"]).heads_per_rank(8.0, 2)))
+    case("transfer_plan_float_chunk", TypeError, "chunked_prefill_size must be an int", "100.5")(
+        lambda: ((), lambda: __import__("kvops.transfer", fromlist=["x"]).staging_grid_tokens(100.5, 16)))
+    case("transfer_plan_negative_start", ValueError, "start >= 0", "start=-3")(
+        lambda: ((), lambda: __import__("kvops.transfer", fromlist=["x"]).compute_grid_segments(-3, 2, 0, 8)))
+    case("transfer_plan_negative_bytes", ValueError, "writer_bytes needs non-negative counts", "num_tokens=-1")(
+        lambda: ((), lambda: __import__("kvops.transfer", fromlist=["x"]).writer_bytes(-1, 2, 3, 4)))
+    case("rolling_allocate_float_window", TypeError, "window_size must be an int", "2.5")(
+        lambda: ((), lambda: RollingKVCache.allocate(1, 2.5, 2, 8)))
+
+
+def _package_cases(case) -> None:
+    """``examples/llm_serving.py``'s ``PackagedStep`` (a stand-in package: no AOTInductor compile) refuses inputs of
+    other shapes or dtypes than it was built for before the package runs; a corrupted package: tests/test_llm_package.py
+    (it needs a built one)."""
+    import tempfile
+    import types
+
+    def build(**bad):
+        from tests.example_loader import load_example
+
+        llm = load_example("llm_serving")
+        args = types.SimpleNamespace(device="cpu", dtype="float32", layers=1, vocab=256, max_batch=2, token_budget=4,
+                                     max_prompt=8, max_new=4, block_size=4, impl="kvops")
+        step = llm.PackagedStep(None, args, tempfile.gettempdir())  # (nothing is written there)
+        calls = []
+        step.package = lambda *tensors: calls.append(1)
+        k, v = torch.zeros(6, 4, llm.H_KV, llm.HEAD_DIM), torch.zeros(6, 4, llm.H_KV, llm.HEAD_DIM)
+        meta = {"slot_mapping": torch.zeros(4, dtype=torch.long), "cu_seqlens_q": torch.zeros(4, dtype=torch.int32),
+                "seq_lens": torch.zeros(3, dtype=torch.int32), "block_table": torch.zeros(3, 2, dtype=torch.int32)}
+        ids = torch.zeros(4, dtype=torch.long)
+        step.signature = llm.input_signature([("input_ids", ids), ("positions", ids), ("k_caches[0]", k),
+                                              ("v_caches[0]", v), *meta.items()])
+        meta.update(bad)
+        return {"calls": calls, "k": k, "v": v}, lambda: step(ids, ids, [k], [v], meta)
+
+    case("package_step_block_table_shape", ValueError, "block_table is [[3, 5], 'torch.int32', 'cpu']",
+         "was built for [[3, 2]")(lambda: build(block_table=torch.zeros(3, 5, dtype=torch.int32)))
+    case("package_step_seq_lens_dtype", ValueError, "seq_lens", "torch.int64")(
+        lambda: build(seq_lens=torch.zeros(3, dtype=torch.int64)))
