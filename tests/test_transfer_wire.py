@@ -6,6 +6,7 @@ is sent. The same over gloo with real processes: tests/test_transfer_malformed.p
 from __future__ import annotations
 
 import math
+import re
 import zlib
 
 import pytest
@@ -88,7 +89,7 @@ def caches():
 def test_endpoints_refuse_bad_deadlines(timeout):
     """Before: ``timeout_s=-1`` was accepted (every wait then failed at once); ``nan``/``inf`` never time out."""
     with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds > 0 .*got " +
-                       __import__("re").escape(repr(timeout))):
+                       re.escape(repr(timeout))):
         KVSender(GROUPS, 0, *caches(), 2, timeout_s=timeout)
     with pytest.raises(ValueError, match="timeout_s must be a finite number"):
         KVReceiver(GROUPS, 0, PagedKVCache(4, 4, 2, 8), 2, timeout_s=timeout)

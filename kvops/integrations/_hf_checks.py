@@ -7,6 +7,8 @@ import threading
 
 import torch
 
+from .._checks import values
+
 def check_room(cache: str, seen, num_tokens, max_cache_len: int) -> None:
     """``ValueError`` naming the positions, ``max_cache_len`` and the fix when ``num_tokens`` new tokens after
     ``seen`` do not fit (raised before anything is written)."""
@@ -75,27 +77,27 @@ def beam_indices(cache: str, beam_idx, batch: int) -> list[int]:
             raise ValueError(
                 f"{where}: beam_idx must be 1-D [batch_size={batch}], got shape {tuple(beam_idx.shape)}."
             )
-        values = beam_idx.tolist()
+        parents = beam_idx.tolist()
     elif isinstance(beam_idx, (list, tuple)) and all(type(i) is int for i in beam_idx):
-        values = list(beam_idx)
+        parents = list(beam_idx)
     else:
         raise TypeError(
             f"{where}: beam_idx must be a 1-D LongTensor (or a list of ints) of batch indices, got "
             f"{type(beam_idx).__name__} {beam_idx!r}."
         )
-    if len(values) != batch:
+    if len(parents) != batch:
         raise ValueError(
-            f"{where}: beam_idx={values} has {len(values)} entries but the cache holds batch_size={batch} rows; "
+            f"{where}: beam_idx={parents} has {len(parents)} entries but the cache holds batch_size={batch} rows; "
             f"a kvops cache keeps its batch: pass one parent row per row (len(beam_idx) == {batch}), or build a "
             f"cache for the new batch size."
         )
-    bad = [i for i in values if not 0 <= i < batch]
+    bad = [i for i in parents if not 0 <= i < batch]
     if bad:
         raise ValueError(
-            f"{where}: beam_idx={values} holds {bad[0]}, outside the rows [0, {batch}) of the cache (negative "
+            f"{where}: beam_idx={parents} holds {bad[0]}, outside the rows [0, {batch}) of the cache (negative "
             f"indices are not rows either); pass each row's parent row in [0, {batch})."
         )
-    return values
+    return parents
 
 
 _asked = threading.local()  # the kvops cache whose get_mask_sizes ran last in this thread (eager)
@@ -156,8 +158,6 @@ def check_cache_position(cache: str, cache_position, num_tokens: int, max_cache_
             f"ExportableDecodeStep: cache_position must be [T] or [1] (T = {num_tokens} new tokens), got shape "
             f"{tuple(cache_position.shape)}."
         )
-    from .._checks import values
-
     if not torch.compiler.is_compiling():
         check_room(cache, int(cache_position[0]), num_tokens, max_cache_len)
     elif values.get_value_checks() != "off":
@@ -165,3 +165,44 @@ def check_cache_position(cache: str, cache_position, num_tokens: int, max_cache_
         torch._assert_async((p >= 0) & (p + num_tokens <= max_cache_len),
                             f"ExportableDecodeStep: cache_position[0] + T (T = {num_tokens}) is outside [0, "
                             f"max_cache_len={max_cache_len}]; no cursor or row was written.")
+
+
+def check_padding(attention_mask, q_offset, q_length) -> None:
+    """The 2-D padding mask's contract: it covers every query (``S >= q_offset + T``) and each row is left padding,
+    real tokens, right padding (``0...0 1...1 0...0``; a hole, a 0 between two 1s, cannot be expressed as one range
+    per sequence). Checked in the value-check mode (``kvops.value_checks``, docs/semantics.md §7): ``"eager"``:
+    ``ValueError`` (one host read), nothing while tracing; ``"async"``: ``torch._assert_async`` (no host sync);
+    ``"off"``: unchecked (a hole attends the padding between)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return
+    mode = values._active(attention_mask)
+    if mode is None:
+        return
+    real = attention_mask.bool()
+    width = real.shape[-1]
+    starts = (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0]  # runs of real tokens per row
+    if mode == "async":
+        end = q_offset + q_length
+        values._assert(((starts <= 1).all() & (torch.as_tensor(end, device=real.device) <= width)),
+                        f"kvops attention: attention_mask [B, {width}] does not cover the queries or has a hole (a "
+                        f"0 between two 1s); run with kvops.value_checks('eager') to see which.")
+        return
+    end = int(q_offset) + q_length
+    if width < end:
+        raise ValueError(
+            f"kvops attention: attention_mask has {width} columns but the queries reach position {end - 1} "
+            f"(q_offset {end - q_length} + {q_length} new tokens); pass a 2-D padding mask of at least {end} columns "
+            f"covering the prompt and every generated token (as generate() extends it)."
+        )
+    holes = (starts > 1).nonzero()
+    if len(holes):
+        b = int(holes[0, 0])
+        row = real[b].int().tolist()
+        first, last = row.index(1), width - 1 - row[::-1].index(1)
+        gap = row.index(0, first)
+        raise ValueError(
+            f"kvops attention: attention_mask row {b} has a hole: padding (0) at position {gap} between real tokens "
+            f"(1) at positions {first} and {last}. kvops attention supports left and right padding only (each row "
+            f"0...0 1...1 0...0, as generate() builds it); move the padding to the left, or use "
+            f"attn_implementation='sdpa' or 'eager' for such masks."
+        )

@@ -56,9 +56,8 @@ import kvops
 
 _pa = importlib.import_module("kvops.ops.paged_attention")  # the op's module (_direct, _implementation)
 
-from .._checks import values as _values  # noqa: E402
 from ._hf_cache import KvopsPagedCache, KvopsPagedLayer, KvopsSlidingLayer, KvopsStaticCache, KvopsStaticLayer
-from ._hf_checks import check_asked_depth
+from ._hf_checks import check_asked_depth, check_padding
 from ._hf_export import ExportableDecodeStep
 
 NAME = "kvops"
@@ -188,7 +187,7 @@ def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         first[:, 1:] = segments[:, 1:] != segments[:, :-1]
         start = torch.where(first, t, 0).cummax(-1).values
         return torch.stack([start, t + 1 - start]).to(torch.int32).view(2, batch_size, q_length, 1)
-    _check_padding(attention_mask, q_offset, q_length)
+    check_padding(attention_mask, q_offset, q_length)
     if (isinstance(kv_offset, int) and torch.device(device).type == "cpu" and not torch.compiler.is_compiling()
             and _unpadded(attention_mask)):  # eager CPU, no padding (each decode step of an unpadded batch): the
         length = max(0, int(q_offset) + q_length - kv_offset)  # same metadata as below from host ints, one op
@@ -201,47 +200,6 @@ def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     length = (torch.zeros_like(pad) + (q_offset + q_length - kv_offset) - start).clamp_min(0)
     # 4-D, so that transformers treats it as an already prepared mask (generate() builds masks ahead of the forward)
     return torch.stack([start, length]).to(torch.int32).view(2, batch_size, 1, 1)
-
-
-def _check_padding(attention_mask, q_offset, q_length) -> None:
-    """The 2-D padding mask's contract: it covers every query (``S >= q_offset + T``) and each row is left padding,
-    real tokens, right padding (``0...0 1...1 0...0``; a hole, a 0 between two 1s, cannot be expressed as one range
-    per sequence). Checked in the value-check mode (``kvops.value_checks``, docs/semantics.md §7): ``"eager"``:
-    ``ValueError`` (one host read), nothing while tracing; ``"async"``: ``torch._assert_async`` (no host sync);
-    ``"off"``: unchecked (a hole attends the padding between)."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        return
-    mode = _values._active(attention_mask)
-    if mode is None:
-        return
-    real = attention_mask.bool()
-    width = real.shape[-1]
-    starts = (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0]  # runs of real tokens per row
-    if mode == "async":
-        end = q_offset + q_length
-        _values._assert(((starts <= 1).all() & (torch.as_tensor(end, device=real.device) <= width)),
-                        f"kvops attention: attention_mask [B, {width}] does not cover the queries or has a hole (a "
-                        f"0 between two 1s); run with kvops.value_checks('eager') to see which.")
-        return
-    end = int(q_offset) + q_length
-    if width < end:
-        raise ValueError(
-            f"kvops attention: attention_mask has {width} columns but the queries reach position {end - 1} "
-            f"(q_offset {end - q_length} + {q_length} new tokens); pass a 2-D padding mask of at least {end} columns "
-            f"covering the prompt and every generated token (as generate() extends it)."
-        )
-    holes = (starts > 1).nonzero()
-    if len(holes):
-        b = int(holes[0, 0])
-        row = real[b].int().tolist()
-        first, last = row.index(1), width - 1 - row[::-1].index(1)
-        gap = row.index(0, first)
-        raise ValueError(
-            f"kvops attention: attention_mask row {b} has a hole: padding (0) at position {gap} between real tokens "
-            f"(1) at positions {first} and {last}. kvops attention supports left and right padding only (each row "
-            f"0...0 1...1 0...0, as generate() builds it); move the padding to the left, or use "
-            f"attn_implementation='sdpa' or 'eager' for such masks."
-        )
 
 
 def _unpadded(attention_mask) -> bool:
