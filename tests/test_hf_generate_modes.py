@@ -196,3 +196,22 @@ def test_generate_compile_is_one_graph(cache):
     out = run_generate(model, "sdpa" if cache == "hf_static" else "kvops", kv, compile_config=config)
     assert torch.equal(out, ref)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_padding_mask_with_a_hole_in_the_async_mode():
+    """Under ``kvops.value_checks("async")`` the padding-mask contract is a ``torch._assert_async`` (no host read;
+    ``RuntimeError`` on CPU) instead of the eager ``ValueError`` (tests/unhappy_integrations.py); a valid left-padded
+    mask passes. Before, a hole gave logits 0.06-0.25 away from sdpa."""
+    import kvops
+
+    model = model_for("llama")
+    model.set_attn_implementation("kvops")
+    ids, mask = prompts()
+    hole = mask.clone()
+    hole[0, 4] = 0
+    with torch.no_grad(), kvops.value_checks("async"):
+        model(input_ids=ids, attention_mask=mask)
+        with pytest.raises(RuntimeError, match="attention_mask .* has a hole"):
+            model(input_ids=ids, attention_mask=hole)
+        with pytest.raises(RuntimeError, match="does not cover the queries"):
+            model(input_ids=ids, attention_mask=mask[:, :5])
