@@ -200,8 +200,9 @@ class _KvopsCache(Cache):
     the first layer the cache lacks (:func:`~kvops.integrations._hf_checks.check_depth`)."""
 
     def get_mask_sizes(self, query_length: int, layer_idx: int):
-        remember_mask_sizes_caller(self)
-        return super().get_mask_sizes(query_length, layer_idx)
+        sizes = super().get_mask_sizes(query_length, layer_idx)
+        remember_mask_sizes_caller(self, sizes)
+        return sizes
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         check_depth(self, 0, layer_idx)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -100,29 +101,33 @@ def beam_indices(cache: str, beam_idx, batch: int) -> list[int]:
     return parents
 
 
-_asked = threading.local()  # the kvops cache whose get_mask_sizes ran last in this thread (eager)
+_asked = threading.local()  # (weakref to the kvops cache whose get_mask_sizes ran last in this thread, its kv_length)
 
 
-def remember_mask_sizes_caller(cache) -> None:
-    """Called by the kvops caches' ``get_mask_sizes``: transformers' ``create_causal_mask`` asks the cache for the
-    mask sizes and then calls the registered mask function (``kvops_mask``) with the model's ``config``, which
-    :func:`check_asked_depth` compares with the cache before any layer writes (nothing is recorded while
-    compiling)."""
+def remember_mask_sizes_caller(cache, sizes) -> None:
+    """Called by the kvops caches' ``get_mask_sizes`` with what it returns: transformers' ``create_causal_mask`` asks
+    the cache for the mask sizes and then calls the registered mask function (``kvops_mask``) with that
+    ``kv_length`` and the model's ``config``, which :func:`check_asked_depth` compares with the cache before any layer
+    writes (nothing is recorded while compiling; a weak reference, so nothing is kept alive)."""
     if not torch.compiler.is_compiling():
-        _asked.cache = cache
+        _asked.last = (weakref.ref(cache), sizes[0])
 
 
-def check_asked_depth(config) -> None:
-    """From ``kvops_mask``: :func:`check_depth` of the cache that was just asked for mask sizes, if any."""
-    cache = getattr(_asked, "cache", None)
-    if cache is None or torch.compiler.is_compiling():
+def check_asked_depth(config, kv_length) -> None:
+    """From ``kvops_mask``: :func:`check_depth` of the cache that was just asked for the mask sizes of this very
+    mask (same ``kv_length``; the record is consumed, so a stale one from a mask built by another attention
+    implementation is used at most once and only if it matches)."""
+    last = getattr(_asked, "last", None)
+    if last is None or torch.compiler.is_compiling():
         return
-    _asked.cache = None
-    if config is not None:
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        layers = getattr(text, "num_hidden_layers", None)
-        if isinstance(layers, int):
-            check_depth(cache, layers)
+    _asked.last = None
+    cache = last[0]()
+    if cache is None or config is None or not isinstance(kv_length, int) or last[1] != kv_length:
+        return
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(layers, int):
+        check_depth(cache, layers)
 
 
 def check_depth(cache, num_layers: int, layer_idx: int | None = None) -> None:

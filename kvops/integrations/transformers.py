@@ -172,7 +172,7 @@ def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         ValueError: a mask pattern that is not representable (see ``mask_function``); in compiled and exported
             graphs the same check is a ``torch._assert_async`` (``RuntimeError`` on CPU, a device assert on CUDA).
     """
-    check_asked_depth(kwargs.get("config"))  # a cache reused by a deeper model: refused before any layer writes
+    check_asked_depth(kwargs.get("config"), kv_length)  # a cache reused by a deeper model: before any write
     if torch.compiler.is_compiling():  # closures cannot be inspected while tracing: anything else takes the grid
         kind, segments = ("causal" if mask_function in (None, causal_mask_function) else "other"), None
     else:
