@@ -6,9 +6,12 @@ tokens split at a staging grid of ``--chunk`` tokens. Synthetic ``randn`` KV. Tw
 per-round ratios (a candidate over its baseline *in the same round*; rounds interleave the candidates, so machine
 noise hits all alike) with the 25th-75th percentile spread. Nothing is asserted.
 
-* **local** (one process, one thread, ``time.thread_time``): per message, ``wire.checksum`` (computed once by the
-  sender and once by the receiver) vs the gather of the same bytes (``kvops.paged_kv_gather``, which the transfer
-  does anyway) and vs a plain copy of the message (``Tensor.copy_``).
+* **local** (one process, one thread, ``time.thread_time``): per message, ``wire.checksum`` (the CRC-32 of the
+  payload, computed once by the sender and once by the receiver; with the optional ``isal`` package its folding CRC,
+  and the standard library's ``zlib.crc32`` measured beside it) vs the gather of the same bytes
+  (``kvops.paged_kv_gather``, which the transfer does anyway) and vs a plain copy of the message (``Tensor.copy_``):
+  the cost per GB in milliseconds and as a ratio to the copy measured in the same rounds; the header names the
+  CPU's vector ISA.
 * **transfer** (2 processes, gloo over loopback, wall clock): ``KVSender.send`` + ``KVReceiver.receive`` of the
   request with ``checksum=True`` vs the same with ``checksum=False`` (both with the per-request metadata step and end
   markers), and the plain transfer vs one raw gloo message of the same bytes.
@@ -68,9 +71,13 @@ def local(args):
     staging = wire.split(msg, payload, DTYPE, staging_shape(LAYERS, n, H_LOCAL, HEAD_DIM))[0]
     other = torch.empty_like(msg)
     kvops.paged_kv_gather(ks, vs, table, staging)
+    import zlib
+
+    view = memoryview(msg[: wire.padded(payload)].numpy())
     candidates = {"gather": lambda: kvops.paged_kv_gather(ks, vs, table, staging),
                   "copy": lambda: other.copy_(msg),
-                  "checksum": lambda: wire.checksum(msg, payload)}
+                  "checksum": lambda: wire.checksum(msg, payload),
+                  "zlib.crc32": lambda: zlib.crc32(view)}
     times = {k: [] for k in candidates}
     for _ in range(args.rounds):
         for name, fn in candidates.items():
@@ -79,11 +86,28 @@ def local(args):
                 fn()
             times[name].append((time.thread_time() - t0) / args.inner)
     ck = times["checksum"]
+    impl = "zlib.crc32" if wire._crc32 is zlib.crc32 else f"{wire._crc32.__module__}.crc32"
     print(f"local, one message of {n} tokens x {LAYERS} layers x {H_LOCAL} heads x {HEAD_DIM} ({payload / 1e6:.2f} "
-          f"MB), {args.rounds} rounds x {args.inner} calls, 1 thread, thread CPU time:")
-    print(f"  checksum: median {statistics.median(ck) * 1e3:.3f} ms ({payload / statistics.median(ck) / 1e9:.2f} GB/s)")
-    print(f"  checksum / gather: {spread([c / g for c, g in zip(ck, times['gather'])])}")
-    print(f"  checksum / copy:   {spread([c / g for c, g in zip(ck, times['copy'])])}")
+          f"MB), {args.rounds} rounds x {args.inner} calls, 1 thread, thread CPU time; {isa()}:")
+    for name in ("copy", "gather", "checksum", "zlib.crc32"):
+        label = f"checksum ({impl})" if name == "checksum" else name
+        med = statistics.median(times[name])
+        print(f"  {label:<34} {payload / med / 1e9:6.2f} GB/s = {med / payload * 1e9 * 1e3:6.1f} ms per GB")
+    for name in ("checksum", "zlib.crc32"):
+        label = f"checksum ({impl})" if name == "checksum" else name
+        print(f"  {label} / copy:   {spread([c / g for c, g in zip(times[name], times['copy'])])}")
+        print(f"  {label} / gather: {spread([c / g for c, g in zip(times[name], times['gather'])])}")
+
+
+def isa() -> str:
+    """torch's vector ISA and the CPU flags a CRC folds with."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    crc = [x for x in ("sse4_2", "pclmulqdq", "vpclmulqdq", "avx512f") if x in flags]
+    return f"ISA {torch.backends.cpu.get_cpu_capability()}, CPU flags {' '.join(crc) or 'unknown'}"
 
 
 def worker(rank, port, args, out):

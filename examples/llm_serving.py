@@ -231,6 +231,34 @@ def input_signature(named) -> dict:
     return {name: [list(t.shape), str(t.dtype), str(t.device)] for name, t in named}
 
 
+def digest_path(path: pathlib.Path) -> pathlib.Path:
+    """Where a package's sha256 is recorded when it is built: ``<package>.sha256`` beside it."""
+    return path.with_name(path.name + ".sha256")
+
+
+def file_digest(path: pathlib.Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB chunks (about 1-2 s per GB, once per process)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_package(path: pathlib.Path) -> None:
+    """SystemExit naming the file and the cure unless ``path`` has the bytes whose sha256 was recorded when it was
+    built: AOTInductor loads a package whose weights were changed (even with a stale zip CRC) and runs it."""
+    record = digest_path(path)
+    try:
+        recorded = record.read_text().strip()
+    except OSError as e:
+        raise SystemExit(f"--package: {path} has no readable digest record {record.name} (written beside it when it is "
+                         f"built; {e.strerror}); delete {path.name} to rebuild it") from e
+    if file_digest(path) != recorded:
+        raise SystemExit(f"--package: {path} does not match the sha256 recorded in {record.name} when it was built: "
+                         f"the file was changed or corrupted; delete {path.name} and {record.name} to rebuild it")
+
+
 def writable_package_dir(path: pathlib.Path) -> None:
     """Make sure a package that is not there yet can be built in its folder (else SystemExit naming the folder)."""
     if path.exists():
@@ -264,8 +292,10 @@ class PackagedStep:
     On the first call the step is exported (``StepWithTensors``; static shapes: ``serve`` pads every step to the same
     shapes), compiled with the same Inductor settings as the ``torch.compile`` path (``aoti_compile_and_package``,
     inside ``kvops.native.native_in_aoti_packages()`` so the package calls kvops' native CPU attention) and saved in
-    DIR; a later process finds the file and only loads it. This is the warm start that torch.compile's on-disk caches do
-    not give a frozen graph in torch 2.13 (docs/compile.md). The package holds the weights as constants (freezing),
+    DIR; a later process finds the file and only loads it, after checking its bytes against the sha256 recorded
+    beside it at build time (``check_package``: a changed or corrupted package is refused, naming the file and the
+    cure). This is the warm start that torch.compile's on-disk caches do not give a frozen graph in torch 2.13
+    (docs/compile.md). The package holds the weights as constants (freezing),
     so its file name hashes everything baked in: the arguments that shape the model and the step, dtype, device,
     threads, the CPU's vector ISA, the Inductor settings, kvops' lowering tag and this file's source.
     """
@@ -303,10 +333,13 @@ class PackagedStep:
                 metadata = {"aot_inductor.metadata": {"kvops_inputs": json.dumps(signature)}}  # checked on load
                 with tempfile.TemporaryDirectory(prefix=".building-", dir=self.path.parent) as tmp:  # no half file
                     with kvops.native.native_in_aoti_packages():
-                        built = aoti_compile_and_package(exported, package_path=os.path.join(tmp, self.path.name),
-                                                         inductor_configs=metadata)
+                        built = pathlib.Path(aoti_compile_and_package(
+                            exported, package_path=os.path.join(tmp, self.path.name), inductor_configs=metadata))
+                    digest_path(built).write_text(file_digest(built) + "\n")  # checked at every load
+                    os.replace(digest_path(built), digest_path(self.path))  # (a record without its package: rebuilt)
                     os.replace(built, self.path)
                 self.status = f"built {self.path}"
+            check_package(self.path)
             try:
                 self.package = aoti_load_package(str(self.path))
                 self.signature = json.loads(self.package.get_metadata()["kvops_inputs"])

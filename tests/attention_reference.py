@@ -34,7 +34,12 @@ def reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale
         for i in range(q_len):
             pos = kv_len - q_len + i
             keys = []
-            for j in range(start, kv_len):
+            # candidates: the sinks, then the window (rows no mask admits are skipped: lengths near 2^31 stay cheap)
+            hi = kv_len if causal is False and window_right < 0 else min(kv_len, pos + 1 + (0 if causal else
+                                                                                          window_right))
+            lo = start if window_left < 0 else max(start, pos - window_left)
+            sinks_end = min(start + sink_tokens, lo) if window_left >= 0 else start
+            for j in [*range(start, sinks_end), *range(lo, hi)]:
                 if causal and j > pos:
                     continue
                 if not causal and window_right >= 0 and j > pos + window_right:

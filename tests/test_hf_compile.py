@@ -191,7 +191,15 @@ def test_exported_decode_step_serves_every_position(cache):
     with torch.no_grad():
         ep = torch.export.export(step, args, strict=True)
     assert not [n for n in ep.graph.nodes if "_local_scalar_dense" in str(n.target)]  # no host read of the position
-    _run_steps(ep.module(), full, pos, toks, ref)
+    run = ep.module()
+    _run_steps(run, full, pos, toks, ref)
+    # a position outside [0, max_cache_len - T] fails at the program's assert, before any cursor or row is written
+    # (before: -1 wrote the last row of another sequence and set every cursor to 0; 16 overwrote the cursors first)
+    before = {name: b.clone() for name, b in run.named_buffers()}
+    for bad in (-1, 16):
+        with pytest.raises(RuntimeError, match="cache_position"), torch.no_grad():
+            run(toks[:, :1], torch.tensor([bad]), full, pos[:, -1:] + 1)
+        assert all(torch.equal(b, before[name]) for name, b in run.named_buffers()), bad
 
 
 

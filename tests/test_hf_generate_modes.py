@@ -64,6 +64,29 @@ def test_paged_beam_reorder_shares_full_blocks_and_copies_the_partial_one():
 
 
 @pytest.mark.parametrize("cache", ["static", "paged"])
+def test_reorder_accepts_what_transformers_caches_accept(cache):
+    """``beam_idx`` as generate() passes it (int64), as int32 (``index_select`` takes it, so transformers' caches do)
+    or as a list of ints: the same K/V rows; the storage keeps its address (invalid ones:
+    tests/unhappy_integrations.py)."""
+    model = model_for("llama")
+    model.set_attn_implementation("kvops")
+    ids = torch.randint(3, 96, (3, 6), generator=torch.Generator().manual_seed(3))
+    rows = []
+    for beam in (torch.tensor([2, 0, 0]), torch.tensor([2, 0, 0], dtype=torch.int32), [2, 0, 0]):
+        kv = (kvops_hf.KvopsStaticCache(model.config, max_cache_len=12) if cache == "static"
+              else kvops_hf.KvopsPagedCache(model.config, max_cache_len=12, block_size=4))
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=kv)
+        layer = kv.layers[1]
+        before = layer.keys.data_ptr()
+        kv.reorder_cache(beam)
+        assert layer.keys.data_ptr() == before
+        with torch.no_grad():
+            rows.append(model(input_ids=ids[:, :1], past_key_values=kv).logits)
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
+
+
+@pytest.mark.parametrize("cache", ["static", "paged"])
 def test_prompt_lookup_decoding_matches_greedy(cache):
     """Prompt-lookup (assisted) decoding crops the cache after every rejected draft: tokens identical to sdpa's
     greedy decoding. Before: ``AttributeError: 'KvopsStaticLayer' object has no attribute 'crop'``. A repetitive
@@ -173,3 +196,22 @@ def test_generate_compile_is_one_graph(cache):
     out = run_generate(model, "sdpa" if cache == "hf_static" else "kvops", kv, compile_config=config)
     assert torch.equal(out, ref)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_padding_mask_with_a_hole_in_the_async_mode():
+    """Under ``kvops.value_checks("async")`` the padding-mask contract is a ``torch._assert_async`` (no host read;
+    ``RuntimeError`` on CPU) instead of the eager ``ValueError`` (tests/unhappy_integrations.py); a valid left-padded
+    mask passes. Before, a hole gave logits 0.06-0.25 away from sdpa."""
+    import kvops
+
+    model = model_for("llama")
+    model.set_attn_implementation("kvops")
+    ids, mask = prompts()
+    hole = mask.clone()
+    hole[0, 4] = 0
+    with torch.no_grad(), kvops.value_checks("async"):
+        model(input_ids=ids, attention_mask=mask)
+        with pytest.raises(RuntimeError, match="attention_mask .* has a hole"):
+            model(input_ids=ids, attention_mask=hole)
+        with pytest.raises(RuntimeError, match="does not cover the queries"):
+            model(input_ids=ids, attention_mask=mask[:, :5])

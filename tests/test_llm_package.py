@@ -17,7 +17,7 @@ import torch
 from torch._inductor import aoti_load_package
 
 import kvops.native
-from tests.example_loader import load_example, run_example_json
+from tests.example_loader import corrupted_copy, load_example, run_example_json
 
 llm = load_example("llm_serving")
 TINY = ["--layers", "1", "--vocab", "256", "--requests", "3", "--max-prompt", "20", "--max-new", "4",
@@ -49,6 +49,25 @@ class TestPackagedServing(unittest.TestCase):
             self.assertEqual(list(recorded), ["input_ids", "positions", "k_caches[0]", "v_caches[0]", "slot_mapping",
                                               "cu_seqlens_q", "seq_lens", "block_table"])
             self.assertEqual(recorded["block_table"], [[7, 2], "torch.int32", "cpu"])
+            # its sha256 is recorded beside it; flipped weight bytes (stale zip CRC) are refused at load, naming the
+            # file and the cure, before AOTInductor loads it (before: loaded, and gave other logits)
+            self.assertEqual(llm.digest_path(packages[0]).read_text().strip(), llm.file_digest(packages[0]))
+            bad = corrupted_copy(packages[0], pathlib.Path(tmp) / "bad")
+            args = types.SimpleNamespace(device="cpu", dtype="float32", layers=1, vocab=256, max_batch=2,
+                                         token_budget=4, max_prompt=8, max_new=4, block_size=4, impl="kvops")
+            step = llm.PackagedStep(None, args, str(bad.parent))
+            step.path = bad
+            ids = torch.zeros(4, dtype=torch.long)
+            meta = {"slot_mapping": ids, "cu_seqlens_q": ids, "seq_lens": ids, "block_table": ids}
+            with self.assertRaises(SystemExit) as cm:
+                step(ids, ids, [], [], meta)
+            self.assertEqual(str(cm.exception), (
+                f"--package: {bad} does not match the sha256 recorded in {bad.name}.sha256 when it was built: the "
+                f"file was changed or corrupted; delete {bad.name} and {bad.name}.sha256 to rebuild it"))
+            self.assertIsNone(step.package)
+            llm.digest_path(bad).unlink()
+            with self.assertRaisesRegex(SystemExit, f"{bad.name} has no readable digest record {bad.name}.sha256"):
+                llm.check_package(bad)
 
     def test_package_name_hashes_what_the_package_bakes_in(self):
         base = {"device": "cpu", "dtype": "float32", "layers": 1, "vocab": 256, "max_batch": 6, "token_budget": 32,

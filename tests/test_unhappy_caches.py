@@ -24,6 +24,7 @@ import torch
 
 import kvops
 from kvops.cache import PackedCausalKVCache, PagedKVCache, RingCausalKVCache, RollingKVCache
+from tests import unhappy_integrations
 from tests.contract import raises_everywhere
 from tests.unhappy import changed, check_failing_call, snapshot
 
@@ -210,6 +211,10 @@ case("paged_attention_layer_float", ValueError, "layer must be an int", "1.0")(
     _paged(lambda c, s: c.attention(1.0, rand(3, H, D), s)))
 
 
+# --- transformers caches, StreamingLLM forks, transfer endpoints (tests/unhappy_integrations.py) --------------------
+unhappy_integrations.add_cases(case)
+
+
 # --- the tests ---------------------------------------------------------------------------------------------------------
 class TestUnhappyCaches(unittest.TestCase):
     """One test per case: the documented exception, the needles, nothing changed."""
@@ -260,6 +265,23 @@ class TestMessages(expecttest.TestCase):
         self.assertExpectedInline(msg, """PagedKVCache.write: layer must be an int in [0, 2) (the cache holds num_layers=2), got int 5. Pass the layer's index, or build PagedKVCache with more layers.""")
         msg = check_failing_call(self, lambda: c.extend("a", 1.5), TypeError, state=c)
         self.assertExpectedInline(msg, """PagedKVCache.extend: num_tokens must be an int, got float 1.5 for sequence 'a'. Pass a whole number of tokens (int(n)).""")
+
+    def test_issue29_messages(self):
+        """Beam reorder, padding-mask hole, a deeper model, a StreamingLLM fork (tests/unhappy_integrations.py)."""
+        names = ("hf_paged_reorder_short", "hf_static_mask_hole", "hf_static_deeper_model",
+                 "streaming_fork_evicted_prefix")
+        if not set(names) <= set(CASES):
+            self.skipTest("transformers is not installed")
+        messages = []
+        for name in names:
+            build, exc, needles = CASES[name]
+            state, call = build()
+            messages.append(check_failing_call(self, call, exc, needles, state=state))
+        self.assertExpectedInline("\n".join(messages), """\
+KvopsPagedCache.reorder_cache: beam_idx=[1] has 1 entries but the cache holds batch_size=2 rows; a kvops cache keeps its batch: pass one parent row per row (len(beam_idx) == 2), or build a cache for the new batch size.
+kvops attention: attention_mask row 0 has a hole: padding (0) at position 2 between real tokens (1) at positions 0 and 5. kvops attention supports left and right padding only (each row 0...0 1...1 0...0, as generate() builds it); move the padding to the left, or use attn_implementation='sdpa' or 'eager' for such masks.
+KvopsStaticCache: a model with num_hidden_layers=4 needs more layers than this cache, which holds 2 layers (from the config it was built with); nothing was written. A cache serves one model: build it from this model's config (KvopsStaticCache(model.config, ...)).
+PagedKVCache.fork: num_tokens=32 of 0 includes blocks [1] (token positions [16, 32)) that the parent already evicted (StreamingLLM: window_left=63, sink_tokens=4), and the child's next query at position 32 would read them. Nothing was forked; pass num_tokens=192 or more (a multiple of block_size 16).""")
 
 
 # --- counting (not part of the suite) ------------------------------------------------------------------------------

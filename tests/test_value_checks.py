@@ -63,6 +63,72 @@ class TestModes(unittest.TestCase):
         with self.assertRaises(ValueError):
             kvops.value_checks("on")
 
+    def test_contexts_in_threads_exited_out_of_order(self):
+        """Issue 29: two threads' ``value_checks`` blocks, exited out of order (real threads, forced interleaving):
+        each thread sees its own mode, the other thread's block never changes it, and afterwards the process is
+        back in "eager" (before, it was left in "off" for good and an over-capacity cache_seqlens passed)."""
+        import threading
+
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+        seen, errors = {}, []
+
+        def thread_a():  # enters "off" first, exits first
+            try:
+                with kvops.value_checks("off"):
+                    a_in.set()
+                    b_in.wait(10)
+                    seen["a inside"] = kvops.get_value_checks()
+                a_out.set()
+                seen["a after"] = kvops.get_value_checks()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        def thread_b():  # enters "async" second, exits last
+            try:
+                a_in.wait(10)
+                with kvops.value_checks("async"):
+                    b_in.set()
+                    a_out.wait(10)
+                    seen["b inside"] = kvops.get_value_checks()
+                seen["b after"] = kvops.get_value_checks()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=f) for f in (thread_a, thread_b)]
+        for t in threads:
+            t.start()
+        seen["main during"] = kvops.get_value_checks()
+        for t in threads:
+            t.join(20)
+        self.assertEqual(errors, [])
+        self.assertEqual(seen, {"a inside": "off", "a after": "eager", "b inside": "async", "b after": "eager",
+                                "main during": "eager"})
+        self.assertEqual(kvops.get_value_checks(), "eager")
+        q, kc = torch.randn(1, 1, 2, 8), torch.zeros(2, 4, 2, 8)  # the issue's follow-up: still refused
+        with self.assertRaisesRegex(RuntimeError, "cache_seqlens=9"):
+            kvops.flash_attn_with_kvcache(q, kc, kc.clone(), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8),
+                                          cache_seqlens=torch.tensor([9], dtype=torch.int32),
+                                          block_table=torch.tensor([[0, 1]], dtype=torch.int32))
+
+    def test_set_value_checks_inside_a_context_and_in_threads(self):
+        """``set_value_checks`` inside a block changes that block's mode (restored at its end); outside any block it
+        sets the process default, which threads without a block of their own see."""
+        import threading
+
+        with kvops.value_checks("off"):
+            kvops.set_value_checks("async")
+            self.assertEqual(kvops.get_value_checks(), "async")
+        self.assertEqual(kvops.get_value_checks(), "eager")
+        seen = []
+        try:
+            kvops.set_value_checks("off")
+            t = threading.Thread(target=lambda: seen.append(kvops.get_value_checks()))
+            t.start()
+            t.join(10)
+        finally:
+            kvops.set_value_checks("eager")
+        self.assertEqual(seen, ["off"])
+
     def test_mode_is_guarded_by_compiled_code(self):
         k_cache, v_cache = paged_caches()
         key, good = torch.randn(2, 2, 16), torch.tensor([0, 31])

@@ -17,7 +17,7 @@ from unittest import mock
 import torch
 
 from kvops.export import init_cursors, streaming_update
-from tests.example_loader import load_example, run_example_json
+from tests.example_loader import corrupted_copy, load_example, run_example_json
 
 video = load_example("streaming_video")
 TINY = ["--layers", "1", "--tokens-per-frame", "1", "--ffn", "64", "--chunks", "8", "--steps", "1", "--repeats", "1",
@@ -50,6 +50,11 @@ class TestPackagedStream(unittest.TestCase):
                     self.assertEqual(status, verb)
                     paths.append(pathlib.Path(path))
                 self.assertEqual(sorted(paths), packages)
+            for package in packages:  # each checked against the sha256 recorded at build time (test_llm_package:
+                video.check_package(package)  # the refusal through PackagedStep)
+            bad = corrupted_copy(packages[0], pathlib.Path(tmp) / "bad")
+            with self.assertRaisesRegex(SystemExit, f"{bad} does not match the sha256 recorded in {bad.name}.sha256"):
+                video.check_package(bad)
 
     def test_package_name_hashes_what_the_package_bakes_in(self):
         base = {"device": "cpu", "dtype": "float32", "layers": 1, "tokens_per_frame": 8, "ffn": 64, "impl": "kvops"}

@@ -5,25 +5,17 @@ calls from it: every tensor argument in another dtype, with an extra dim, on the
 the caches; sizes that disagree; caches that overlap in memory; index values out of range. A case names the exception
 type it must raise and the needles its message must contain (the argument's name, and the value where one is bad).
 
-``run_cases()`` classifies each case (in a forked child per case, so a crash or hang is one outcome, not the end):
-
-- ``clear``: the documented type, every needle in the message, every tensor (whole storage) and cursor unchanged;
-- ``unclear``: another exception type or a message without a needle, state unchanged;
-- ``changed``: raised, but a tensor or cursor changed (changed-on-failure);
-- ``silent``: returned without an error (for ``exc=None`` cases: a wrong or state-changing result);
-- ``crash``: killed by a signal; ``hang``: still running after the timeout.
-
-``python tests/unhappy_ops_cases.py [REPO]`` prints the counts for the kvops checkout at REPO (default: this one), so
-the same cases can be run against another branch (issue 17's closing counts). Imports only ``kvops`` and torch.
+This is the ``ops`` source of the registry in ``tests/unhappy.py`` (``unhappy_cases()``), whose runner classifies
+each case in a forked child (clear / unclear / changed-on-failure / silent-wrong / crash / hang):
+``python -m tests.unhappy --report`` counts every source; ``python tests/unhappy_ops_cases.py [REPO] [-v]`` counts
+this one, for the kvops checkout at REPO (default: this one), so the same cases can be run against another branch.
+Imports only ``kvops``, torch and ``tests.unhappy``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import sys
-import traceback
 
 import torch
 
@@ -39,11 +31,9 @@ def _t(*shape, dtype=F, seed=0):
     return torch.randn(shape, generator=g).to(dtype)
 
 
-class Case:
-    """``build()`` -> ``(call, state)``: a fresh call and every tensor it may touch; ``exc`` None: must not fail."""
-
-    def __init__(self, name, build, exc, needles=(), mode=None):
-        self.name, self.build, self.exc, self.needles, self.mode = name, build, exc, needles, mode
+if __name__ == "__main__":  # run as a script: the repository root (tests.unhappy) on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.unhappy import Case  # noqa: E402  (the registry's case record)
 
 
 # --- base calls: (fn, args dict, names of the tensors it may mutate) -------------------------------------------------
@@ -388,98 +378,27 @@ def _overlap_cases():
     return out
 
 
-# --- running and classifying ----------------------------------------------------------------------------------------
-def _snapshot(state):
-    from tests.unhappy import snapshot
-    return snapshot(state)
+# --- running and classifying (tests/unhappy.py: the registry's runner) --------------------------------------------
+def unhappy_cases() -> list[Case]:
+    """This source's cases for ``python -m tests.unhappy --report``."""
+    return generate()
 
 
 def classify(case: Case) -> tuple[str, str]:
     """(outcome, detail) of one case in this process."""
-    import kvops
-    from tests.unhappy import changed
-
-    call, state = case.build()
-    before = _snapshot(state)
-    mode = case.mode or "eager"
-    try:
-        with kvops.value_checks(mode):
-            result = call()
-    except BaseException as e:  # noqa: BLE001 - every exception is an outcome here
-        msg = f"{type(e).__name__}: {e}"
-        if changed(before, _snapshot(state)):
-            return "changed", msg
-        if case.exc is None or type(e) is not case.exc or not all(str(n) in str(e) for n in case.needles):
-            return "unclear", msg
-        return "clear", msg
-    if case.exc is None and not changed(before, _snapshot(state)) and _empty_ok(result):
-        return "clear", "correct empty result"
-    return "silent", f"returned {type(result).__name__}"
-
-
-def _empty_ok(result) -> bool:
-    return result is None or isinstance(result, (torch.Tensor, tuple))
-
-
-def _run_forked(case, timeout: float):
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        try:
-            outcome = classify(case)
-        except BaseException:  # noqa: BLE001 - the harness itself failed: report it
-            outcome = ("unclear", "harness: " + traceback.format_exc()[-500:])
-        os.write(w, json.dumps(outcome).encode())
-        os._exit(0)
-    os.close(w)
-    import select
-    ready, _, _ = select.select([r], [], [], timeout)
-    if not ready:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(r)
-        return "hang", f"no result within {timeout} s"
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return "crash", f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-    return tuple(json.loads(data)) if data else ("crash", "no result")
+    from tests.unhappy import classify as run_one
+    return run_one(case)
 
 
 def run_cases(cases=None, timeout: float = 60.0, fork: bool = True) -> list[tuple[str, str, str]]:
     """``[(case name, outcome, detail)]``; ``fork``: each case in a forked child (crash/hang isolation)."""
-    torch.set_num_threads(1)  # forked children must not inherit a started thread pool
-    import kvops
-    kvops.paged_attention  # noqa: B018 - import (and native build) in the parent
-    from kvops import native
-    native.available()
-    cases = generate() if cases is None else cases
-    out = []
-    for case in cases:
-        outcome, detail = _run_forked(case, timeout) if fork else classify(case)
-        out.append((case.name, outcome, detail))
-    return out
+    from tests.unhappy import run_cases as run
+    return run(generate() if cases is None else cases, timeout=timeout, fork=fork)
 
 
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    results = run_cases()
-    counts: dict = {}
-    for name, outcome, detail in results:
-        counts[outcome] = counts.get(outcome, 0) + 1
-        if "-v" in argv or outcome != "clear":
-            print(f"{outcome:8s} {name}: {detail[:300]}")
-    print(json.dumps({"total": len(results), **counts}))
+if __name__ == "__main__":  # python tests/unhappy_ops_cases.py [REPO] [-v]: this source's counts (tests/unhappy.py)
+    from tests.unhappy import report
 
-
-if __name__ == "__main__":
     repo = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, here)  # tests.unhappy (the harness)
-    if repo:
-        sys.path.insert(0, os.path.abspath(repo))  # kvops from REPO
-    main([a for a in sys.argv[1:] if a.startswith("-")])
+    report(["--report", "--source", "ops", *(["--repo", repo] if repo else []),
+            *[a for a in sys.argv[1:] if a.startswith("-")]])

@@ -145,3 +145,28 @@ def check_fp8_scales(op: str, k_cache: torch.Tensor, k_scale, v_scale) -> None:
                 f"KV head of the cache), got shape {tuple(scale.shape)} and dtype {scale.dtype}."
             )
         require_same_device(op, name, scale, "k_cache", k_cache)
+
+
+def require_finite(op: str, name: str, value, what: str, fix: str) -> None:
+    """``ValueError`` when the float ``value`` is NaN or +-inf (``what``: what it is; ``fix``: the sentence that says
+    what to pass). A NaN or infinite scalar turns every score into NaN or 0 inside the kernels, indistinguishable from
+    "no keys": refused at the contract (issue 29)."""
+    if value is not None and not -float("inf") < value < float("inf"):
+        raise ValueError(f"{op}: {name} must be a finite number ({what}), got {value}. {fix}")
+
+
+# Sequence positions and lengths are int32 (seq_lens, cu_seqlens_q, cache_seqlens): a window or a sink count of at
+# least this many positions covers every key, whatever its size beyond (issue 29: sys.maxsize overflowed int64
+# arithmetic such as pos + window_right + 1 in the kernels).
+UNBOUNDED = 2**31
+
+
+def resolve_bounds(window_left, window_right, sink_tokens):
+    """``(window_left, window_right, sink_tokens)`` as the kernels take them: a window of ``UNBOUNDED`` positions or
+    more is no window (-1), and so are sink tokens that cover every key (``sink_tokens >= UNBOUNDED``: no window,
+    no sinks), so that "unbounded" stays unbounded (no int64 overflow in any backend). Other values are unchanged."""
+    if window_left >= UNBOUNDED or sink_tokens >= UNBOUNDED:
+        window_left, sink_tokens = -1, 0
+    if window_right >= UNBOUNDED:
+        window_right = -1
+    return window_left, window_right, sink_tokens

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import FP8_DTYPE, as_int, check_fp8_scales, require_dim_match, require_ndim, require_same_device
+from .common import (FP8_DTYPE, as_int, check_fp8_scales, require_dim_match, require_finite, require_ndim,
+                     require_same_device)
 from .paged_write import check_paged_caches, layout_hint
 
 OP = "kvops.paged_attention"
@@ -63,8 +64,8 @@ def check_paged_attention(
     ``head_dim`` of q vs ``k_cache``; ``H_q % H_kv != 0``; index tensors that are not int32 or have the wrong rank;
     ``block_table``/``seq_lens``/``cu_seqlens_q`` inconsistent in ``B``; devices; ``sinks`` not fp32 ``[H_q]``;
     an fp8 cache without ``k_scale``/``v_scale``, scales with a non-fp8 cache, scales not fp32 ``[1]``/``[H_kv]``;
-    ``max_seqlen_q < 1`` while q has tokens; ``window_left < -1``; ``softcap < 0``; and the features of
-    docs/attention_features.md (:func:`check_features`).
+    ``max_seqlen_q < 1`` while q has tokens; ``window_left < -1``; ``softcap < 0``; a ``scale`` or ``softcap``
+    that is NaN or infinite; and the features of docs/attention_features.md (:func:`check_features`).
     """
     k_cache, v_cache = check_paged_caches(OP, k_cache, v_cache, kv_layout)  # "v_cache must be provided" first
     require_ndim(OP, "q", q, 3, Q_LAYOUT)
@@ -106,6 +107,10 @@ def check_paged_attention(
         raise ValueError(f"{OP}: window_left must be -1 (no window) or >= 0, got {window_left}.")
     if softcap < 0:
         raise ValueError(f"{OP}: softcap must be >= 0 (0 disables it), got {softcap}.")
+    require_finite(OP, "softcap", softcap, "scores become softcap * tanh(score / softcap); 0 disables it",
+                   "Pass a finite softcap >= 0 (e.g. Gemma-2's 50.0), or 0.0 for none.")
+    require_finite(OP, "scale", scale, "the softmax scale on q·k; None: head_dim ** -0.5",
+                   "Pass a finite scale, or None for the default.")
 
     if sinks is not None:
         if sinks.dtype != torch.float32 or sinks.dim() != 1 or sinks.shape[0] != num_heads:
@@ -124,8 +129,9 @@ def check_features(op, q, batch, alibi_slopes, window_right, cache_leftpad, sink
                    rope_scale) -> None:
     """The attention features of docs/attention_features.md (``ValueError`` naming the argument, value and fix):
     ``alibi_slopes`` float32 ``[H_q]`` or ``[B, H_q]`` on q's device; ``window_right >= -1``; ``cache_leftpad``
-    int32 ``[B]`` on q's device; ``sink_tokens >= 0``; ``rope_theta > 0`` and ``rope_scale > 0`` with an even
-    ``head_dim``."""
+    int32 ``[B]`` on q's device; ``sink_tokens >= 0``; finite ``rope_theta > 0`` and ``rope_scale > 0`` with an
+    even ``head_dim``. (The contents of ``alibi_slopes``, NaN or infinite slopes, are a value contract:
+    ``kvops/_checks/values.py``.)"""
     num_heads = q.shape[1]
     if alibi_slopes is not None:
         shape = tuple(alibi_slopes.shape)
@@ -153,6 +159,9 @@ def check_features(op, q, batch, alibi_slopes, window_right, cache_leftpad, sink
                 f"{op}: RoPE at read time needs rope_theta > 0 and rope_scale > 0, got rope_theta={rope_theta} and "
                 f"rope_scale={rope_scale} (FlashInfer's defaults: 1e4 and 1)."
             )
+        for name, x in (("rope_theta", rope_theta), ("rope_scale", rope_scale)):
+            require_finite(op, name, x, "RoPE at read time turns position p by p / rope_scale * rope_theta ** "
+                           "(-2i / head_dim)", "Pass a finite value (FlashInfer's defaults: 1e4 and 1).")
         if q.shape[2] % 2:
             raise ValueError(
                 f"{op}: RoPE at read time rotates pairs (j, j + head_dim / 2) and needs an even head_dim, got "

@@ -11,58 +11,74 @@ a block id past ``P``, a ``seq_len`` past the block table) is checked here, in o
   is written even if the assert runs after the write (e.g. CUDA's asynchronous device assert).
 * ``"off"``: no checks; a violated contract is undefined behaviour of the kernel (docs/semantics.md §7).
 
-The mode is process-global (as ``torch.set_default_dtype``); Dynamo guards on it, so changing it recompiles.
+The mode is a process default (``set_value_checks``, as ``torch.set_default_dtype``) that a ``value_checks`` block
+overrides for the calling thread only, so threads never change each other's mode; Dynamo guards on it, so changing it
+recompiles.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 MODES = ("eager", "async", "off")
-_mode = "eager"
+_mode = "eager"  # the process default (set_value_checks outside any value_checks block)
+_local = threading.local()  # .stack: the modes of this thread's open value_checks blocks, innermost last
 
 
 def get_value_checks() -> str:
-    """The current value-check mode: ``"eager"`` (default), ``"async"`` or ``"off"``."""
-    return _mode
+    """The current value-check mode of the calling thread: that of its innermost open ``value_checks`` block, else the
+    process default (``"eager"`` unless ``set_value_checks`` changed it)."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else _mode
 
 
 def set_value_checks(mode: str) -> None:
-    """Set the value-check mode for the process (docs/semantics.md §7). Raises ``ValueError`` for an unknown mode."""
+    """Set the value-check mode (docs/semantics.md §7): inside a ``value_checks`` block, that block's mode for the
+    calling thread (the block's end restores the mode before it); outside any block, the process default, which every
+    thread without a block of its own uses. Raises ``ValueError`` for an unknown mode."""
     global _mode
     if mode not in MODES:
         raise ValueError(f"kvops.set_value_checks: mode must be one of {MODES}, got {mode!r}.")
-    _mode = mode
+    stack = getattr(_local, "stack", None)
+    if stack:
+        stack[-1] = mode
+    else:
+        _mode = mode
 
 
 class value_checks:
     """Context manager: ``with kvops.value_checks("async"): ...`` runs the block in ``mode`` and restores the mode.
 
     Modes: ``"eager"`` (default; host-sync checks in eager code, none while tracing), ``"async"`` (graph asserts,
-    no host sync, also inside compiled/exported graphs), ``"off"``. Enter it *outside* a compiled function: the mode
-    is read when the function is traced (and guarded on), not at every run.
+    no host sync, also inside compiled/exported graphs), ``"off"``. The mode applies to the calling thread only
+    (blocks of several threads may open and close in any order: each thread sees its own, and the process default is
+    never changed by a block). Enter it *outside* a compiled function: the mode is read when the function is traced
+    (and guarded on), not at every run.
     """
 
     def __init__(self, mode: str) -> None:
         if mode not in MODES:
             raise ValueError(f"kvops.value_checks: mode must be one of {MODES}, got {mode!r}.")
         self.mode = mode
-        self._prev: list[str] = []
 
     def __enter__(self) -> "value_checks":
-        self._prev.append(_mode)
-        set_value_checks(self.mode)
+        if getattr(_local, "stack", None) is None:
+            _local.stack = []
+        _local.stack.append(self.mode)
         return self
 
     def __exit__(self, *exc) -> None:
-        set_value_checks(self._prev.pop())
+        _local.stack.pop()
 
 
 def _active(*tensors: torch.Tensor) -> str | None:
     """The mode to apply to this call: ``"eager"`` only on real tensors outside tracing, ``"async"``, or None."""
-    if _mode == "off":
+    mode = get_value_checks()
+    if mode == "off":
         return None
-    if _mode == "async":
+    if mode == "async":
         return "async"
     if torch.compiler.is_compiling() or any(type(t) not in _REAL or t.is_meta for t in tensors):  # tracing
         return None
@@ -303,6 +319,33 @@ def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_s
     _assert(~v["leftpad"].any(), f"{op}: cache_leftpad holds a row outside [0, seq_len]. {hint}")
     _assert(~v["block"].any(),
             f"{op}: block_table holds a block id outside [0, P = {_known(num_blocks)}) in a used entry. {hint}")
+
+
+def check_alibi_slopes(alibi_slopes, op: str = "kvops.paged_attention"):
+    """Every ALiBi slope finite, in the current mode (a NaN or infinite slope makes every score of its head NaN or
+    +-inf; issue 29). eager: ``RuntimeError`` naming the first bad ``alibi_slopes[...]`` and its value, before
+    anything runs; async: ``torch._assert_async``, returning its ``ok`` flag (so a writer can skip its write);
+    off / tracing in eager mode: unchecked (the kernels then give NaN rows, never 0). Returns None except in async
+    mode. Metadata errors (dtype, shape) are the validator's."""
+    if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
+        return None
+    mode = _active(alibi_slopes)
+    if mode is None:
+        return None
+    bad = ~torch.isfinite(alibi_slopes)
+    if mode == "async":
+        ok = ~bad.any()
+        _assert(ok, f"{op}: alibi_slopes holds a NaN or infinite slope. Run with kvops.value_checks('eager') to see "
+                    f"it.")
+        return ok
+    if bool(bad.any()):
+        at = ", ".join(str(int(i)) for i in bad.nonzero()[0])
+        raise RuntimeError(
+            f"{op}: alibi_slopes[{at}] = {float(alibi_slopes[tuple(bad.nonzero()[0])])} is not finite; ALiBi adds "
+            f"-slope * |pos - j| to every score of its head, so every score would be NaN or infinite. Pass finite "
+            f"slopes (e.g. 2 ** (-8 h / H_q), FlashAttention's and FlashInfer's)."
+        )
+    return None
 
 
 # --- flash_attn_with_kvcache ----------------------------------------------------------------------------------

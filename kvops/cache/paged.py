@@ -8,6 +8,7 @@ goes through ``kvops.paged_cache_write`` (reads through ``kvops.paged_attention`
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping
@@ -181,6 +182,19 @@ class PagedKVCache:
         except KeyError:
             raise ValueError(f"PagedKVCache: unknown sequence {seq_id!r}; add it with add_sequence first.") from None
 
+    @contextlib.contextmanager
+    def _atomic(self):
+        """Block-manager transaction: if the block raises, the free pool, reference counts and sequences are
+        restored (tensors are not: do tensor work after the block)."""
+        saved = list(self._free), list(self._refs), {k: _Seq(list(s.blocks), s.length) for k, s in self._seqs.items()}
+        try:
+            yield
+        except BaseException:  # in place: the containers may be referenced elsewhere
+            self._free[:], self._refs[:] = saved[:2]
+            self._seqs.clear()
+            self._seqs.update(saved[2])
+            raise
+
     def add_sequence(self, seq_id: Hashable) -> None:
         """Start an empty sequence (no blocks until it is extended)."""
         if seq_id in self._seqs:
@@ -264,11 +278,35 @@ class PagedKVCache:
                 f"{parent.length // bs * bs}."
             )
         blocks = parent.blocks[: n // bs]
+        self._check_fork_visible(parent, parent_id, n)
         for block in blocks:
             if block >= 0:  # (an evicted entry stays -1 in the child)
                 self._refs[block] += 1
         self._seqs[child_id] = _Seq(list(blocks), n)
         return n
+
+    def _check_fork_visible(self, parent: _Seq, parent_id: Hashable, n: int) -> None:
+        """``ValueError`` when a StreamingLLM parent evicted (``-1``) a block among the first ``n // block_size``
+        that the child's next query (position ``n``) would see: sink blocks, or blocks in its window."""
+        seen = self._evicted_but_visible(parent.blocks, n)
+        if not seen:
+            return
+        bs = self.block_size
+        ok = [m for m in range(n, parent.length // bs * bs + 1, bs) if not self._evicted_but_visible(parent.blocks, m)]
+        raise ValueError(
+            f"PagedKVCache.fork: num_tokens={n} of {parent_id!r} includes blocks {seen} (token positions "
+            f"[{seen[0] * bs}, {(seen[-1] + 1) * bs})) that the parent already evicted (StreamingLLM: window_left="
+            f"{self.window_left}, sink_tokens={self.sink_tokens}), and the child's next query at position {n} would "
+            f"read them. Nothing was forked; "
+            + (f"pass num_tokens={ok[0]} or more (a multiple of block_size {bs})." if ok
+               else "fork before the parent evicts them.")
+        )
+
+    def _evicted_but_visible(self, blocks: list[int], n: int) -> list[int]:
+        """Indices of evicted entries among the first ``n // block_size`` of ``blocks`` that a query at position
+        ``n`` sees."""
+        hidden = set(self._evictable(_Seq([0] * (n // self.block_size), n)))
+        return [i for i, b in enumerate(blocks[: n // self.block_size]) if b < 0 and i not in hidden]
 
     # --- per-step metadata --------------------------------------------------------------------------------------
     def prepare(

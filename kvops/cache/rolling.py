@@ -9,6 +9,8 @@ window has filled yet.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .._checks.contiguous import check_cache_write
@@ -54,6 +56,10 @@ class RollingKVCache:
                  device: torch.device | str | None = None) -> "RollingKVCache":
         """Zero-initialized caches ``[batch, window_size, num_kv_heads, head_dim]``; ``dtype``/``device`` default to
         torch's defaults, as for torch factories (the rule of every kvops cache, docs/semantics.md)."""
+        for name, x in (("batch", batch), ("window_size", window_size), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise TypeError(f"RollingKVCache.allocate: {name} must be an int, got {type(x).__name__} {x!r}.")
         if window_size <= 0:
             raise ValueError(f"RollingKVCache: window_size must be positive, got {window_size}.")
         shape = (batch, window_size, num_kv_heads)

@@ -20,48 +20,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from ..cache import PagedKVCache, RollingKVCache
 from ..ops import paged_cache_write
-
-
-def check_room(cache: str, seen, num_tokens, max_cache_len: int) -> None:
-    """``ValueError`` naming the positions, ``max_cache_len`` and the fix when ``num_tokens`` new tokens after
-    ``seen`` do not fit (raised before anything is written)."""
-    if seen + num_tokens > max_cache_len:
-        raise ValueError(
-            f"{cache}: writing {num_tokens} token{'s' if num_tokens != 1 else ''} at positions [{seen}, "
-            f"{seen + num_tokens}) exceeds max_cache_len="
-            f"{max_cache_len}, the tokens each sequence holds (prompt + generated). Allocate the cache with "
-            f"max_cache_len >= the prompt length + max_new_tokens of the whole generate() call (this step alone "
-            f"needs {seen + num_tokens})."
-        )
-
-
-def check_states(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-    """``ValueError`` (raised before anything is written) unless ``key_states`` / ``value_states`` are
-    ``[B, H_kv, T, D]`` / ``[B, H_kv, T, D_v]`` of the batch size, KV heads, head dims, dtype and device the layer's
-    storage was allocated for at the cache's first forward."""
-    want = (layer.batch_size, layer.num_heads, key_states.shape[-2] if key_states.dim() == 4 else "T")
-    for name, x, d in (("key_states", key_states, layer.head_dim), ("value_states", value_states, layer.head_dim_v)):
-        if (x.dim() != 4 or tuple(x.shape[:3]) != want or x.shape[3] != d or x.dtype != layer.dtype
-                or x.device != layer.device):
-            raise ValueError(
-                f"{layer.cache_name}: {name} has shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}; this "
-                f"cache was allocated at its first forward for [batch_size={layer.batch_size}, "
-                f"num_kv_heads={layer.num_heads}, T, head_dim={d}] {layer.dtype} states on {layer.device} (key and "
-                f"value with the same T). Create a new {layer.cache_name} for this model, batch size or dtype "
-                f"(reset() keeps the allocation)."
-            )
-
-
-def _crop_count(cache: str, tokens_to_remove: int, seen: int) -> int:
-    """Tokens a ``crop(tokens_to_remove)`` removes (transformers' convention: a negative count), or ``ValueError``."""
-    if tokens_to_remove > 0:
-        raise ValueError(
-            f"{cache}.crop({tokens_to_remove}): pass a negative number of tokens to remove (as transformers' "
-            f"DynamicCache); positive values (a final length) are not supported."
-        )
-    if -tokens_to_remove > seen:
-        raise ValueError(f"{cache}.crop({tokens_to_remove}): the cache holds only {seen} tokens.")
-    return -tokens_to_remove
+from ._hf_checks import (_crop_count, beam_indices, check_depth, check_room, check_states,
+                         remember_mask_sizes_caller)
 
 
 class KvopsStaticLayer(CacheLayerMixin):
@@ -127,7 +87,8 @@ class KvopsStaticLayer(CacheLayerMixin):
             self.cumulative_length.add_(t)
             return self.keys, self.values
         pos = self._positions(t)
-        slots = torch.where(pos < self.max_cache_len, self._row0 + pos, self.batch_size * self.max_cache_len)
+        inside = (pos >= 0) & (pos < self.max_cache_len)  # else a slot outside the cache: the write refuses it
+        slots = torch.where(inside, self._row0 + pos, self.batch_size * self.max_cache_len)
         paged_cache_write(key_states.transpose(1, 2).reshape(-1, *self.k.shape[2:]),
                           value_states.transpose(1, 2).reshape(-1, *self.v.shape[2:]), self.k, self.v,
                           slots.view(-1))
@@ -155,11 +116,16 @@ class KvopsStaticLayer(CacheLayerMixin):
             self.cumulative_length.sub_(_crop_count(self.cache_name, tokens_to_remove, int(self.cumulative_length)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: sequence ``i`` becomes old sequence ``beam_idx[i]`` (in place, same storage)."""
+        """Beam search: sequence ``i`` becomes old sequence ``beam_idx[i]`` (in place, same storage). ``beam_idx``:
+        ``[B]`` int64/int32 tensor (any device) or list of ints, each in ``[0, B)``; else ``TypeError`` /
+        ``ValueError`` before anything moves (:func:`~kvops.integrations._hf_checks.beam_indices`)."""
         if self.is_initialized:
-            idx = beam_idx.to(self.device)
-            self.k.copy_(self.k.index_select(0, idx))
-            self.v.copy_(self.v.index_select(0, idx))
+            self._reorder(beam_indices(self.cache_name, beam_idx, self.batch_size))
+
+    def _reorder(self, parents: list[int]) -> None:
+        idx = torch.tensor(parents, dtype=torch.int64, device=self.device)
+        self.k.copy_(self.k.index_select(0, idx))
+        self.v.copy_(self.v.index_select(0, idx))
 
 
 class KvopsSlidingLayer(KvopsStaticLayer):
@@ -228,7 +194,22 @@ class KvopsSlidingLayer(KvopsStaticLayer):
         self.ring.global_end = self.seen = self.seen - n
 
 
-class KvopsStaticCache(Cache):
+class _KvopsCache(Cache):
+    """What both kvops caches add to transformers' ``Cache``: a model with more layers than the cache is refused,
+    by ``kvops_mask`` before any layer writes (it sees the model's config right after ``get_mask_sizes``), else at
+    the first layer the cache lacks (:func:`~kvops.integrations._hf_checks.check_depth`)."""
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int):
+        sizes = super().get_mask_sizes(query_length, layer_idx)
+        remember_mask_sizes_caller(self, sizes)
+        return sizes
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        check_depth(self, 0, layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class KvopsStaticCache(_KvopsCache):
     """Static cache for ``generate()`` / ``torch.compile`` / ``torch.export`` on kvops contiguous caches.
 
     Full-attention layers are :class:`KvopsStaticLayer`, sliding-window layers (``config.layer_types`` or
@@ -249,6 +230,15 @@ class KvopsStaticCache(Cache):
             for kind, kw in zip(layer_types, layer_kwargs)
         ]
         super().__init__(layers=layers)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues old row ``beam_idx[i]`` in every layer; ``beam_idx`` is checked once
+        (:meth:`KvopsStaticLayer.reorder_cache`) before any layer moves."""
+        ready = [layer for layer in self.layers if layer.is_initialized]
+        if ready:
+            parents = beam_indices(self.layers[0].cache_name, beam_idx, ready[0].batch_size)
+            for layer in ready:
+                layer._reorder(parents)
 
 
 class KvopsPagedLayer(KvopsStaticLayer):
@@ -290,7 +280,7 @@ class KvopsPagedLayer(KvopsStaticLayer):
             pos = self._positions(t)
             col = (pos // bs).clamp_max(self.block_table.shape[1] - 1)
             slots = self.block_table[:, col].long() * bs + pos % bs  # [B, T]
-            slots = torch.where(pos < self.max_cache_len, slots, num_slots)
+            slots = torch.where((pos >= 0) & (pos < self.max_cache_len), slots, num_slots)
         paged_cache_write(key_states.transpose(1, 2).reshape(batch * t, *kv.shape[3:]),
                           value_states.transpose(1, 2).reshape(batch * t, *kv.shape[3:]),
                           kv[:, :, 0], kv[:, :, 1], slots.view(-1))
@@ -301,7 +291,7 @@ class KvopsPagedLayer(KvopsStaticLayer):
         raise NotImplementedError("KvopsPagedCache.reorder_cache reorders the shared block table of all layers")
 
 
-class KvopsPagedCache(Cache):
+class KvopsPagedCache(_KvopsCache):
     """Paged cache for ``generate()`` on :class:`kvops.cache.PagedKVCache` (block manager + ``[P, block_size, H_kv,
     D]`` storage per layer). Sliding-window layers keep every token; the window is applied by the attention.
 
@@ -360,16 +350,38 @@ class KvopsPagedCache(Cache):
         return self.pool
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row ``i`` continues old row ``beam_idx[i]`` (block sharing and copy-on-write, see above)."""
+        """Beam search: row ``i`` continues old row ``beam_idx[i]`` (block sharing and copy-on-write, see above).
+
+        ``beam_idx``: ``[B]`` int64/int32 tensor (any device) or list of ints, each in ``[0, B)``; else
+        ``TypeError`` / ``ValueError`` before anything moves. Atomic: if an allocation fails (``OutOfBlocksError``,
+        e.g. a ``num_blocks`` too small for the copies), the block manager, the rows and the block table are as
+        before."""
         if self.pool is None:
             return
-        parents = beam_idx.tolist()  # host-side planning (eager, between forwards)
+        parents = beam_indices("KvopsPagedCache", beam_idx, len(self.rows))  # host-side planning (eager)
         length, bs = int(self.layers[0].cumulative_length), self.block_size
         full = length // bs * bs  # tokens in full blocks: shared; the rest of the reserved range is per row
         children = defaultdict(list)
         for i, p in enumerate(parents):
             children[p].append(i)
-        new_rows: list[int | None] = [None] * len(parents)
+        rows, next_id = list(self.rows), self._next_id
+        with self.pool._atomic():  # a failing allocation restores the block manager
+            try:
+                copies = self._fork_beams(children, full, length)
+            except BaseException:
+                self.rows[:], self._next_id = rows, next_id
+                raise
+        if copies:
+            src, dst = (torch.tensor(x, device=self.pool.device) for x in zip(*copies))
+            for layer in self.layers:
+                layer.keys.index_copy_(0, dst, layer.keys.index_select(0, src))
+        self.block_table.copy_(self._table())
+
+    def _fork_beams(self, children: dict, full: int, length: int) -> list[tuple[int, int]]:
+        """The block manager's part of :meth:`reorder_cache`: new ``rows``; returns the (source, destination)
+        blocks to copy (each extra child's partly filled block)."""
+        bs = self.block_size
+        new_rows: list[int | None] = [None] * len(self.rows)
         for p, kids in children.items():
             new_rows[kids[0]] = self.rows[p]  # the first child takes the beam's blocks over
         for p, seq in enumerate(self.rows):
@@ -384,12 +396,8 @@ class KvopsPagedCache(Cache):
                 new_rows[i] = seq
                 if length > full:  # the partly filled block: copied (copy-on-write)
                     copies.append((self.pool.block_ids(self.rows[p])[full // bs], self.pool.block_ids(seq)[full // bs]))
-        self.rows = new_rows
-        if copies:
-            src, dst = (torch.tensor(x, device=self.pool.device) for x in zip(*copies))
-            for layer in self.layers:
-                layer.keys.index_copy_(0, dst, layer.keys.index_select(0, src))
-        self.block_table.copy_(self._table())
+        self.rows[:] = new_rows
+        return copies
 
     def crop(self, tokens_to_remove: int) -> None:
         """Move every layer's cursor back ``-tokens_to_remove`` tokens; ``ValueError`` if a re-opened row is shared."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ._hf_cache import KvopsPagedCache, KvopsSlidingLayer, KvopsStaticCache
+from ._hf_checks import check_cache_position
 
 
 class ExportableDecodeStep(torch.nn.Module):
@@ -33,7 +34,9 @@ class ExportableDecodeStep(torch.nn.Module):
 
     Raises:
         ValueError: a cache with sliding-window layers, another cache type, or no ``batch_size`` for an
-            uninitialized cache.
+            uninitialized cache; (calls) ``cache_position`` of another shape, or (eager) a position outside
+            ``[0, max_cache_len - T]``, before any cursor or row is written (traced: a ``torch._assert_async``).
+        TypeError: (calls) ``cache_position`` not an integer tensor.
     """
 
     def __init__(self, model: torch.nn.Module, cache: KvopsStaticCache | KvopsPagedCache,
@@ -66,6 +69,8 @@ class ExportableDecodeStep(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        layer = self.cache.layers[0]
+        check_cache_position(layer.cache_name, cache_position, input_ids.shape[1], layer.max_cache_len)
         for layer in self.cache.layers:
             layer.cumulative_length.copy_(cache_position[0])
         if position_ids is None:

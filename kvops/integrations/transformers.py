@@ -57,6 +57,7 @@ import kvops
 _pa = importlib.import_module("kvops.ops.paged_attention")  # the op's module (_direct, _implementation)
 
 from ._hf_cache import KvopsPagedCache, KvopsPagedLayer, KvopsSlidingLayer, KvopsStaticCache, KvopsStaticLayer
+from ._hf_checks import check_asked_depth, check_padding
 from ._hf_export import ExportableDecodeStep
 
 NAME = "kvops"
@@ -171,6 +172,7 @@ def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         ValueError: a mask pattern that is not representable (see ``mask_function``); in compiled and exported
             graphs the same check is a ``torch._assert_async`` (``RuntimeError`` on CPU, a device assert on CUDA).
     """
+    check_asked_depth(kwargs.get("config"), kv_length)  # a cache reused by a deeper model: before any write
     if torch.compiler.is_compiling():  # closures cannot be inspected while tracing: anything else takes the grid
         kind, segments = ("causal" if mask_function in (None, causal_mask_function) else "other"), None
     else:
@@ -185,6 +187,7 @@ def kvops_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         first[:, 1:] = segments[:, 1:] != segments[:, :-1]
         start = torch.where(first, t, 0).cummax(-1).values
         return torch.stack([start, t + 1 - start]).to(torch.int32).view(2, batch_size, q_length, 1)
+    check_padding(attention_mask, q_offset, q_length)
     if (isinstance(kv_offset, int) and torch.device(device).type == "cpu" and not torch.compiler.is_compiling()
             and _unpadded(attention_mask)):  # eager CPU, no padding (each decode step of an unpadded batch): the
         length = max(0, int(q_offset) + q_length - kv_offset)  # same metadata as below from host ints, one op
@@ -334,6 +337,13 @@ def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         )
     device = query.device
     paged = key.dim() == 5  # a KvopsPagedLayer: joint storage [P, block_size, 2, H_kv, D] and its block table
+    kv_heads = key.shape[3] if paged else key.shape[1] if key.dim() == 4 else None
+    if kv_heads and num_heads % kv_heads:
+        raise ValueError(
+            f"kvops attention: query has {num_heads} heads and key/value {kv_heads} KV heads; the query heads must "
+            f"be a multiple of num_kv_heads (GQA: query head h reads KV head h // (num_heads // num_kv_heads)). "
+            f"Check the model config's num_attention_heads / num_key_value_heads."
+        )  # a KvopsPagedLayer: joint storage [P, block_size, 2, H_kv, D] and its block table
     if paged:
         block_table, (p, block_size) = value, key.shape[:2]
         tokens = key.view(p * block_size, 1, *key.shape[2:])  # the (P, block_size) dims of the storage merge

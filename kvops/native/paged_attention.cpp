@@ -77,6 +77,13 @@ inline float hmax(vf v) {
 #endif
 }
 
+inline bool any_nan(vf v) {
+  const vi bad = v != v;
+  int32_t any = 0;
+  for (int i = 0; i < L; ++i) any |= bad[i];
+  return any != 0;
+}
+
 inline vf vtanh(vf x) {
   vi neg = x < splat(0.0f);
   vf ax = vsel(neg, -x, x);
@@ -255,10 +262,13 @@ struct Problem {
   bool streaming() const { return sink_tokens > 0 && window_left >= 0; }
 };
 
+// KV positions are int64 everywhere (a seq_len near 2^31 plus a chunk, a prefetch distance or a window overflowed
+// int32 and read out of bounds, issue 29); within a 16-token chunk the lanes' offsets from its first position are
+// small ints.
 struct Item {
   int b, q0, nq;  // sequence, first query of the tile, queries in the tile (all KV heads together)
-  int lo, hi;  // KV positions the tile can see (past the sinks when streaming)
-  int sink_hi;  // streaming: sink positions [seq_start, sink_hi) (a pass of their own, in part 0)
+  int64_t lo, hi;  // KV positions the tile can see (past the sinks when streaming)
+  int64_t sink_hi;  // streaming: sink positions [seq_start, sink_hi) (a pass of their own, in part 0)
   int parts;  // split-KV parts (1: no split)
   int64_t partial;  // offset of this item's partial results (parts > 1)
 };
@@ -268,10 +278,10 @@ struct Scratch {
   std::vector<float> qf, ktmp, kt, vtmp, s, p, alpha, zeros;
   std::vector<float> slope, rc, rs;  // ALiBi slope per (KV head, row); RoPE cos/sin [d / 2][16] of a chunk
   std::vector<double> rope_c, rope_s, rope_step_c, rope_step_s;  // RoPE: rotation at the next position, and a step
-  std::vector<int> row_pos;
+  std::vector<int64_t> row_pos;
   std::vector<const char*> pf;  // lines of one KV head of a later chunk (Prefetcher)
   std::vector<vf> lv;
-  std::vector<int> row_lo, row_hi;
+  std::vector<int64_t> row_lo, row_hi;
   void size(int rows_pad, const Problem& pb) {
     qf.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d_pad, 0.f);
     lv.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad, vf{});
@@ -355,9 +365,9 @@ void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, 
     }
     for (int g = 0; g < pb.group; ++g) {
       const int r = i * pb.group + g;
-      sc.row_lo[r] = static_cast<int>(lo);
-      sc.row_hi[r] = static_cast<int>(std::max<int64_t>(lo, hi));
-      sc.row_pos[r] = static_cast<int>(pos);
+      sc.row_lo[r] = lo;
+      sc.row_hi[r] = std::max<int64_t>(lo, hi);
+      sc.row_pos[r] = pos;
       if (pb.alibi)
         for (int h = 0; h < pb.num_kv_heads; ++h)
           sc.slope[static_cast<size_t>(h) * rows_pad + r] = pb.alibi[it.b * pb.alibi_stride + h * pb.group + g];
@@ -401,7 +411,7 @@ inline vf load16(const T* p) {
 // One chunk of n <= 16 tokens whose K/V rows are kp[t], vp[t] (unit stride, dp / dvp elements readable, tokens
 // t >= n point at zeros): scores, online softmax, accumulation. Rows go RB at a time (RB = min(rows_pad, 8)).
 template <typename T, int RB>
-inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int n, int j0, int rows, int rows_pad,
+inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int n, int64_t j0, int rows, int rows_pad,
                   Scratch& sc, const float* qf, float* m, vf* lv, float* acc, Prefetcher& pf, const float* slope) {
   const int dp = pb.d_pad, dvp = pb.dv_pad;
   float* S = sc.s.data();
@@ -445,21 +455,34 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
       }
     }
   }
-  // online softmax per row (softcap before masking)
+  // online softmax per row (softcap before masking); lane c is position j0 + c
   vi lane;
   for (int c = 0; c < L; ++c) lane[c] = c;
-  const vi pos = lane + j0;
+  // a bound as a lane offset from j0, clamped into [-1, L] (int64 positions, int32 lanes)
+  auto rel = [j0](int64_t x) { return static_cast<int32_t>(std::clamp<int64_t>(x - j0, -1, L)); };
   for (int r = 0; r < rows; ++r) {
     vf s = loadu(S + r * L);
     if (pb.softcap > 0.f) s = vtanh(s * (1.0f / pb.softcap)) * pb.softcap;
     if (slope) {  // ALiBi: - slope * |pos - j|, after softcap, before masking
-      const vf dist = __builtin_convertvector(pos - splati(sc.row_pos[r]), vf);
+      const int64_t d0 = j0 - sc.row_pos[r];  // lane c is at distance d0 + c
+      vf dist;
+      if (d0 > -(int64_t(1) << 24) && d0 < (int64_t(1) << 24)) {  // exact in int32 and fp32
+        dist = __builtin_convertvector(lane + splati(static_cast<int32_t>(d0)), vf);
+      } else {
+        for (int c = 0; c < L; ++c) dist[c] = static_cast<float>(d0 + c);
+      }
       s -= slope[r] * vsel(dist < splat(0.f), -dist, dist);
     }
-    const int rlo = sc.row_lo[r], rhi = sc.row_hi[r];
+    const int64_t rlo = sc.row_lo[r], rhi = sc.row_hi[r];
     if (!(n == L && rlo <= j0 && j0 + L <= rhi)) {
-      const vi vis = (pos >= splati(rlo)) & (pos < splati(std::min(rhi, j0 + n)));
+      const vi vis = (lane >= splati(rel(rlo))) & (lane < splati(rel(std::min<int64_t>(rhi, j0 + n))));
       s = vsel(vis, s, splat(NEG_INF));
+    }
+    if (any_nan(s)) {  // a visible key's NaN score (NaN in q or K, a NaN slope): the row is NaN, as SDPA's (its
+      lv[r] = splat(std::numeric_limits<float>::quiet_NaN());  // l stays NaN: finalize writes NaN, never 0 / -inf)
+      alpha[r] = 1.f;
+      storeu(P + r * L, splat(0.f));
+      continue;
     }
     const float mc = hmax(s);
     if (mc <= m[r]) {  // running max unchanged (also: nothing visible in this chunk)
@@ -496,8 +519,8 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
 // head, m [rows_pad], l [rows_pad], acc [rows_pad, dv_pad] (head_size floats), updated in place. The KV heads of a
 // chunk are processed back to back, so a token's rows of all heads (often one contiguous run) are read together.
 template <typename TK, int RB>
-void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int rows_pad, Scratch& sc, float* state,
-            int64_t head_size) {
+void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows, int rows_pad, Scratch& sc,
+            float* state, int64_t head_size) {
   const TK* kc = static_cast<const TK*>(pb.k);
   const TK* vc = static_cast<const TK*>(pb.v);
   const int32_t* table = pb.table + it.b * pb.table_stride;
@@ -519,7 +542,7 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
   const TK* zeros = reinterpret_cast<const TK*>(sc.zeros.data());
   const int k_bytes = d * static_cast<int>(sizeof(TK)), v_bytes = pb.d_v * static_cast<int>(sizeof(TK));
   // head 0's rows of positions [j, j + n): one division per run of positions, then (block, row) steps
-  auto token_bases = [&](int j, int n, const TK** k, const TK** v) {
+  auto token_bases = [&](int64_t j, int n, const TK** k, const TK** v) {
     int64_t blk_i = j / pb.block_size, row = j % pb.block_size;
     int64_t blk = table[blk_i];
     for (int t = 0; t < n; ++t) {
@@ -538,12 +561,13 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
   const int ahead = std::max(1, (PREFETCH_BYTES + unit_bytes - 1) / unit_bytes);
   const TK* fk[L];
   const TK* fv[L];
-  int fj = -1, fn = 0;  // the chunk whose bases fk/fv hold, its tokens
-  auto list_lines = [&](int j, int h) {
+  int64_t fj = -1;  // the chunk whose bases fk/fv hold
+  int fn = 0;  // its tokens
+  auto list_lines = [&](int64_t j, int h) {
     if (j >= hi) return Prefetcher{sc.pf.data(), 0, 0};
     if (j != fj) {
       fj = j;
-      fn = std::min(L, hi - j);
+      fn = static_cast<int>(std::min<int64_t>(L, hi - j));
       token_bases(j, fn, fk, fv);
     }
     int c = 0;
@@ -557,7 +581,7 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
     }
     return Prefetcher{sc.pf.data(), c, 0};
   };
-  for (int u = 0; u < ahead; ++u) list_lines(lo + u / nh * L, u % nh).rest();  // the first units: at once
+  for (int u = 0; u < ahead; ++u) list_lines(lo + int64_t(u / nh) * L, u % nh).rest();  // the first units: at once
   const int half = pb.d / 2;
   if (pb.rope_freq) {  // the rotation at the first key position; later ones by exact steps (double)
     const double p0 = static_cast<double>(lo - pb.seq_start(it.b));
@@ -566,8 +590,8 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
       sc.rope_s[i] = std::sin(p0 * pb.rope_freq[i]);
     }
   }
-  for (int j0 = lo; j0 < hi; j0 += L) {
-    const int n = std::min(L, hi - j0);
+  for (int64_t j0 = lo; j0 < hi; j0 += L) {
+    const int n = static_cast<int>(std::min<int64_t>(L, hi - j0));
     token_bases(j0, n, kb, vb);
     if (pb.rope_freq) {  // cos/sin of the chunk's 16 positions, shared by its KV heads
       double* c = sc.rope_c.data();
@@ -586,7 +610,7 @@ void attend(const Problem& pb, const Item& it, int lo, int hi, int rows, int row
     }
     for (int h = 0; h < nh; ++h) {
       const float* slope = pb.alibi ? sc.slope.data() + static_cast<size_t>(h) * rows_pad : nullptr;
-      Prefetcher pf = list_lines(j0 + (h + ahead) / nh * L, (h + ahead) % nh);
+      Prefetcher pf = list_lines(j0 + int64_t((h + ahead) / nh) * L, (h + ahead) % nh);
       const float* qf = sc.qf.data() + static_cast<size_t>(h) * rows_pad * dp;
       float* m = state + h * head_size;
       float* acc = m + 2 * rows_pad;
@@ -631,7 +655,7 @@ void finalize(const Problem& pb, const Item& it, int h, int rows, int rows_pad, 
   for (int r = 0; r < rows; ++r) {
     const int i = r / pb.group, hh = h * pb.group + r % pb.group;
     float mr = m[r], lr = l[r], f = 1.f;
-    const bool has_keys = lr > 0.f;
+    const bool has_keys = lr > 0.f || lr != lr;  // NaN: a visible key's NaN score (chunk), the row is NaN
     if (pb.sinks) {  // exp(sink) joins the denominator, carries no value
       const float sink = pb.sinks[hh], m_new = std::max(mr, sink);
       f = std::exp(mr - m_new);
@@ -642,7 +666,7 @@ void finalize(const Problem& pb, const Item& it, int h, int rows, int rows_pad, 
     TQ* o = out + ((t0 + i) * pb.num_heads + hh) * pb.d_v;
     const float* a = acc + static_cast<size_t>(r) * pb.dv_pad;
     for (int e = 0; e < pb.d_v; ++e) o[e] = static_cast<TQ>(has_keys ? a[e] * w : 0.f);
-    pb.lse[hh * pb.num_tokens + t0 + i] = lr > 0.f ? mr + std::log(lr) : NEG_INF;
+    pb.lse[hh * pb.num_tokens + t0 + i] = lr > 0.f || lr != lr ? mr + std::log(lr) : NEG_INF;
   }
 }
 
@@ -671,7 +695,7 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
       }
       std::fill(sc.p.begin(), sc.p.end(), 0.f);
       std::fill(sc.alpha.begin(), sc.alpha.end(), 1.f);
-      const int start = pb.seq_start(it.b);
+      const int64_t start = pb.seq_start(it.b);
       if (part == 0 && it.sink_hi > start) {  // streaming: the sink rows first, with their own q and masks
         load_queries<TQ>(pb, it, rows_pad, sc, true);
         switch (rows_pad) {
@@ -683,8 +707,8 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
         }
       }
       load_queries<TQ>(pb, it, rows_pad, sc);
-      const int span = it.hi - it.lo, per = (span + it.parts - 1) / it.parts;
-      const int lo = it.lo + part * per, hi = std::min(it.hi, lo + per);
+      const int64_t span = it.hi - it.lo, per = (span + it.parts - 1) / it.parts;
+      const int64_t lo = it.lo + part * per, hi = std::min(it.hi, lo + per);
       if (lo < hi) {
         switch (rows_pad) {
           case 1: attend<TK, 1>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
@@ -713,11 +737,16 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
       float* acc = l + rows_pad;
       for (int r = 0; r < rows; ++r) {
         float mx = NEG_INF;
-        for (int p = 0; p < it.parts; ++p) mx = std::max(mx, partials[it.partial + p * part_size + h * head_size + r]);
+        bool nan = false;  // a part's NaN row (chunk) makes the merged row NaN
+        for (int p = 0; p < it.parts; ++p) {
+          const float* base = partials.data() + it.partial + p * part_size + h * head_size;
+          mx = std::max(mx, base[r]);
+          nan |= base[rows_pad + r] != base[rows_pad + r];
+        }
         m[r] = mx;
-        l[r] = 0.f;
+        l[r] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
         std::fill(acc + static_cast<size_t>(r) * dvp, acc + static_cast<size_t>(r + 1) * dvp, 0.f);
-        if (mx == NEG_INF) continue;
+        if (mx == NEG_INF || nan) continue;
         for (int p = 0; p < it.parts; ++p) {
           const float* base = partials.data() + it.partial + p * part_size + h * head_size;
           const float mp = base[r];
@@ -914,6 +943,17 @@ void check_attention_args(const at::Tensor& q, const at::Tensor& k_cache, const 
                   op, ": k_scale/v_scale must be float32 CPU tensors of 1 or ", k_cache.size(2), " elements");
 }
 
+// A window or sink count of 2^31 positions or more covers every int32 position: no window (kvops/_checks/common.py
+// resolve_bounds, applied by the Python op too), so no position arithmetic sees sys.maxsize (int64 overflow).
+void resolve_bounds(int64_t& window_left, int64_t& window_right, int64_t& sink_tokens) {
+  constexpr int64_t unbounded = int64_t(1) << 31;
+  if (window_left >= unbounded || sink_tokens >= unbounded) {
+    window_left = -1;
+    sink_tokens = 0;
+  }
+  if (window_right >= unbounded) window_right = -1;
+}
+
 // Eager CPU calls' value check (kvops/_checks/values.py): true when a contract is violated (values.py then raises).
 bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                                 const at::Tensor& block_table, int64_t num_tokens, int64_t max_seqlen_q,
@@ -921,6 +961,8 @@ bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor
                                 const std::optional<at::Tensor>& cache_leftpad) {
   check_index_tensors("kvops::_paged_attention_values_bad", cu_seqlens_q, seq_lens, block_table, num_tokens,
                       num_blocks, block_size);
+  int64_t window_right = -1;
+  resolve_bounds(window_left, window_right, sink_tokens);
   return values_bad(index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, max_seqlen_q, num_blocks, block_size,
                              window_left, sink_tokens, cache_leftpad));
 }
@@ -932,6 +974,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& alibi_slopes, int64_t window_right, const std::optional<at::Tensor>& cache_leftpad,
     int64_t sink_tokens, std::optional<double> rope_theta, double rope_scale) {
+  resolve_bounds(window_left, window_right, sink_tokens);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), d_v = v_cache.size(3), batch = block_table.size(0);
   // memory safety for any index values (value checks "off", or compiled code, which the "eager" mode leaves
@@ -1036,8 +1079,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
         lo = std::max(lo, sink_end);
       }
       max_rows_pad = std::max(max_rows_pad, pad_rows(nq * pb.group));
-      items.push_back({b, q0, nq, static_cast<int>(lo), static_cast<int>(std::max(lo, hi)), static_cast<int>(sink_hi),
-                       1, 0});
+      items.push_back({b, q0, nq, lo, std::max(lo, hi), sink_hi, 1, 0});
     }
   }
   // split-KV when there are fewer items than 2 per thread: parts of >= 256 positions
@@ -1046,7 +1088,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo + it.sink_hi - pb.seq_start(it.b)) * pb.num_kv_heads;
   if (threads > 1 && static_cast<int>(items.size()) < 2 * threads && kv_rows >= TINY_KV_ROWS) {
     const int want = (2 * threads + static_cast<int>(items.size()) - 1) / static_cast<int>(items.size());
-    for (Item& it : items) it.parts = std::max(1, std::min(want, (it.hi - it.lo) / 256));
+    for (Item& it : items) it.parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, (it.hi - it.lo) / 256)));
   }
   std::vector<std::pair<int, int>> work;
   int64_t partial_floats = 0;

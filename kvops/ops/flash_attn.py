@@ -161,6 +161,9 @@ def flash_attn_with_kvcache(
                           right == 0, window_size[0], softcap, None, k_scale, v_scale, "NHD", **features)
     ok = values.check_kvcache(base, user_table, k_cache, s_new,  # value contract, docs/semantics.md §7
                               cache_leftpad=cache_leftpad)
+    if alibi_slopes is not None:  # finite slopes (async: a failing call writes nothing either)
+        alibi_ok = values.check_alibi_slopes(alibi_slopes, OP)
+        ok = alibi_ok if ok is None else ok if alibi_ok is None else ok & alibi_ok
 
     if k is not None and s_new > 0:
         pos = base[:, None] + torch.arange(s_new, dtype=torch.int64, device=device)[None, :]  # [B, S_new]

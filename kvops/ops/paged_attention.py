@@ -24,6 +24,7 @@ import torch
 
 from .. import _library  # noqa: F401  (other schemas; this op's schema is inferred by triton_op)
 from .._checks import values
+from .._checks.common import resolve_bounds
 from .._checks.paged_attention import check_paged_attention
 from .._checks.paged_write import as_nhd
 from .. import native
@@ -76,6 +77,9 @@ def _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, ma
         sinks, k_scale, v_scale, kv_layout, *features,
     )
     k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernels take strides
+    # windows / sink counts beyond every int32 position are "none": no backend computes with sys.maxsize
+    window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)
+    features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
     if q.device.type == "cuda":
         if not HAS_TRITON:
             raise RuntimeError("kvops.paged_attention: CUDA tensors need triton; pip install triton.")
@@ -241,12 +245,17 @@ def paged_attention(
     (memory bounded by the tile). CUDA:
     Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
     """
+    # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md); negative ones are
+    # left to the validator's errors
+    window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)
     features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
     try:  # value contracts, docs/semantics.md §7
         values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout,
                                      window_left=window_left, sink_tokens=sink_tokens, cache_leftpad=cache_leftpad)
+        if alibi_slopes is not None:
+            values.check_alibi_slopes(alibi_slopes)
     except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad values: it goes first
         check_paged_attention(*args, *features)
         raise

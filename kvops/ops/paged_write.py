@@ -82,7 +82,7 @@ def paged_cache_write(
     inputs' aliasing changes (pytorch/pytorch#139789), so a later call can read the traced offset or fail.
     """
     if _traced():  # traced: the op (and the async value check), through few globals (few guards, see above)
-        if values._mode == "async":  # read directly: one source for the values module, so no aliasing guard
+        if values.get_value_checks() == "async":
             slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)
         _op(key, value, k_cache, v_cache, slot_mapping, cache_head_start, k_scale, v_scale, kv_layout)
         return

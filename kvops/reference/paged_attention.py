@@ -16,6 +16,7 @@ Garbage safety without multiplying by masks: positions at or beyond ``seq_len`` 
 *redirected* to the sequence's position 0 before the gather, so NaN/inf stored in unused slots or unreferenced blocks is
 never even read; their scores are set to ``-inf`` with ``torch.where``. A sequence with ``seq_len == 0`` has no
 position 0: what its rows gather is never used, because a row with no visible key is set to exactly 0 by ``where``.
+A NaN score of a *visible* key (NaN in q or K, or a NaN ALiBi slope) makes the row NaN (output and LSE), as SDPA.
 
 Every loop bound comes from tensor metadata (``max_blocks * block_size`` is the context capacity) and no tensor is read
 on the host, so the function traces under ``torch.compile(fullgraph=True)`` and ``make_fx`` without host syncs.
@@ -24,6 +25,8 @@ on the host, so the function traces under ``torch.compile(fullgraph=True)`` and 
 from __future__ import annotations
 
 import torch
+
+from .._checks.common import resolve_bounds
 
 _TILE_BUDGET = 1 << 22  # fp32 elements of one tile's scores plus its gathered K and V (16 MiB)
 
@@ -115,6 +118,7 @@ def paged_attention(
     first row ``cache_leftpad``, StreamingLLM sink tokens, RoPE at read time) are masks, biases and rotations of the
     same tiles.
     """
+    window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)  # (no overflow)
     num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
     # sizes that define the computation (heads, head_dim, block_size) specialize under tracing; token counts, batch and
     # table width stay symbolic
@@ -201,7 +205,9 @@ def paged_attention(
         acc = acc * alpha[..., None] + _per_kv_head_matmul(p, v, num_kv_heads)  # [B, H_kv, M*G, D_v]
         m = m_new
 
-    has_keys = l > 0
+    # a visible key's NaN score (NaN in q or K, a NaN ALiBi slope) makes l NaN (exp(NaN) joins every sum after it):
+    # such a row is NaN, as SDPA's, never the 0 / -inf of a row with no visible key (issue 29)
+    has_keys = (l > 0) | torch.isnan(l)
     if sinks is not None:  # exp(sink_h) joins each head's denominator (gpt-oss); it carries no value
         sink = sinks.view(1, num_kv_heads, 1, group).expand(batch, num_kv_heads, m_q, group).reshape(m.shape)
         m_new = torch.maximum(m, sink)
@@ -211,7 +217,8 @@ def paged_attention(
         m = m_new
     m_safe = torch.where(m == float("-inf"), 0.0, m)
     o = torch.where(has_keys[..., None], acc / torch.where(has_keys, l, 1.0)[..., None], 0.0)
-    row_lse = torch.where(l > 0, m_safe + torch.log(torch.where(l > 0, l, 1.0)), float("-inf"))
+    lse_ok = (l > 0) | torch.isnan(l)
+    row_lse = torch.where(lse_ok, m_safe + torch.log(torch.where(lse_ok, l, 1.0)), float("-inf"))
 
     # unpad: packed token t of sequence b(t) is row i = t - cu_seqlens_q[b(t)]
     t = torch.arange(num_tokens, device=device)

@@ -18,6 +18,7 @@ replicas over prefill replicas.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 
@@ -39,7 +40,16 @@ class HeadSlice:
     cache_head_start: int
 
 
+def _check_ints(where: str, **values) -> None:
+    """``TypeError`` naming the argument unless every value is a Python int (not a bool): a float head count or
+    token count would flow on as floats (``heads_per_rank(8.0, 2) == 4.0``)."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{where}: {name} must be an int, got {type(v).__name__} {v!r}.")
+
+
 def _check_split(total_kv_heads: int, tp_size: int, side: str) -> None:
+    _check_ints(f"{side} tp split", total_kv_heads=total_kv_heads, tp_size=tp_size)
     if total_kv_heads <= 0:
         raise ValueError(f"total_kv_heads must be positive, got {total_kv_heads}.")
     if tp_size <= 0:
@@ -132,6 +142,11 @@ def writer_bytes(num_tokens: int, num_heads: int, bytes_per_head_token: int, num
 
     ``bytes_per_head_token`` is ``head_dim * dtype.itemsize``.
     """
+    _check_ints("writer_bytes", num_tokens=num_tokens, num_heads=num_heads,
+                bytes_per_head_token=bytes_per_head_token, num_layers=num_layers)
+    if min(num_tokens, num_heads, bytes_per_head_token, num_layers) < 0:
+        raise ValueError(f"writer_bytes needs non-negative counts, got num_tokens={num_tokens}, num_heads={num_heads}, "
+                         f"bytes_per_head_token={bytes_per_head_token}, num_layers={num_layers}.")
     return num_tokens * num_heads * bytes_per_head_token * num_layers * 2
 
 
@@ -141,9 +156,11 @@ DEFAULT_CHUNKED_PREFILL_SIZE = 8192  # sglang's default chunked-prefill size (an
 def staging_grid_tokens(chunked_prefill_size: int | None = DEFAULT_CHUNKED_PREFILL_SIZE, page_size: int = 1) -> int:
     """Tokens per staging-grid cell: ``max(1, chunked_prefill_size // page_size) * page_size`` (a whole number of
     pages, about one prefill chunk). ``chunked_prefill_size=None`` means sglang's default chunked-prefill size,
-    8192 tokens (as sglang's ``staging_grid_tokens``). Raises ``ValueError`` for non-positive arguments."""
+    8192 tokens (as sglang's ``staging_grid_tokens``). Raises ``ValueError`` for non-positive arguments, ``TypeError``
+    for non-ints."""
     if chunked_prefill_size is None:
         chunked_prefill_size = DEFAULT_CHUNKED_PREFILL_SIZE
+    _check_ints("staging_grid_tokens", chunked_prefill_size=chunked_prefill_size, page_size=page_size)
     if chunked_prefill_size <= 0 or page_size <= 0:
         raise ValueError(
             f"staging_grid_tokens needs positive chunked_prefill_size and page_size, got {chunked_prefill_size} and "
@@ -158,10 +175,13 @@ def compute_grid_segments(start: int, end: int, base: int, grid_tokens: int) -> 
     Returns ``[(s0, e0), (s1, e1), ...]`` covering ``[start, end)`` in order. An empty range yields one empty
     segment ``[(start, start)]`` (as sglang: a fully cached prompt still sends its metadata-only last chunk).
     Example: ``compute_grid_segments(0, 14336, 0, 8192) == [(0, 8192), (8192, 14336)]``.
-    Raises ``ValueError`` when ``grid_tokens <= 0`` or ``end < start``.
+    Raises ``ValueError`` when ``grid_tokens <= 0``, ``start < 0`` or ``end < start``; ``TypeError`` for non-ints.
     """
+    _check_ints("compute_grid_segments", start=start, end=end, base=base, grid_tokens=grid_tokens)
     if grid_tokens <= 0:
         raise ValueError(f"compute_grid_segments needs grid_tokens > 0, got {grid_tokens}.")
+    if start < 0:
+        raise ValueError(f"compute_grid_segments needs start >= 0 (a token position), got start={start}.")
     if end < start:
         raise ValueError(f"compute_grid_segments needs start <= end, got start={start}, end={end}.")
     if start == end:

@@ -113,11 +113,11 @@ class KVReceiver(_Endpoint):
         if len(live) < len(self.writers):
             failure = f"prefill ranks {sorted(self._dead)} are gone (their connections failed earlier)"
         expected = self._expected(request_id, num_tokens, status)
-        headers = {i: torch.zeros_like(expected[i]) for i in live}
+        headers = {i: wire.empty_frame(self.device) for i in live}
         works, posting = self._post([dist.P2POp(dist.irecv, headers[i], self.groups.prefill_ranks[
             self.writers[i].writer], tag=request_id) for i in live])
         reasons = [posting] * len(live) if posting else self._wait(works, [headers[i] for i in live])
-        arrived = []
+        arrived, mismatch = [], False
         for i, reason in zip(live, reasons):
             w = self.writers[i]
             if reason is not None:
@@ -126,11 +126,16 @@ class KVReceiver(_Endpoint):
                 failure = failure or f"{self._who(w.writer)} sent no metadata: {reason}"
                 continue
             arrived.append(i)
-            diffs = wire.differences(wire.decode(headers[i]), wire.decode(expected[i]))
+            theirs, malformed = wire.decode(headers[i])
+            if malformed:
+                mismatch = True
+                failure = failure or f"{self._who(w.writer)} sent {malformed} instead of the request's metadata"
+                continue
+            diffs = wire.differences(theirs, wire.decode(expected[i])[0])
             if diffs:
+                mismatch = True
                 failure = failure or f"{self._who(w.writer)} disagrees on the request's metadata: {'; '.join(diffs)}"
         if failure is not None and status == wire.STATUS_OK:
-            mismatch = any(wire.differences(wire.decode(headers[i]), wire.decode(expected[i])) for i in arrived)
             status = 2 if mismatch else 3
         answers = self._expected(request_id, num_tokens, status)
         ops = [dist.P2POp(dist.isend, answers[i], self.groups.prefill_ranks[self.writers[i].writer], tag=request_id)

@@ -95,7 +95,7 @@ class KVSender(_Endpoint):
         (or did not answer) with why."""
         mine = {d: self._header(request_id, num_tokens, self.head_offset + sl.src_head_start, sl.num_heads, 0)
                 for d, sl in self.targets}
-        answers = {d: torch.zeros_like(h) for d, h in mine.items()}
+        answers = {d: wire.empty_frame(self.device) for d in mine}
         ops, bufs = [], []
         for d, h in mine.items():
             peer = self.groups.decode_ranks[d]
@@ -110,8 +110,11 @@ class KVSender(_Endpoint):
             if reason is not None:
                 failed[d] = f"no answer to the request's metadata ({reason})"
                 continue
-            theirs = wire.decode(answers[d])
-            diffs = wire.differences(wire.decode(mine[d]), theirs)
+            theirs, malformed = wire.decode(answers[d])
+            if malformed:
+                failed[d] = f"its answer to the request's metadata is {malformed}"
+                continue
+            diffs = wire.differences(wire.decode(mine[d])[0], theirs)
             if diffs or theirs["status"] != wire.STATUS_OK:
                 why = wire.REFUSALS.get(theirs["status"], f"status {theirs['status']}")
                 failed[d] = f"it refused the request: {why}" + (f" ({'; '.join(diffs)})" if diffs else "")

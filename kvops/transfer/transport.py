@@ -101,8 +101,19 @@ class TransferStats:
         return sum(self.bytes_per_peer.values())
 
 
+def _check_timeout(name: str, timeout_s) -> float:
+    """A deadline in seconds: a finite positive number (``-1``, ``0``, ``inf``, ``nan`` or a bool would make every
+    wait fail at once or never time out)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise ValueError(
+            f"{name} must be a finite number of seconds > 0 (each step's deadline), got {timeout_s!r}. Pass e.g. "
+            f"timeout_s=30.0."
+        )
+    return float(timeout_s)
+
+
 def _check_request(request_id, num_tokens) -> None:
-    if not isinstance(request_id, int) or not 0 <= request_id <= MAX_REQUEST_ID:
+    if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id <= MAX_REQUEST_ID:
         raise ValueError(
             f"request_id must be an int in [0, {MAX_REQUEST_ID}] (it tags the request's messages), got "
             f"{request_id!r}."
@@ -140,7 +151,7 @@ class _Endpoint:
         self.num_layers = len(k_caches)
         self.dtype = k_caches[0].dtype
         self.grid_tokens = staging_grid_tokens(chunked_prefill_size, self.block_size)
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = _check_timeout("timeout_s", timeout_s)
         self.checksum = bool(checksum)
         self.device = k_caches[0].device
         self.head_offset = rank_head_range(total_kv_heads, len(ranks), tp_rank)[0]  # first global head held here
@@ -150,8 +161,10 @@ class _Endpoint:
 
     def _handshake(self, peers: list[int], peer_side_ranks, timeout_s) -> list[KVArgs]:
         """Exchange ``KVArgs`` with each peer (TP ranks of the other side); returns theirs."""
-        mine = torch.tensor(self.kv_args.encode(), dtype=torch.int64, device=self.k_caches[0].device)
-        theirs = [torch.zeros_like(mine) for _ in peers]
+        if timeout_s is not None:
+            _check_timeout("connect: timeout_s", timeout_s)
+        mine = wire.frame(self.kv_args.encode(), self.device)
+        theirs = [wire.empty_frame(self.device) for _ in peers]
         ops = []
         for p, buf in zip(peers, theirs):
             ops += [dist.P2POp(dist.isend, mine, peer_side_ranks[p], tag=_HANDSHAKE_TAG),
@@ -165,7 +178,16 @@ class _Endpoint:
                         f"KV transfer handshake of {self.side} rank {self.tp_rank} with peer rank {peer} failed: "
                         f"{reason}."
                     )
-        return [KVArgs.decode(t.tolist()) for t in theirs]
+        out = []
+        for peer, t in zip(peers, theirs):
+            values, why = wire.unframe(t, len(self.kv_args.encode()))
+            if values is None:
+                raise KVTransferError(
+                    f"KV transfer handshake of {self.side} rank {self.tp_rank} with peer rank {peer} failed: it sent "
+                    f"{why}. Run the same kvops version on both sides."
+                )
+            out.append(KVArgs.decode(values))
+        return out
 
     def _header(self, request_id: int, num_tokens: int, head_start: int, num_heads: int, status: int) -> torch.Tensor:
         return wire.encode(dict(

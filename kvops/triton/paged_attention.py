@@ -10,7 +10,8 @@ prefill.
   between the causal/window bounds of the tile. The grid uses ``max_seqlen_q`` (as FlashAttention's varlen API), so no
   host sync is needed; programs past a sequence's ``q_len`` do no work.
 
-All offsets into q, the caches and the outputs are int64. Loads of bf16/fp16/fp8 are converted to fp32 before any
+All offsets into q, the caches and the outputs are int64, and so are KV positions (``seq_lens`` reach 2^31 - 1; a
+tile's lanes are int32 offsets from its int64 first position). Loads of bf16/fp16/fp8 are converted to fp32 before any
 arithmetic; ``tl.dot`` runs with ``input_precision="ieee"`` for fp32 inputs and ``"tf32"`` otherwise. Slots at or
 beyond ``seq_len`` are never loaded (masked loads), and unused block-table entries are never read, so NaN garbage there
 cannot reach the output. Tested on CPU tensors with ``TRITON_INTERPRET=1`` by calling ``paged_attention`` here.
@@ -27,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks.common import resolve_bounds
 from .launch import Launch, capability_of, run
 
 _TARGET_PROGRAMS = 256  # decode: aim for about this many (sequence, KV head, split) programs (~2 per SM on H100/H200)
@@ -55,14 +57,18 @@ def e4m3_to_f32(b):
 
 
 @triton.jit
-def _load_kv(cache_ptr, bt_row_ptr, kpos, in_seq, block_size, s_p, s_b, s_h, s_d, kv_head, offs_d, dim,
+def _load_kv(cache_ptr, bt_row_ptr, n0, offs_n, in_seq, block_size, s_p, s_b, s_h, s_d, kv_head, offs_d, dim,
              scale_ptr, IS_FP8: tl.constexpr):
-    """fp32 ``[BLOCK_N, BLOCK_D]`` tile of logical positions ``kpos`` of one KV head (0 where ``~in_seq``).
+    """fp32 ``[BLOCK_N, BLOCK_D]`` tile of logical positions ``n0 + offs_n`` of one KV head (0 where ``~in_seq``).
 
+    ``n0`` is an int64 position (lengths reach 2^31 - 1: int32 positions wrapped, issue 29); the block index and row
+    of each lane come from one int64 division of ``n0`` and int32 arithmetic on the lanes' small offsets.
     ``scale_ptr`` (fp8 caches) points to a contiguous ``[H_kv]`` float32 scale (the launcher expands a ``[1]`` one).
     """
-    blk = tl.load(bt_row_ptr + kpos // block_size, mask=in_seq, other=0).to(tl.int64)
-    off = blk[:, None] * s_p + (kpos % block_size)[:, None] * s_b + kv_head * s_h + offs_d[None, :] * s_d
+    blk0 = n0 // block_size
+    rel = (n0 - blk0 * block_size).to(tl.int32) + offs_n  # < block_size + BLOCK_N
+    blk = tl.load(bt_row_ptr + blk0 + rel // block_size, mask=in_seq, other=0).to(tl.int64)
+    off = blk[:, None] * s_p + (rel % block_size)[:, None] * s_b + kv_head * s_h + offs_d[None, :] * s_d
     mask = in_seq[:, None] & (offs_d[None, :] < dim)
     if IS_FP8:  # cache_ptr is the cache viewed as uint8: decode e4m3 bits (no fp8 hardware needed, pre-sm89 too)
         x = e4m3_to_f32(tl.load(cache_ptr + off, mask=mask, other=0)) * tl.load(scale_ptr + kv_head)
@@ -72,23 +78,31 @@ def _load_kv(cache_ptr, bt_row_ptr, kpos, in_seq, block_size, s_p, s_b, s_h, s_d
 
 
 @triton.jit
-def _scores(q, k, kpos, pos, kv_len, window_left, softcap, slope, window_right,
+def _lane(x, n0, BLOCK_N: tl.constexpr):
+    """int64 position(s) ``x`` as an int32 lane offset from ``n0``, clamped into ``[-1, BLOCK_N]`` (every lane
+    compare keeps its result)."""
+    return tl.minimum(tl.maximum(x - n0, -1), BLOCK_N).to(tl.int32)
+
+
+@triton.jit
+def _scores(q, k, n0, offs_n, pos, kv_len, window_left, softcap, slope, window_right,
             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-            HAS_ALIBI: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False):
+            HAS_ALIBI: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False, BLOCK_N: tl.constexpr = 16):
     """``softcap(q @ k^T)`` (``- slope * |pos - j|`` with ALiBi) with invisible keys at ``-inf`` (softcap first,
-    then the bias, then masking, as docs/semantics.md §4 and docs/attention_features.md)."""
+    then the bias, then masking, as docs/semantics.md §4 and docs/attention_features.md). Keys are positions
+    ``n0 + offs_n`` (``n0``, ``pos``, ``kv_len``: int64); the masks compare int32 lane offsets."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
     if HAS_ALIBI:
-        s -= slope[:, None] * tl.abs((pos[:, None] - kpos[None, :]).to(tl.float32))
-    vis = (kpos < kv_len)[None, :]
+        s -= slope[:, None] * tl.abs((pos - n0).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :])
+    vis = (offs_n < _lane(kv_len, n0, BLOCK_N))[None, :]
     if CAUSAL:
-        vis = vis & (kpos[None, :] <= pos[:, None])
+        vis = vis & (offs_n[None, :] <= _lane(pos, n0, BLOCK_N)[:, None])
     if HAS_RIGHT:
-        vis = vis & (kpos[None, :] <= pos[:, None] + window_right)
+        vis = vis & (offs_n[None, :] <= _lane(pos + window_right, n0, BLOCK_N)[:, None])
     if HAS_WINDOW:
-        vis = vis & (kpos[None, :] >= pos[:, None] - window_left)
+        vis = vis & (offs_n[None, :] >= _lane(pos - window_left, n0, BLOCK_N)[:, None])
     return tl.where(vis, s, float("-inf"))
 
 
@@ -158,8 +172,8 @@ def _decode_split_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), capacity)
+    split = tl.program_id(2).to(tl.int64)
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b).to(tl.int64), capacity)  # int64 positions (issue 29)
     q_start = tl.load(cu_q_ptr + b).to(tl.int64)
     q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
     offs_g = tl.arange(0, BLOCK_G)
@@ -170,16 +184,17 @@ def _decode_split_kernel(
     q_off = q_ptr + q_start * s_qt + heads[:, None] * s_qh
     q_msk = q_mask[:, None] & (offs_d[None, :] < head_dim)
     q = tl.load(q_off + offs_d[None, :] * s_qd, mask=q_msk, other=0.0).to(tl.float32) * scale
-    pos = tl.full([BLOCK_G], 0, tl.int32) + (kv_len - 1)  # the single query sits at the last position (causal no-op)
-    start = 0
+    pos = tl.full([BLOCK_G], 0, tl.int64) + (kv_len - 1)  # the single query sits at the last position (causal no-op)
+    start = kv_len * 0
     if HAS_LEFTPAD:
-        start = tl.maximum(tl.load(leftpad_ptr + b), 0)
+        start = tl.maximum(tl.load(leftpad_ptr + b).to(tl.int64), 0)
     slope = tl.zeros([BLOCK_G], tl.float32)
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + b * s_ab + heads, mask=offs_g < group, other=0.0)
 
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, kv_len)
+    offs_n = tl.arange(0, BLOCK_N)
     if HAS_WINDOW:
         lo = tl.maximum(lo, kv_len - 1 - window_left)
     if HAS_LEFTPAD:
@@ -201,38 +216,36 @@ def _decode_split_kernel(
             gap = tl.maximum(kv_len - 1 - window_left - sink_end, 0)
             q_s = _rope(q, q_pair, pos - start - gap, offs_d, head_dim, rope_coef, rope_inv_scale)
         for n0 in range(start, s_hi, BLOCK_N):
-            kpos = n0 + tl.arange(0, BLOCK_N)
-            in_seq = kpos < s_hi
-            k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
-                         k_scale_ptr, IS_FP8)
+            in_seq = offs_n < _lane(s_hi, n0, BLOCK_N)
+            k = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d,
+                         head_dim, k_scale_ptr, IS_FP8)
             if HAS_ROPE:
-                k_pair = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
-                                  head_dim, k_scale_ptr, IS_FP8)
-                k = _rope(k, k_pair, kpos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
-            v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
+                k_pair = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head,
+                                  part_d, head_dim, k_scale_ptr, IS_FP8)
+                k = _rope(k, k_pair, n0 - start + offs_n, offs_d, head_dim, rope_coef, rope_inv_scale)
+            v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
                          head_dim_v, v_scale_ptr, IS_FP8)
-            s = _scores(q_s, k, kpos, pos, s_hi, window_left, softcap, slope, 0, False, False, HAS_SOFTCAP, PREC,
-                        HAS_ALIBI)
+            s = _scores(q_s, k, n0, offs_n, pos, s_hi, window_left, softcap, slope, 0, False, False, HAS_SOFTCAP,
+                        PREC, HAS_ALIBI, BLOCK_N=BLOCK_N)
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
     if HAS_ROPE:
         q = _rope(q, q_pair, pos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
     hi = tl.where(q_len > 0, hi, lo)
     for n0 in range(lo, hi, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        in_seq = kpos < hi
-        k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
-                     k_scale_ptr, IS_FP8)
+        in_seq = offs_n < _lane(hi, n0, BLOCK_N)
+        k = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d,
+                     head_dim, k_scale_ptr, IS_FP8)
         if HAS_ROPE:
-            k_pair = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
+            k_pair = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
                               head_dim, k_scale_ptr, IS_FP8)
-            k = _rope(k, k_pair, kpos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
-        v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv, head_dim_v,
-                     v_scale_ptr, IS_FP8)
-        s = _scores(q, k, kpos, pos, hi, window_left, softcap, slope, 0, False, HAS_WINDOW, HAS_SOFTCAP, PREC,
-                    HAS_ALIBI)
+            k = _rope(k, k_pair, n0 - start + offs_n, offs_d, head_dim, rope_coef, rope_inv_scale)
+        v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
+                     head_dim_v, v_scale_ptr, IS_FP8)
+        s = _scores(q, k, n0, offs_n, pos, hi, window_left, softcap, slope, 0, False, HAS_WINDOW, HAS_SOFTCAP, PREC,
+                    HAS_ALIBI, BLOCK_N=BLOCK_N)
         m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
 
-    has = l_i > 0
+    has = (l_i > 0) | (l_i != l_i)  # NaN: a visible key's NaN score (exp(NaN) joined l): the row is NaN, as SDPA
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(has, m_safe + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -280,7 +293,7 @@ def _decode_merge_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * o_s, axis=0)
         m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    has = den > 0
+    has = (den > 0) | (den != den)  # a NaN split (tl.max may drop the NaN; exp(NaN) joins den): NaN out, as SDPA
     o = acc / tl.where(has, den, 1.0)
     lse = tl.where(has, m_safe + tl.log(tl.where(has, den, 1.0)), float("-inf"))
     tl.store(out_ptr + q_start * s_ot + head * s_oh + offs_dv * s_od, o.to(out_ptr.dtype.element_ty),
@@ -305,7 +318,7 @@ def _prefill_kernel(
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(2).to(tl.int64)
-    kv_len = tl.load(seq_lens_ptr + b)
+    kv_len = tl.load(seq_lens_ptr + b).to(tl.int64)  # int64 positions (issue 29)
     q_start = tl.load(cu_q_ptr + b).to(tl.int64)
     q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
     BLOCK_M: tl.constexpr = BLOCK_T * BLOCK_G
@@ -321,9 +334,9 @@ def _prefill_kernel(
     q_msk = row_ok[:, None] & (offs_d[None, :] < head_dim)
     q = tl.load(q_off + offs_d[None, :] * s_qd, mask=q_msk, other=0.0).to(tl.float32) * scale
     pos = kv_len - q_len + t_loc
-    start = 0
+    start = kv_len * 0
     if HAS_LEFTPAD:
-        start = tl.maximum(tl.load(leftpad_ptr + b), 0)
+        start = tl.maximum(tl.load(leftpad_ptr + b).to(tl.int64), 0)
     slope = tl.zeros([BLOCK_M], tl.float32)
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + b * s_ab + heads, mask=g < group, other=0.0)
@@ -343,6 +356,7 @@ def _prefill_kernel(
         lo = tl.maximum(lo, start)
     live = tile * BLOCK_T < q_len  # programs past this sequence's queries do no work
     bt_row = bt_ptr + b * s_bt
+    offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -359,35 +373,33 @@ def _prefill_kernel(
             gap = tl.maximum(pos - window_left - sink_end, 0)
             q_s = _rope(q, q_pair, pos - start - gap, offs_d, head_dim, rope_coef, rope_inv_scale)
         for n0 in range(start, s_hi, BLOCK_N):
-            kpos = n0 + tl.arange(0, BLOCK_N)
-            in_seq = kpos < s_hi
-            k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
-                         k_scale_ptr, IS_FP8)
+            in_seq = offs_n < _lane(s_hi, n0, BLOCK_N)
+            k = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d,
+                         head_dim, k_scale_ptr, IS_FP8)
             if HAS_ROPE:
-                k_pair = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
-                                  head_dim, k_scale_ptr, IS_FP8)
-                k = _rope(k, k_pair, kpos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
-            v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
+                k_pair = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head,
+                                  part_d, head_dim, k_scale_ptr, IS_FP8)
+                k = _rope(k, k_pair, n0 - start + offs_n, offs_d, head_dim, rope_coef, rope_inv_scale)
+            v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
                          head_dim_v, v_scale_ptr, IS_FP8)
-            s = _scores(q_s, k, kpos, pos, s_hi, window_left, softcap, slope, window_right, CAUSAL, False,
-                        HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT)
+            s = _scores(q_s, k, n0, offs_n, pos, s_hi, window_left, softcap, slope, window_right, CAUSAL, False,
+                        HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT, BLOCK_N)
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
     if HAS_ROPE:
         q = _rope(q, q_pair, pos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
     hi = tl.where(live, hi, lo)
     for n0 in range(lo, hi, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        in_seq = kpos < kv_lim
-        k = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d, head_dim,
-                     k_scale_ptr, IS_FP8)
+        in_seq = offs_n < _lane(kv_lim, n0, BLOCK_N)
+        k = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d,
+                     head_dim, k_scale_ptr, IS_FP8)
         if HAS_ROPE:
-            k_pair = _load_kv(k_ptr, bt_row, kpos, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
+            k_pair = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
                               head_dim, k_scale_ptr, IS_FP8)
-            k = _rope(k, k_pair, kpos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
-        v = _load_kv(v_ptr, bt_row, kpos, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv, head_dim_v,
-                     v_scale_ptr, IS_FP8)
-        s = _scores(q, k, kpos, pos, kv_lim, window_left, softcap, slope, window_right, CAUSAL, HAS_WINDOW,
-                    HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT)
+            k = _rope(k, k_pair, n0 - start + offs_n, offs_d, head_dim, rope_coef, rope_inv_scale)
+        v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
+                     head_dim_v, v_scale_ptr, IS_FP8)
+        s = _scores(q, k, n0, offs_n, pos, kv_lim, window_left, softcap, slope, window_right, CAUSAL, HAS_WINDOW,
+                    HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT, BLOCK_N)
         m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
 
     if HAS_SINKS:
@@ -397,7 +409,7 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.exp(sink - m_new)
         acc = acc * alpha[:, None]
         m_i = m_new
-    has = l_i > 0
+    has = (l_i > 0) | (l_i != l_i)  # NaN: a visible key's NaN score (exp(NaN) joined l): the row is NaN, as SDPA
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(has, m_safe + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -552,6 +564,7 @@ def plan_paged_attention(
 ) -> tuple[list[Launch], torch.Tensor, torch.Tensor]:
     """The launches of :func:`paged_attention` for a device of compute ``capability`` (also run on ``meta`` tensors
     by the ahead-of-time check), with the allocated ``out`` and ``lse``."""
+    window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)  # (no overflow)
     num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
     # sizes that define the kernels specialize under tracing (constexpr tile sizes derive from them)
     num_heads, d = int(q.shape[1]), int(q.shape[2])
