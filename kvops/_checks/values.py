@@ -369,6 +369,29 @@ def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
     return None
 
 
+def check_cache_batch_idx(cache_batch_idx: torch.Tensor, batch_size_cache: int,
+                          op: str = "flash_attn_with_kvcache") -> torch.Tensor | None:
+    """``0 <= cache_batch_idx[b] < batch_size_cache`` (the ``k_cache`` row sequence ``b`` uses), in the current mode,
+    before anything is written. Returns the async ``ok`` flag (None otherwise)."""
+    mode = _active(cache_batch_idx)
+    if mode is None or not _index(cache_batch_idx, 1):
+        return None
+    bad = (cache_batch_idx < 0) | (cache_batch_idx >= batch_size_cache)
+    if mode == "async":
+        ok = ~bad.any()
+        _assert(ok, f"{op}: cache_batch_idx holds a row outside [0, batch_size_cache = {_known(batch_size_cache)}) of "
+                    f"k_cache; nothing was written. Run with kvops.value_checks('eager') to see it.")
+        return ok
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise RuntimeError(
+            f"{op}: cache_batch_idx[{b}] = {int(cache_batch_idx[b])} is outside [0, {batch_size_cache}), the rows of "
+            f"k_cache [batch_size_cache, seqlen_cache, num_kv_heads, head_dim]. Nothing was written. Pass the k_cache "
+            f"row of each sequence."
+        )
+    return None
+
+
 # --- rotary positions -------------------------------------------------------------------------------------------
 def check_rotary_positions(positions: torch.Tensor, num_tokens, rotary_cos: torch.Tensor, op: str,
                            name: str = "positions") -> None:
