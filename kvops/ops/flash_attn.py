@@ -141,11 +141,11 @@ def flash_attn_with_kvcache(
             ``[0, P)`` among the blocks a sequence uses, or a ``cache_leftpad[b]`` outside ``[0,
             cache_seqlens[b]]``, or a ``cache_batch_idx[b]`` outside ``[0, B_cache)``. Checked per the value-check
             mode: ``"eager"`` (default; eager calls, one host sync), ``"async"`` (``torch._assert_async``, also in
-            compiled/exported graphs; the write is skipped), ``"off"``. Unchecked (``"off"``, or compiled code in ``"eager"`` mode),
-            positions past the capacity are neither written (slot -1) nor read (``seq_lens`` clamped), so no other
-            sequence's blocks are touched, but the result is meaningless; a used block id outside ``[0, P)`` then
-            raises in the native CPU attention kernel (``"kvops.paged_attention: block_table[b, j] = id is not a
-            block of the cache ..."``, docs/semantics.md §7).
+            compiled/exported graphs; the write is skipped), ``"off"``. Unchecked (``"off"``, or compiled code in
+            ``"eager"`` mode), positions past the capacity are neither written (slot -1) nor read (``seq_lens``
+            clamped), so no other sequence's blocks are touched, but the result is meaningless; a used block id
+            outside ``[0, P)`` then raises in the native CPU attention kernel (``"kvops.paged_attention:
+            block_table[b, j] = id is not a block of the cache ..."``, docs/semantics.md §7).
     """
     args = check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                          cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
