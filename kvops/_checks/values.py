@@ -392,6 +392,37 @@ def check_cache_batch_idx(cache_batch_idx: torch.Tensor, batch_size_cache: int,
     return None
 
 
+# --- cache_write with tensor rows -------------------------------------------------------------------------------
+def check_write_rows(rows: torch.Tensor, cache_len: int, from_start: bool,
+                     op: str = "kvops.cache_write") -> torch.Tensor | None:
+    """``0 <= rows[i] < cache_len`` for the rows a ``cache_write`` with a tensor ``start`` writes (``rows`` int64
+    ``[T]``: ``start + arange(T)`` when ``from_start``, else the given rows), in the current mode, before anything is
+    written. Returns the async ``ok`` flag (None otherwise). The eager message for a start is the int form's."""
+    mode = _active(rows)
+    if mode is None or rows.numel() == 0:
+        return None
+    bad = (rows < 0) | (rows >= cache_len)
+    if mode == "async":
+        ok = ~bad.any()
+        _assert(ok, f"{op}: start names rows outside [0, kv_cache_size = {_known(cache_len)}) of the cache; nothing "
+                    f"was written. Run with kvops.value_checks('eager') to see the rows.")
+        return ok
+    if not bool(bad.any()):
+        return None
+    num_new = rows.shape[0]
+    if from_start:
+        s = int(rows[0])
+        raise RuntimeError(
+            f"Invalid {op} write range: local=[{s}, {s + num_new}), kv_cache_size={cache_len}, "
+            f"num_new_tokens={num_new}. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size."
+        )
+    i = int(bad.nonzero()[0, 0])
+    raise RuntimeError(
+        f"{op}: start[{i}] = {int(rows[i])} is outside [0, {cache_len}), the rows of the cache (kv_cache_size="
+        f"{cache_len}); nothing was written. Pass one row in [0, kv_cache_size) per new token."
+    )
+
+
 # --- rotary positions -------------------------------------------------------------------------------------------
 def check_rotary_positions(positions: torch.Tensor, num_tokens, rotary_cos: torch.Tensor, op: str,
                            name: str = "positions") -> None:
