@@ -423,6 +423,40 @@ def check_write_rows(rows: torch.Tensor, cache_len: int, from_start: bool,
     )
 
 
+# --- PagedKVCache.step_at ---------------------------------------------------------------------------------------
+def check_step_positions(pos: torch.Tensor, blocks: torch.Tensor, block_table: torch.Tensor, capacity: int,
+                         num_blocks: int, op: str = "PagedKVCache.step_at") -> torch.Tensor | None:
+    """``0 <= pos[b, t] < capacity`` and the block ``blocks[b, t]`` holding it in ``[0, num_blocks)``, in the current
+    mode (``pos``/``blocks`` int64 ``[B, T]``). Returns the async ``ok`` flag (None otherwise)."""
+    mode = _active(pos, block_table)
+    if mode is None or pos.numel() == 0:
+        return None
+    bad_pos = (pos < 0) | (pos >= capacity)
+    bad_block = ~bad_pos & ((blocks < 0) | (blocks >= num_blocks))
+    if mode == "async":
+        ok = ~(bad_pos.any() | bad_block.any())
+        _assert(ok, f"{op}: positions hold a position outside [0, max_blocks * block_size = {_known(capacity)}), or "
+                    f"block_table a block id outside [0, {_known(num_blocks)}) for one; nothing will be written. Run "
+                    f"with kvops.value_checks('eager') to see it.")
+        return ok
+    if bool(bad_pos.any()):
+        b, t = (int(x) for x in bad_pos.nonzero()[0])
+        raise RuntimeError(
+            f"{op}: positions[{b}, {t}] = {int(pos[b, t])} is outside [0, {capacity}), the positions block_table "
+            f"addresses ({block_table.shape[1]} blocks x block_size {capacity // block_table.shape[1]}). Reserve more "
+            f"blocks for sequence {b} (a wider block_table) or stop before its capacity."
+        )
+    if bool(bad_block.any()):
+        b, t = (int(x) for x in bad_block.nonzero()[0])
+        j = int(pos[b, t]) // (capacity // block_table.shape[1])
+        raise RuntimeError(
+            f"{op}: block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the cache (block ids are in "
+            f"[0, {num_blocks})), and sequence {b} writes position {int(pos[b, t])} into it. Pass the block table of "
+            f"sequences whose blocks are reserved (PagedKVCache.block_table(seq_ids))."
+        )
+    return None
+
+
 # --- rotary positions -------------------------------------------------------------------------------------------
 def check_rotary_positions(positions: torch.Tensor, num_tokens, rotary_cos: torch.Tensor, op: str,
                            name: str = "positions") -> None:
