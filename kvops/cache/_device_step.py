@@ -48,7 +48,18 @@ def check_step_args(where: str, positions, block_table, device) -> None:
 
 def step_at(where: str, positions: torch.Tensor, block_table: torch.Tensor, block_size: int, num_blocks: int):
     """``(block_table, seq_lens, cu_seqlens_q, slot_mapping, positions, max_seqlen_q, num_tokens)`` of a step whose
-    sequence ``b`` writes its new tokens at ``positions[b]`` (``positions`` broadcast to ``[B, T]``)."""
+    sequence ``b`` (row ``b`` of ``block_table``) writes its ``T`` new tokens at ``positions[b]`` (``positions``
+    broadcast to ``[B, T]``), consecutive positions after which it holds ``positions[b, -1] + 1`` tokens.
+
+    ``slot_mapping[b * T + t] = block_table[b, p // block_size] * block_size + p % block_size`` for ``p =
+    positions[b, t]`` (sequence-major, as ``q``/``key`` rows ``[B, T] -> [B * T]``); causal attention then puts query
+    ``t`` of sequence ``b`` at ``positions[b, t]``. Metadata errors (``check_step_args``): ``ValueError``. Value
+    contract (docs/semantics.md §7; ``values.check_step_positions``), per the value-check mode: a position outside
+    ``[0, max_blocks * block_size)`` or the block holding it outside ``[0, P)`` raises ``RuntimeError`` (eager) or
+    asserts (async; the step then writes nothing); unchecked (``"off"``, or compiled code in ``"eager"`` mode) such a
+    token's slot is ``-1`` (never written) and ``seq_lens`` is clamped to ``[0, max_blocks * block_size]``, so nothing
+    outside the sequence's blocks is touched.
+    """
     batch, width = block_table.shape
     num_new = positions.shape[-1]
     capacity = width * block_size

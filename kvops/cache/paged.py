@@ -389,36 +389,21 @@ class PagedKVCache:
                             device=self.device).view(len(rows), width)
 
     def step_at(self, positions: torch.Tensor, block_table: torch.Tensor) -> PagedStep:
-        """The step's metadata computed on the device from a tensor of positions: for compiled generate loops that
-        keep their positions in a tensor (gpt-fast's ``input_pos``), inside the compiled step.
-
-        Sequence ``b`` (row ``b`` of ``block_table``, its blocks reserved up front, e.g. by :meth:`extend` and
-        :meth:`block_table`) writes its ``T`` new tokens at ``positions[b]``: consecutive positions (a prefill chunk
-        ``arange(s, s + T)``, a decode step ``[s]``), after which it holds ``positions[b, -1] + 1`` tokens. Nothing is
-        read on the host and every size comes from shapes, so a compiled step does not recompile as the positions
-        advance (``torch.compile(fullgraph=True)``; tests/test_gpt_fast_port.py). The block manager is not consulted
-        nor changed: use :meth:`prepare` for host-side planning (allocation, padding, eviction).
+        """The step's metadata computed on the device from a tensor of positions, inside a compiled step (compiled
+        generate loops keep positions in a tensor, gpt-fast's ``input_pos``): no host sync, no recompile as the
+        positions advance. The block manager is neither consulted nor changed (reserve blocks up front, e.g.
+        :meth:`extend` then :meth:`block_table`; :meth:`prepare` plans on the host). Semantics, errors and value
+        contract: ``kvops/cache/_device_step.py``.
 
         Args:
             positions: int32/int64 ``[T]`` (shared by every sequence, as gpt-fast's ``input_pos``) or ``[B, T]``,
-                ``T >= 1``, on the cache's device.
+                ``T >= 1``, the new tokens' consecutive positions, on the cache's device.
             block_table: int32 ``[B, max_blocks]`` on the cache's device.
 
         Returns:
-            :class:`PagedStep` with ``block_table`` as given, ``seq_lens [B]`` int32 ``= positions[:, -1] + 1``,
-            ``cu_seqlens_q [B + 1]`` int32 ``= arange(B + 1) * T``, ``slot_mapping [B * T]`` int64
-            (``block_table[b, p // block_size] * block_size + p % block_size``, sequence-major, as ``q``/``key`` rows
-            ``[B, T] -> [B * T]``), ``positions [B * T]`` int64, ``max_seqlen_q = T``, ``num_tokens = B * T``,
-            ``seq_ids = ()``; for :meth:`write` and :meth:`attention` (causal: query ``t`` of sequence ``b`` is at
-            ``positions[b, t]``).
-
-        Raises:
-            ValueError: ``positions`` not an int32/int64 ``[T]``/``[B, T]`` tensor with ``T >= 1``; ``block_table``
-                not int32 ``[B, max_blocks]``; row counts that disagree; another device.
-            RuntimeError: value contract (docs/semantics.md §7), per the value-check mode: a position outside
-                ``[0, max_blocks * block_size)``, or the block holding it outside ``[0, P)``. Unchecked (``"off"``, or
-                compiled code in ``"eager"`` mode), such a token's slot is ``-1`` (never written) and ``seq_lens`` is
-                clamped to ``[0, max_blocks * block_size]``: nothing outside the sequence's blocks is touched.
+            :class:`PagedStep`: ``block_table`` as given, ``seq_lens = positions[:, -1] + 1`` (int32), ``cu_seqlens_q
+            = arange(B + 1) * T``, ``slot_mapping [B * T]`` int64, ``positions [B * T]`` int64, ``max_seqlen_q = T``,
+            ``num_tokens = B * T``, ``seq_ids = ()``; for :meth:`write` and :meth:`attention`.
         """
         where = "PagedKVCache.step_at"
         _device_step.check_step_args(where, positions, block_table, self.device)
