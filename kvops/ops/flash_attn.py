@@ -152,6 +152,10 @@ def flash_attn_with_kvcache(
                                          window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
                                          return_softmax_lse)
     cache_seqlens, softmax_scale, softcap = args.cache_seqlens, args.softmax_scale, args.softcap
+    if k_scale is not None and k_scale.dim() == 0:  # a 0-d per-tensor scale is [1] (a view), as the ops take it
+        k_scale = k_scale.reshape(1)
+    if v_scale is not None and v_scale.dim() == 0:
+        v_scale = v_scale.reshape(1)
     batch, s_q = q.shape[0], q.shape[1]
     device = q.device
     user_table = block_table
