@@ -86,7 +86,7 @@ class TestAcceptedForms(unittest.TestCase):
             torch.compile(f, backend="eager")(q, kc, vc, k, v, cache_seqlens=lens, window_size=torch.tensor([3, 2]))
 
 
-class TestCacheBatchIdx(unittest.TestCase):
+class TestCacheBatchIdx(expecttest.TestCase):
     def test_selects_the_cache_rows(self):
         q, _, _, k, v, lens = case()
         g = torch.Generator().manual_seed(3)
@@ -110,7 +110,7 @@ class TestCacheBatchIdx(unittest.TestCase):
         bad = torch.tensor([0, 3], dtype=torch.int32)
         with self.assertRaises(RuntimeError) as cm:
             f(q, kc, vc, k, v, cache_seqlens=lens, cache_batch_idx=bad)
-        self.assertIn("cache_batch_idx[1] = 3 is outside [0, 3)", str(cm.exception))
+        self.assertExpectedInline(str(cm.exception), """flash_attn_with_kvcache: cache_batch_idx[1] = 3 is outside [0, 3), the rows of k_cache [batch_size_cache, seqlen_cache, num_kv_heads, head_dim]. Nothing was written. Pass the k_cache row of each sequence.""")
         with kvops.value_checks("async"):
             with self.assertRaisesRegex(RuntimeError, r"cache_batch_idx holds a row outside \[0, batch_size_cache"):
                 f(q, kc, vc, k, v, cache_seqlens=lens, cache_batch_idx=bad)
@@ -127,7 +127,7 @@ class TestRefusedForms(expecttest.TestCase):
 
     def check(self, modes=("eager", "compile", "export"), **kw):
         msg = raises_everywhere(
-            self, ValueError, lambda q, kc, vc, k, v, lens: f(q, kc, vc, k, v, cache_seqlens=lens, **kw),
+            self, ValueError, lambda q, kc, vc, k, v, lens: f(q, kc, vc, k, v, **{"cache_seqlens": lens, **kw}),
             (self.q, self.kc, self.vc, self.k, self.v, self.lens), modes=modes, compile_exc=PY_ERROR)
         self.assertTrue(torch.equal(self.kc, self.before[0]) and torch.equal(self.vc, self.before[1]))  # unwritten
         return msg
@@ -143,6 +143,9 @@ class TestRefusedForms(expecttest.TestCase):
         self.assertExpectedInline(self.check(softcap=None), """flash_attn_with_kvcache: softcap must be a float (an int, a float or a one-element tensor, as FlashAttention accepts), got NoneType None.""")
         self.assertExpectedInline(self.check(softcap=torch.ones(2)), """flash_attn_with_kvcache: softcap must be a float; a tensor softcap must hold one real element, got a tensor of shape (2,) and dtype torch.float32.""")
         self.assertExpectedInline(self.check(num_splits=1.5), """flash_attn_with_kvcache: num_splits must be an int, got float 1.5. Pass a whole number (int(num_splits) if it is integral).""")
+        self.assertExpectedInline(self.check(causal=torch.ones(2, dtype=torch.bool)), """flash_attn_with_kvcache: causal must be a bool; a tensor causal must hold one element, got shape (2,).""")
+        self.assertExpectedInline(self.check(num_splits=torch.zeros(2, dtype=torch.int64)), """flash_attn_with_kvcache: num_splits must be an int; a tensor num_splits must hold one integer element, got a tensor of shape (2,) and dtype torch.int64.""")
+        self.assertExpectedInline(self.check(cache_seqlens=1.5), """flash_attn_with_kvcache: cache_seqlens must be an int or an int32 tensor of shape [batch], got float 1.5. Pass a whole number (int(cache_seqlens) if it is integral).""")
         self.assertExpectedInline(self.check(cache_batch_idx=torch.zeros(2)), """flash_attn_with_kvcache: cache_batch_idx must be an int32 tensor of shape [2] (the k_cache row of each sequence), got shape (2,) and dtype torch.float32. Pass cache_batch_idx.to(torch.int32).""")
 
     def test_a_tensor_where_a_python_value_is_traced(self):
