@@ -11,8 +11,8 @@ lines of one or two classes (docs/porting.md, "From gpt-fast"):
   ``update`` builds the step on the device (``PagedKVCache.step_at``) and writes, ``Attention`` calls
   ``PagedKVCache.attention`` instead of SDPA.
 
-Each generates 64 tokens after a prompt, at batch 1 and 4, with the decode step compiled once (one graph, no graph
-break, no recompile as ``input_pos`` advances) and the same tokens as the model with its own cache.
+Each generates 65 tokens after a prompt (64 decode steps), at batch 1 and 4, with the decode step compiled once (one
+graph, no graph break, no recompile as ``input_pos`` advances) and the same tokens as the model with its own cache.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def decode_one_token(model, token, input_pos):
 
 
 class TestGptFastPort(unittest.TestCase):
-    STEPS, PROMPT, MAX_SEQ = 64, 8, 72
+    STEPS, PROMPT, MAX_SEQ = 65, 8, 80  # 65 tokens: the prefill's, then 64 compiled decode steps
 
     def model(self, attention=Attention):
         torch.manual_seed(0)
@@ -205,7 +205,7 @@ class TestGptFastPort(unittest.TestCase):
         counter = CompileCounter()
         decode = torch.compile(decode_one_token, fullgraph=True, backend=counter)
         tokens = generate(model, prompt, self.STEPS, decode)
-        self.assertEqual(counter.frame_count, 1)  # one graph for 63 decode steps: no recompile as input_pos moves
+        self.assertEqual(counter.frame_count, 1)  # one graph for 64 decode steps: no recompile as input_pos moves
         self.assertEqual(dict(torch._dynamo.utils.counters["graph_break"]), {})
         return tokens
 
