@@ -60,10 +60,13 @@ class TestAcceptedForms(unittest.TestCase):
             torch.testing.assert_close(want.double(), ref, atol=2e-5, rtol=2e-5)
 
     def test_scalar_forms(self):
-        self.run_forms(dict(softmax_scale=0.5), [dict(softmax_scale=torch.tensor(0.5)), dict(softmax_scale=np.float32(0.5))])
+        self.run_forms(dict(softmax_scale=0.5),
+                       [dict(softmax_scale=torch.tensor(0.5)), dict(softmax_scale=np.float32(0.5))])
         self.run_forms(dict(softmax_scale=2.0), [dict(softmax_scale=2), dict(softmax_scale=torch.tensor([2.0]))])
-        self.run_forms(dict(softcap=5.0), [dict(softcap=5), dict(softcap=torch.tensor(5.0)), dict(softcap=np.float64(5))])
-        self.run_forms(dict(causal=True), [dict(causal=1), dict(causal=np.bool_(True)), dict(causal=torch.tensor(True))])
+        self.run_forms(dict(softcap=5.0),
+                       [dict(softcap=5), dict(softcap=torch.tensor(5.0)), dict(softcap=np.float64(5))])
+        self.run_forms(dict(causal=True),
+                       [dict(causal=1), dict(causal=np.bool_(True)), dict(causal=torch.tensor(True))])
         self.run_forms(dict(num_splits=0), [dict(num_splits=1), dict(num_splits=np.int64(4)), dict(num_splits=True)])
         self.run_forms(dict(cache_seqlens=5), [dict(cache_seqlens=np.int64(5))])
         out, lse = f(*case()[:5], cache_seqlens=case()[5], return_softmax_lse=1)

@@ -126,7 +126,8 @@ class TestContracts(expecttest.TestCase):
                 call(torch.tensor([8]), self.table)
             torch._dynamo.reset()
             compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
-            self.assertEqual(compiled(torch.tensor([3]), self.table).tolist(), call(torch.tensor([3]), self.table).tolist())
+            self.assertEqual(compiled(torch.tensor([3]), self.table).tolist(),
+                             call(torch.tensor([3]), self.table).tolist())
             with self.assertRaisesRegex(RuntimeError, r"positions hold a position outside"):
                 compiled(torch.tensor([-1]), self.table)
             ep = torch.export.export(_Wrap(call), (torch.tensor([0]), self.table))
