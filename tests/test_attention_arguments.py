@@ -39,10 +39,8 @@ class TestWindowSize(expecttest.TestCase):
                 self, ValueError, lambda q, kc, vc, k: f(q, kc, vc, k, k, cache_seqlens=1, window_size=window),
                 (q, kc, vc, k), compile_exc=PY_ERROR))
             self.assertTrue(torch.equal(kc, before))  # nothing written
-        self.assertExpectedInline(msgs[0], """\
-flash_attn_with_kvcache: window_size must be a pair (left, right), each -1 (unbounded) or >= 0, got (3,). Pass e.g. (-1, -1) for no window or (left, 0) for a causal sliding window.""")
-        self.assertExpectedInline(msgs[1], """\
-flash_attn_with_kvcache: window_size must be a pair (left, right), each -1 (unbounded) or >= 0, got (3, 0, 1). Pass e.g. (-1, -1) for no window or (left, 0) for a causal sliding window.""")
+        self.assertExpectedInline(msgs[0], """flash_attn_with_kvcache: window_size must be a pair (left, right), each -1 (unbounded) or >= 0, given as a tuple or list of two ints or a 2-element integer tensor, as FlashAttention accepts; got (3,). Pass e.g. (-1, -1) for no window or (left, 0) for a causal sliding window.""")
+        self.assertExpectedInline(msgs[1], """flash_attn_with_kvcache: window_size must be a pair (left, right), each -1 (unbounded) or >= 0, given as a tuple or list of two ints or a 2-element integer tensor, as FlashAttention accepts; got (3, 0, 1). Pass e.g. (-1, -1) for no window or (left, 0) for a causal sliding window.""")
 
 
 class TestLeftpadPastTheKeys(expecttest.TestCase):

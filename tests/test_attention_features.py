@@ -432,14 +432,14 @@ class TestFeatureContracts(expecttest.TestCase):
             msg,
             """flash_attn_with_kvcache: window_size=(2, -3): each bound must be -1 (unbounded) or >= 0 (FlashAttention's (left, right) local window).""",
         )
-        msg = raises_everywhere(self, NotImplementedError,
-                                lambda q, kc, i: f(q, kc, kc, cache_seqlens=1, cache_batch_idx=i),
-                                (q, kc, torch.zeros(2, dtype=torch.int32)), compile_exc=PY_ERROR)
+        table = torch.arange(2, dtype=torch.int32).view(2, 1)
+        msg = raises_everywhere(self, ValueError,
+                                lambda q, kc, i, t: f(q, kc, kc, cache_seqlens=1, cache_batch_idx=i, block_table=t),
+                                (q, kc, torch.zeros(2, dtype=torch.int32), table), compile_exc=PY_ERROR)
         self.assertExpectedInline(
             msg,
-            """flash_attn_with_kvcache: cache_batch_idx is not supported by kvops; apply it before the call (index the caches, or pass a block_table whose rows select each sequence's blocks) or pass cache_batch_idx=None.""",
+            """flash_attn_with_kvcache: cache_batch_idx cannot be combined with block_table (FlashAttention: "Paged KVcache does not support cache_batch_idx"). Select the sequences' block_table rows instead: block_table[cache_batch_idx.long()].""",
         )
-
 
 if __name__ == "__main__":
     unittest.main()

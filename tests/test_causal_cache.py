@@ -643,8 +643,10 @@ class TestErrors(expecttest.TestCase):
     def test_constructor_errors(self):
         msg = self.check(ValueError, lambda k: CausalKVCache(k, k, sink_tokens=-1), torch.zeros(1, 4, 1, 1))
         self.assertExpectedInline(msg, """CausalKVCache: sink_tokens (-1) and global_sink_tokens (0) must be >= 0.""")
-        msg = self.check(ValueError, lambda k: CausalKVCache(k, k, attention_window_size=0), torch.zeros(1, 4, 1, 1))
-        self.assertExpectedInline(msg, """CausalKVCache: attention_window_size must be >= 1 (or None for the cache size), got 0.""")
+        msg = self.check(ValueError, lambda k: CausalKVCache(k, k, attention_window_size=-1), torch.zeros(1, 4, 1, 1))
+        self.assertExpectedInline(msg, """CausalKVCache: attention_window_size must be >= 1 (or None or 0 for the cache size, as sglang's caches), got -1.""")
+        self.assertEqual(CausalKVCache(torch.zeros(1, 4, 1, 1), torch.zeros(1, 4, 1, 1),
+                                       attention_window_size=0).attention_window_size, 4)  # sglang's default: S
         msg = self.check(ValueError, lambda k: CausalKVCache(k, k, sink_tokens=4), torch.zeros(1, 4, 1, 1))
         self.assertExpectedInline(msg, """CausalKVCache: sink_tokens (4) and global_sink_tokens (0) must be smaller than the cache size (4 rows), leaving room for the chunks after the sink.""")
 

@@ -310,7 +310,7 @@ class TestContracts(expecttest.TestCase):
         msg = self.check(lambda q, kc: f(q, kc, kc, cache_seqlens=1), self.q, torch.zeros(3, 8, 2, 16))
         self.assertExpectedInline(
             msg,
-            """flash_attn_with_kvcache: without block_table, k_cache is [batch, seqlen_cache, num_kv_heads, head_dim] and its batch (3) must equal q's (2); cache_batch_idx is not supported.""",
+            """flash_attn_with_kvcache: without block_table, k_cache is [batch, seqlen_cache, num_kv_heads, head_dim] and its batch (3) must equal q's (2); pass cache_batch_idx (int32 [2]) to say which k_cache row each sequence uses.""",
         )
         msg = self.check(lambda q, kc, bt: f(q, kc, kc, cache_seqlens=1, block_table=bt), self.q[0], self.k_cache,
                          self.table)

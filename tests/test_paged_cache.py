@@ -333,7 +333,7 @@ PagedKVCache: num_blocks must be positive, got 0.""",
                       str(cm.exception))
         with self.assertRaises(RuntimeError) as cm:
             torch.export.export(_Wrap(plan), (torch.zeros(1, dtype=torch.int32),), strict=False)
-        self.assertExpectedInline(str(cm.exception), """PagedKVCache.prepare is host-side planning (Python block manager) and runs eagerly only; it was called while compiling (torch.compile or torch.export). Call cache.prepare(...) outside the compiled function and pass the PagedStep's tensors (block_table, seq_lens, cu_seqlens_q, slot_mapping, positions) and max_seqlen_q to it as arguments.""")  # noqa: E501
+        self.assertExpectedInline(str(cm.exception), """PagedKVCache.prepare is host-side planning (Python block manager) and runs eagerly only; it was called while compiling (torch.compile or torch.export). Call cache.prepare(...) outside the compiled function and pass the PagedStep's tensors (block_table, seq_lens, cu_seqlens_q, slot_mapping, positions) and max_seqlen_q to it as arguments, or, with blocks reserved up front, build the step inside it from a tensor of positions with cache.step_at(positions, block_table).""")  # noqa: E501
         self.assertEqual((c.seq_len(0), c.num_free_blocks), (0, 4))
         self.assertEqual(plan(torch.zeros(1, dtype=torch.int32)).tolist(), [3])  # eager planning works
 

@@ -94,6 +94,22 @@ class TestWorkedCases(expecttest.TestCase):
         self.assertEqual(compute_grid_segments(3, 20, 2, 8), [(3, 10), (10, 18), (18, 20)])
         self.assertEqual(compute_grid_segments(0, 8, 0, 8), [(0, 8)])
 
+    def test_rank_is_taken_modulo_the_tp_group(self):
+        """sglang's rule (``src_tp_rank % src_attn_tp_size``, ``dst_tp_rank % dst_attn_tp_size``): a global rank maps
+        to its rank in the TP group, on the prefill side (plan_for_writer) as on the decode side."""
+        for p_tp, d_tp, heads in ((4, 2, 8), (2, 4, 8), (1, 4, 2), (8, 2, 2), (4, 8, 2), (4, 4, 8)):
+            for rank in range(3 * p_tp):
+                self.assertEqual(plan_for_writer(p_tp, d_tp, rank, heads),
+                                 plan_for_writer(p_tp, d_tp, rank % p_tp, heads))
+                self.assertEqual(rank_head_range(heads, p_tp, rank), rank_head_range(heads, p_tp, rank % p_tp))
+        self.assertEqual(plan_for_writer(4, 2, 5, 8), ((0, HeadSlice(1, 0, 2, 2)),))  # global 5 = prefill TP rank 1
+        with self.assertRaises(ValueError) as cm:
+            plan_for_writer(4, 2, -1, 8)
+        self.assertExpectedInline(str(cm.exception), """prefill tp_rank=-1 must be a non-negative int (a TP rank, or a global rank, which is taken modulo prefill tp_size=4 as sglang does).""")  # noqa: B950
+        with self.assertRaises(ValueError) as cm:
+            rank_head_range(8, 4, 1.0)
+        self.assertExpectedInline(str(cm.exception), """tp_rank=1.0 must be a non-negative int (a TP rank, or a global rank, which is taken modulo tp_size=4 as sglang does).""")  # noqa: B950
+
     def test_invariants_exhaustive(self):
         # every decode rank receives each of its heads exactly once, from a prefill rank that holds it
         for heads in (1, 2, 4, 8, 12):
@@ -128,7 +144,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(str(cm.exception), """total_kv_heads=8 cannot be split over prefill tp_size=3: need total_kv_heads % tp_size == 0 (each rank holds total_kv_heads // tp_size heads) or tp_size % total_kv_heads == 0 (each head replicated on tp_size // total_kv_heads ranks).""")  # noqa: B950
         with self.assertRaises(ValueError) as cm:
             compute_head_slice_params(2, 2, -1, 8)
-        self.assertExpectedInline(str(cm.exception), """decode tp_rank=-1 must be a non-negative int (a TP rank, or a global rank, which is taken modulo decode tp_size=2).""")  # noqa: B950
+        self.assertExpectedInline(str(cm.exception), """decode tp_rank=-1 must be a non-negative int (a TP rank, or a global rank, which is taken modulo decode tp_size=2 as sglang does).""")  # noqa: B950
         with self.assertRaises(ValueError) as cm:
             compute_grid_segments(4, 2, 0, 8)
         self.assertExpectedInline(str(cm.exception), """compute_grid_segments needs start <= end, got start=4, end=2.""")  # noqa: B950

@@ -312,6 +312,11 @@ def _value_cases():
              ("window_size=(-5, -1)", dict(window_size=(-5, -1)), ["window", "-5"]),
              ("window_size=(3,)", dict(window_size=(3,)), ["window_size", "pair", "(3,)"]),
              ("window_size=(3, 0, 1)", dict(window_size=(3, 0, 1)), ["window_size", "pair", "(3, 0, 1)"]),
+             # issue 29: (2.5, 0) appended k/v, then failed in the attention op's schema without naming window_size
+             ("window_size=(2.5, 0)", dict(window_size=(2.5, 0)), ["window_size", "pair", "(2.5, 0)"]),
+             ("window_size float tensor", dict(window_size=lambda: torch.tensor([2.5, 0.0])), ["window_size", "float32"]),
+             ("num_splits=1.5", dict(num_splits=1.5), ["num_splits", "1.5"]),
+             ("softmax_scale='x'", dict(softmax_scale="x"), ["softmax_scale", "'x'"]),
              ("q head_dim 16", dict(q=lambda: _t(2, 1, 4, 16)), ["head_dim", "16"]),
              ("q float64", dict(q=lambda: _t(2, 1, 4, 8).double()), ["q", "float64"]),
              ("q float16", dict(q=lambda: _t(2, 1, 4, 8).half()), ["q", "float16"])]

@@ -115,3 +115,25 @@ def check_cache_roll(
             f"num_tokens={n}. Both ranges must lie in [0, kv_cache_size) and num_tokens must be >= 0."
         )
     return h0, h0 + num_heads
+
+
+def check_write_rows(key: torch.Tensor, k_cache: torch.Tensor, start: torch.Tensor,
+                     op: str = "kvops.cache_write") -> None:
+    """Metadata of a ``start`` given as a tensor (compiled generate loops keep positions in tensors, e.g. gpt-fast's
+    ``input_pos``): int32/int64 on the caches' device, ``[]`` or ``[1]`` (the first row of the ``T`` new tokens) or
+    ``[T]`` (one row per token). Its values are a value contract (``kvops._checks.values.check_write_rows``); the
+    only range fact known from shapes, a chunk longer than the cache, is a ``RuntimeError`` here."""
+    num_new, cache_len = key.shape[1], k_cache.shape[1]
+    if start.dtype not in (torch.int32, torch.int64) or start.dim() > 1 or (
+            start.dim() == 1 and start.shape[0] != 1 and start.shape[0] != num_new):
+        raise ValueError(
+            f"{op}: start must be an int, or an int32/int64 tensor holding the first row ([] or [1]) or one row per "
+            f"new token ([num_new_tokens] = [{as_int(num_new)}], as gpt-fast's input_pos); got a tensor of shape "
+            f"{tuple(start.shape)} and dtype {start.dtype}."
+        )
+    require_same_device(op, "start", start, "k_cache", k_cache)
+    if num_new > cache_len and (start.dim() == 0 or start.shape[0] == 1):
+        raise RuntimeError(
+            f"Invalid {op} write range: num_new_tokens={as_int(num_new)} exceeds kv_cache_size={as_int(cache_len)}, "
+            f"so no start row fits. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size."
+        )

@@ -2,17 +2,40 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from .forms import bool_arg, float_arg, int_arg, window_arg
 from .paged_write import layout_hint
 from .rotary import check_rotary
 
 OP = "flash_attn_with_kvcache"
 
 
-def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, causal, window_size, alibi_slopes) -> None:
-    """Shape/dtype/Python-int contract of ``kvops.flash_attn_with_kvcache`` (no tensor contents are read).
+class FlashArgs(NamedTuple):
+    """The scalar arguments of one ``flash_attn_with_kvcache`` call, resolved to the Python values the ops take."""
+
+    cache_seqlens: object  # None, an int (or SymInt) or the int32 [B] tensor as given
+    softmax_scale: object  # None or a float
+    causal: bool
+    window: tuple  # (left, right) as given (right is ignored when causal)
+    softcap: object  # a float
+    rotary_interleaved: bool
+    return_softmax_lse: bool
+
+
+def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                  rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse) -> FlashArgs:
+    """Shape/dtype/Python-value contract of ``kvops.flash_attn_with_kvcache`` (no tensor contents are read, except
+    a tensor given where FlashAttention takes a Python value, in eager calls: kvops/_checks/forms.py).
+
+    Returns the scalar arguments resolved to the values the ops take (:class:`FlashArgs`): every form
+    FlashAttention's ``flash_attn_with_kvcache`` accepts (``window_size`` as a tuple, list or 2-element integer
+    tensor; ``softmax_scale``/``softcap`` as ints, floats or one-element tensors; ``cache_seqlens`` as an int or an
+    int32 ``[B]`` tensor; ...) is accepted with its meaning, anything else is a ``ValueError`` naming the argument,
+    raised before anything is written.
 
     Caches are NHD only (as FlashAttention's): when a head count contradicts ``k_cache``'s ``num_kv_heads`` but fits
     its ``block_size`` dim, the error says the cache may be HND and how to get an NHD view
@@ -24,21 +47,19 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
     ``torch.compile(fullgraph=True)`` its errors are raised while Dynamo traces, as an "Observed exception" whose text
     carries the original type and message; eager and ``torch.export`` raise the original exception.
     """
-    if cache_batch_idx is not None:
-        raise NotImplementedError(
-            f"{OP}: cache_batch_idx is not supported by kvops; apply it before the call (index the caches, or pass "
-            f"a block_table whose rows select each sequence's blocks) or pass cache_batch_idx=None."
-        )
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(
-            f"{OP}: window_size must be a pair (left, right), each -1 (unbounded) or >= 0, got {window_size!r}. "
-            f"Pass e.g. (-1, -1) for no window or (left, 0) for a causal sliding window."
-        )
-    if window_size[0] < -1 or window_size[1] < -1:
-        raise ValueError(
-            f"{OP}: window_size={tuple(window_size)}: each bound must be -1 (unbounded) or >= 0 (FlashAttention's "
-            f"(left, right) local window)."
-        )
+    window = window_arg(OP, window_size)
+    args = FlashArgs(
+        cache_seqlens=cache_seqlens if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor)
+        else int_arg(OP, "cache_seqlens", cache_seqlens, wanted="an int or an int32 tensor of shape [batch]"),
+        softmax_scale=float_arg(OP, "softmax_scale", softmax_scale, optional=True),
+        causal=bool_arg(OP, "causal", causal),
+        window=window,
+        softcap=float_arg(OP, "softcap", softcap),
+        rotary_interleaved=bool_arg(OP, "rotary_interleaved", rotary_interleaved),
+        return_softmax_lse=bool_arg(OP, "return_softmax_lse", return_softmax_lse),
+    )
+    int_arg(OP, "num_splits", num_splits)  # a scheduling hint kvops ignores; FlashAttention takes an int
+    cache_seqlens = args.cache_seqlens
     if v_cache is None:
         raise ValueError(f"{OP}: v_cache must be provided (the V cache, with k_cache).")
     if k_cache is None:
@@ -96,12 +117,29 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
                 f"{OP}: block_table has {block_table.shape[0]} rows but q has batch {batch}; pass one block_table "
                 f"row per sequence ([batch, max_blocks])."
             )
-    elif k_cache.shape[0] != batch:
+    if cache_batch_idx is not None:
+        if block_table is not None:
+            raise ValueError(
+                f"{OP}: cache_batch_idx cannot be combined with block_table (FlashAttention: \"Paged KVcache does not "
+                f"support cache_batch_idx\"). Select the sequences' block_table rows instead: "
+                f"block_table[cache_batch_idx.long()]."
+            )
+        if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32
+                or tuple(cache_batch_idx.shape) != (batch,)):
+            got = (f"shape {tuple(cache_batch_idx.shape)} and dtype {cache_batch_idx.dtype}"
+                   if isinstance(cache_batch_idx, torch.Tensor) else f"{type(cache_batch_idx).__name__}")
+            raise ValueError(
+                f"{OP}: cache_batch_idx must be an int32 tensor of shape [{batch}] (the k_cache row of each "
+                f"sequence), got {got}. Pass cache_batch_idx.to(torch.int32)."
+            )
+    elif block_table is None and k_cache.shape[0] != batch:
         raise ValueError(
             f"{OP}: without block_table, k_cache is [batch, seqlen_cache, num_kv_heads, head_dim] and its batch "
-            f"({k_cache.shape[0]}) must equal q's ({batch}); cache_batch_idx is not supported."
+            f"({k_cache.shape[0]}) must equal q's ({batch}); pass cache_batch_idx (int32 [{batch}]) to say which "
+            f"k_cache row each sequence uses."
         )
-    for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens), ("k_cache", k_cache)):
+    for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens), ("k_cache", k_cache),
+                    ("cache_batch_idx", cache_batch_idx)):
         if isinstance(t, torch.Tensor) and t.device != q.device:
             raise ValueError(f"{OP}: {name} is on {t.device} but q is on {q.device}. Move both to the same device.")
     if isinstance(cache_seqlens, torch.Tensor):
@@ -119,7 +157,7 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
                 f"{OP}: If rotary cos/sin are provided, new key / value to be appended to KV cache must also be "
                 f"provided (pass k and v, or rotary_cos=None and rotary_sin=None)."
             )
-        return
+        return args
     if cache_seqlens is None:
         raise ValueError(f"{OP}: k/v were given without cache_seqlens; pass cache_seqlens to say where they go.")
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
@@ -140,6 +178,7 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
             f"the cache: {capacity} tokens (max_blocks {capacity // k_cache.shape[1]} x block_size {k_cache.shape[1]}). Give "
             f"block_table more blocks or write fewer tokens."
         )
+    return args
 
 
 def check_rotary_tables(q, k, rotary_cos, rotary_sin, capacity) -> None:

@@ -412,6 +412,94 @@ def check_kvcache(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
     return None
 
 
+def check_cache_batch_idx(cache_batch_idx: torch.Tensor, batch_size_cache: int,
+                          op: str = "flash_attn_with_kvcache") -> torch.Tensor | None:
+    """``0 <= cache_batch_idx[b] < batch_size_cache`` (the ``k_cache`` row sequence ``b`` uses), in the current mode,
+    before anything is written. Returns the async ``ok`` flag (None otherwise)."""
+    mode = _active(cache_batch_idx)
+    if mode is None or not _index(cache_batch_idx, 1):
+        return None
+    bad = (cache_batch_idx < 0) | (cache_batch_idx >= batch_size_cache)
+    if mode == "async":
+        ok = ~bad.any()
+        _assert(ok, f"{op}: cache_batch_idx holds a row outside [0, batch_size_cache = {_known(batch_size_cache)}) of "
+                    f"k_cache; nothing was written. Run with kvops.value_checks('eager') to see it.")
+        return ok
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise RuntimeError(
+            f"{op}: cache_batch_idx[{b}] = {int(cache_batch_idx[b])} is outside [0, {batch_size_cache}), the rows of "
+            f"k_cache [batch_size_cache, seqlen_cache, num_kv_heads, head_dim]. Nothing was written. Pass the k_cache "
+            f"row of each sequence."
+        )
+    return None
+
+
+# --- cache_write with tensor rows -------------------------------------------------------------------------------
+def check_write_rows(rows: torch.Tensor, cache_len: int, from_start: bool,
+                     op: str = "kvops.cache_write") -> torch.Tensor | None:
+    """``0 <= rows[i] < cache_len`` for the rows a ``cache_write`` with a tensor ``start`` writes (``rows`` int64
+    ``[T]``: ``start + arange(T)`` when ``from_start``, else the given rows), in the current mode, before anything is
+    written. Returns the async ``ok`` flag (None otherwise). The eager message for a start is the int form's."""
+    mode = _active(rows)
+    if mode is None or rows.numel() == 0:
+        return None
+    bad = (rows < 0) | (rows >= cache_len)
+    if mode == "async":
+        ok = ~bad.any()
+        _assert(ok, f"{op}: start names rows outside [0, kv_cache_size = {_known(cache_len)}) of the cache; nothing "
+                    f"was written. Run with kvops.value_checks('eager') to see the rows.")
+        return ok
+    if not bool(bad.any()):
+        return None
+    num_new = rows.shape[0]
+    if from_start:
+        s = int(rows[0])
+        raise RuntimeError(
+            f"Invalid {op} write range: local=[{s}, {s + num_new}), kv_cache_size={cache_len}, "
+            f"num_new_tokens={num_new}. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size."
+        )
+    i = int(bad.nonzero()[0, 0])
+    raise RuntimeError(
+        f"{op}: start[{i}] = {int(rows[i])} is outside [0, {cache_len}), the rows of the cache (kv_cache_size="
+        f"{cache_len}); nothing was written. Pass one row in [0, kv_cache_size) per new token."
+    )
+
+
+# --- PagedKVCache.step_at ---------------------------------------------------------------------------------------
+def check_step_positions(pos: torch.Tensor, blocks: torch.Tensor, block_table: torch.Tensor, capacity: int,
+                         num_blocks: int, op: str = "PagedKVCache.step_at") -> torch.Tensor | None:
+    """``0 <= pos[b, t] < capacity`` and the block ``blocks[b, t]`` holding it in ``[0, num_blocks)``, in the current
+    mode (``pos``/``blocks`` int64 ``[B, T]``). Returns the async ``ok`` flag (None otherwise)."""
+    mode = _active(pos, block_table)
+    if mode is None or pos.numel() == 0:
+        return None
+    bad_pos = (pos < 0) | (pos >= capacity)
+    bad_block = ~bad_pos & ((blocks < 0) | (blocks >= num_blocks))
+    if mode == "async":
+        ok = ~(bad_pos.any() | bad_block.any())
+        _assert(ok, f"{op}: positions hold a position outside [0, max_blocks * block_size = {_known(capacity)}), or "
+                    f"block_table a block id outside [0, {_known(num_blocks)}) for one; nothing will be written. Run "
+                    f"with kvops.value_checks('eager') to see it.")
+        return ok
+    if bool(bad_pos.any()):
+        b, t = (int(x) for x in bad_pos.nonzero()[0])
+        raise RuntimeError(
+            f"{op}: positions[{b}, {t}] = {int(pos[b, t])} is outside [0, {capacity}), the positions block_table "
+            f"addresses ({block_table.shape[1]} blocks x block_size {capacity // block_table.shape[1]}). Reserve more "
+            f"blocks for sequence {b} (a wider block_table) or stop before its capacity."
+        )
+    if bool(bad_block.any()):
+        b, t = (int(x) for x in bad_block.nonzero()[0])
+        j = int(pos[b, t]) // (capacity // block_table.shape[1])
+        raise RuntimeError(
+            f"{op}: block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the cache (block ids are in "
+            f"[0, {num_blocks})), and sequence {b} writes position {int(pos[b, t])} into it. Pass the block table of "
+            f"sequences whose blocks are reserved (PagedKVCache.block_table(seq_ids))."
+        )
+    return None
+
+
 # --- rotary positions -------------------------------------------------------------------------------------------
 def check_rotary_positions(positions: torch.Tensor, num_tokens, rotary_cos: torch.Tensor, op: str,
                            name: str = "positions") -> None:

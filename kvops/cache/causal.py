@@ -96,7 +96,7 @@ class CausalKVCache:
         sink_tokens: ``K``, rows at the start never evicted (attention sinks); also the pinned chunk's max length.
         global_sink_tokens: rows kept in front of a pinned chunk (default 0).
         attention_window_size: ``W``, the whole visible budget in rows, sink and pinned rows included (default
-            ``S``); as sglang's windowed cache with sinks (docs/semantics.md §1.6).
+            ``S``; ``0`` means ``S`` too, as sglang's caches); as sglang's windowed cache with sinks (docs/semantics.md §1.6).
         window_mode: what the view is once ``W`` rows no longer hold every row in use (docs/porting.md "Window with
             a sink"). ``"sink"`` (default): the sink rows (and an unsettled pinned chunk), then the newest rows, ``W``
             in all (LongLive-2, sglang's QVG packed cache). ``"tail"``: the newest ``W`` rows ``[L' - W, L')`` only,
@@ -110,7 +110,7 @@ class CausalKVCache:
 
     Raises:
         ValueError: invalid buffers (ranks, dtypes, devices, shapes as ``kvops.cache_write``), negative sink sizes,
-            sink sizes not smaller than ``S``, ``attention_window_size < 1``.
+            sink sizes not smaller than ``S``, a negative ``attention_window_size``.
     """
 
     def __init__(
@@ -136,9 +136,12 @@ class CausalKVCache:
                 f"{name}: sink_tokens ({sink_tokens}) and global_sink_tokens ({global_sink_tokens}) must be smaller "
                 f"than the cache size ({k.shape[1]} rows), leaving room for the chunks after the sink."
             )
+        if attention_window_size == 0:  # sglang's caches: 0 (their default) means the cache size
+            attention_window_size = None
         if attention_window_size is not None and attention_window_size < 1:
             raise ValueError(
-                f"{name}: attention_window_size must be >= 1 (or None for the cache size), got {attention_window_size}."
+                f"{name}: attention_window_size must be >= 1 (or None or 0 for the cache size, as sglang's caches), "
+                f"got {attention_window_size}."
             )
         self.k = k
         self.v = v
@@ -298,6 +301,7 @@ class CausalKVCache:
         current_chunk_start: int,
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
+        debug_name: str | None = None,
     ) -> CausalKVView:
         """Write a chunk of K/V at its global position and return the rows the chunk attends to (docs/semantics.md §1).
 
@@ -308,6 +312,8 @@ class CausalKVCache:
                 and returned.
             recent_window_tokens: ``r`` (optional): return the sink rows and only the ``r`` rows before the chunk
                 plus the rows from the chunk to ``L'``, instead of the ``W``-row budget.
+            debug_name: the cache's name in this call's error messages (sglang's argument of the same name; default:
+                the constructor's ``name``).
 
         With ``e = s + n``:
 
@@ -344,7 +350,8 @@ class CausalKVCache:
                 would land on the sink rows (``sink + n > S``), or when ``s > G`` (an append that would leave
                 positions ``[G, s)`` unwritten).
         """
-        h0, h1, c, plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+        h0, h1, c, plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens,
+                                     debug_name)
         g, l = c.global_end, c.local_end
         unsettled_pin = c.pinned_len > 0 and c.pinned_start != self.global_sink_tokens
         if plan.capacity != self.cache_size:
@@ -365,12 +372,12 @@ class CausalKVCache:
         k, v = self._visible(c, plan.ls, c.local_end, recent_window_tokens, h0, h1, head_start is not None)
         return CausalKVView(k, v, plan.ls, plan.le, c.local_end, c.global_end)
 
-    def _plan(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
+    def _plan(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens, debug_name=None):
         """Validate one update (nothing is written) and return ``(h0, h1, cursors, plan)``: the head slice, its
         cursors and the :class:`kvops.cache._plan.Plan` (the chunk's rows after the update, the tokens appended and
         rows evicted, the capacity after a planned growth). Shared with :class:`kvops.cache.ring.RingCausalKVCache`.
         """
-        name = self.name
+        name = self.name if debug_name is None else debug_name
         check_update_args(name, key, value, self.k.shape[2], current_chunk_start, cache_head_start, recent_window_tokens)
         # Metadata contract of the write op, checked before anything moves (zero rows: the row range is ours).
         h0 = check_cache_write(key, value, self.k, self.v, 0, cache_head_start, op=name, check_rows=False)

@@ -17,6 +17,7 @@ import torch
 
 from ..ops.paged_attention import paged_attention
 from ..ops.paged_write import paged_cache_write
+from . import _device_step
 
 
 class OutOfBlocksError(RuntimeError):
@@ -344,7 +345,8 @@ class PagedKVCache:
                 "PagedKVCache.prepare is host-side planning (Python block manager) and runs eagerly only; it was "
                 "called while compiling (torch.compile or torch.export). Call cache.prepare(...) outside the "
                 "compiled function and pass the PagedStep's tensors (block_table, seq_lens, cu_seqlens_q, "
-                "slot_mapping, positions) and max_seqlen_q to it as arguments."
+                "slot_mapping, positions) and max_seqlen_q to it as arguments, or, with blocks reserved up front, "
+                "build the step inside it from a tensor of positions with cache.step_at(positions, block_table)."
             )
         items = list(new_tokens.items()) if isinstance(new_tokens, Mapping) else list(new_tokens)
         ids = [seq_id for seq_id, _ in items]
@@ -408,6 +410,45 @@ class PagedKVCache:
             num_tokens=num_tokens,
             seq_ids=tuple(ids),
         )
+
+    def block_table(self, seq_ids: Iterable[Hashable], max_blocks: int | None = None) -> torch.Tensor:
+        """The block table of ``seq_ids`` as they stand: int32 ``[B, max_blocks]`` on the cache's device, each row a
+        sequence's blocks padded with 0 (never read); ``max_blocks`` defaults to the longest row. Host-side (eager):
+        with :meth:`step_at`, reserve each sequence's blocks first (``extend(seq_id, max_tokens)``), then pass this
+        table to the compiled step. Raises ``ValueError`` for an unknown id or a ``max_blocks`` smaller than a row."""
+        rows = [self._get(seq_id).blocks for seq_id in seq_ids]
+        width = max((len(r) for r in rows), default=0) if max_blocks is None else max_blocks
+        if any(len(r) > width for r in rows):
+            raise ValueError(
+                f"PagedKVCache.block_table: a sequence holds {max(len(r) for r in rows)} blocks but "
+                f"max_blocks={max_blocks}; pass max_blocks >= {max(len(r) for r in rows)}."
+            )
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32,
+                            device=self.device).view(len(rows), width)
+
+    def step_at(self, positions: torch.Tensor, block_table: torch.Tensor) -> PagedStep:
+        """The step's metadata computed on the device from a tensor of positions, inside a compiled step (compiled
+        generate loops keep positions in a tensor, gpt-fast's ``input_pos``): no host sync, no recompile as the
+        positions advance. The block manager is neither consulted nor changed (reserve blocks up front, e.g.
+        :meth:`extend` then :meth:`block_table`; :meth:`prepare` plans on the host). Semantics, errors and value
+        contract: ``kvops/cache/_device_step.py``.
+
+        Args:
+            positions: int32/int64 ``[T]`` (shared by every sequence, as gpt-fast's ``input_pos``) or ``[B, T]``,
+                ``T >= 1``, the new tokens' consecutive positions, on the cache's device.
+            block_table: int32 ``[B, max_blocks]`` on the cache's device.
+
+        Returns:
+            :class:`PagedStep`: ``block_table`` as given, ``seq_lens = positions[:, -1] + 1`` (int32), ``cu_seqlens_q
+            = arange(B + 1) * T``, ``slot_mapping [B * T]`` int64, ``positions [B * T]`` int64, ``max_seqlen_q = T``,
+            ``num_tokens = B * T``, ``seq_ids = ()``; for :meth:`write` and :meth:`attention`.
+        """
+        where = "PagedKVCache.step_at"
+        _device_step.check_step_args(where, positions, block_table, self.device)
+        table, seq_lens, cu, slots, pos, max_q, n = _device_step.step_at(where, positions, block_table,
+                                                                        self.block_size, self.num_blocks)
+        return PagedStep(block_table=table, seq_lens=seq_lens, cu_seqlens_q=cu, slot_mapping=slots, positions=pos,
+                         max_seqlen_q=max_q, num_tokens=n, seq_ids=())
 
     # --- tensor work through the ops ----------------------------------------------------------------------------
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, step: PagedStep,

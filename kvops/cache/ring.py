@@ -127,6 +127,7 @@ class RingCausalKVCache(CausalKVCache):
         current_chunk_start: int,
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
+        debug_name: str | None = None,
     ) -> RingKVView:
         """Write a chunk at its global position and return the visible rows in ring order (docs/semantics.md §1).
 
@@ -134,7 +135,8 @@ class RingCausalKVCache(CausalKVCache):
         :meth:`CausalKVCache.update_and_get_attention_kv`; the chunk's logical rows ``[ls, le)`` are written at
         their physical ring rows, after the ring offset advanced by the evicted rows. Returns a :class:`RingKVView`.
         """
-        h0, h1, c, plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens)
+        h0, h1, c, plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens,
+                                     debug_name)
         ls, le, added, evicted = plan.ls, plan.le, plan.added, plan.evicted
         sink = self._effective_sink(c)
         ring = self.cache_size - sink

@@ -72,8 +72,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             pos_encoding_mode: ``"NONE"``, ``"ROPE_LLAMA"`` or ``"ALIBI"`` (class docstring).
             window_left: ``-1`` or ``>= 0``; logits_soft_cap: None or ``>= 0`` (0/None: off); sm_scale: None
                 (``head_dim ** -0.5``); rope_scale/rope_theta: None (1 and 1e4), used with ``"ROPE_LLAMA"``.
-            q_data_type, kv_data_type (default q's), data_type (FlashInfer's older name for both): what ``run``
-                must receive (a name such as ``"float16"`` or a ``torch.dtype``). ``non_blocking``: ignored.
+            q_data_type, kv_data_type (default q's), data_type (FlashInfer's deprecated alias, which sets either
+                one only where it is None, as FlashInfer's: ``plan(..., data_type=torch.float8_e4m3fn,
+                q_data_type=torch.float16)`` plans fp16 queries over an fp8 cache): what ``run`` must receive (a name
+                such as ``"float16"`` or a ``torch.dtype``). ``non_blocking``: ignored.
 
         Host work, once per batch (reads ``indptr``: a host sync, as FlashInfer's ``plan``); not for
         ``torch.compile`` regions. Builds ``block_table [B, max_pages]`` (``-1`` past a sequence's pages) and
@@ -85,8 +87,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 0``; ``rope_scale``/``rope_theta`` not ``> 0``; a ``last_page_len`` outside ``[1, page_size]`` for
                 a sequence with pages; ``indptr`` not non-decreasing from 0 to at most ``len(indices)``.
         """
-        if data_type is not None:
-            q_data_type = kv_data_type = data_type
+        if data_type is not None:  # FlashInfer's deprecated alias: fills the dtypes not given explicitly
+            q_data_type = data_type if q_data_type is None else q_data_type
+            kv_data_type = data_type if kv_data_type is None else kv_data_type
         q_dtype = _dtype(q_data_type)
         kv_dtype = q_dtype if kv_data_type is None else _dtype(kv_data_type)
         rope_scale = 1.0 if rope_scale is None else rope_scale
@@ -171,6 +174,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if lse is not None:
             lse_2 = lse.copy_(lse_2)
         return (o, lse_2) if return_lse else o
+
+    def run_return_lse(self, q: torch.Tensor, paged_kv_cache, **kwargs):
+        """``run(q, paged_kv_cache, return_lse=True, **kwargs)``: ``(out, lse)`` (FlashInfer's ``run_return_lse``, which
+        its decode tests call)."""
+        return self.run(q, paged_kv_cache, return_lse=True, **kwargs)
 
 
 def _split(kv: torch.Tensor):

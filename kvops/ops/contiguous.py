@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
-from .._checks.contiguous import check_cache_roll, check_cache_write
+from .._checks import values
+from .._checks.contiguous import check_cache_roll, check_cache_write, check_write_rows
 from ..reference import contiguous as cpu
 from ..triton import HAS_TRITON
+from .paged_write import paged_cache_write
 
 # One module global per op: every global a traced wrapper reads is a Dynamo guard evaluated on each call of the
 # compiled function, one per link of an attribute chain such as ``torch.ops.kvops.cache_write``.
@@ -23,7 +25,7 @@ def cache_write(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    start: int,
+    start: int | torch.Tensor,
     cache_head_start: int | None = None,
 ) -> None:
     """Write ``T`` new tokens into a contiguous KV cache at rows ``[start, start + T)``, in place.
@@ -33,7 +35,11 @@ def cache_write(
         value: ``[B, T, H_in, D_v]``, same dtype and device as ``v_cache``.
         k_cache: ``[B, S, H_cache, D]`` (any strides, e.g. a view of a ``[B, S, 2, H, D]`` allocation); mutated.
         v_cache: ``[B, S, H_cache, D_v]``; mutated.
-        start: first cache row (token index within the cache, not a global position); an int or SymInt.
+        start: first cache row (token index within the cache, not a global position): an int or SymInt, or an
+            int32/int64 tensor on the caches' device, as compiled generate loops keep positions (gpt-fast's
+            ``input_pos``): ``[]`` or ``[1]`` holds the first row, ``[T]`` one row per token (token ``t`` goes to row
+            ``start[t]``, as gpt-fast's ``k_cache[:, :, input_pos] = k_val``). A tensor is never read on the host: no
+            sync, no graph break, one compiled graph for every position. Its rows are a value contract (below).
         cache_head_start: first cache head written when the writer carries a slice of the KV heads
             (``H_in != H_cache``, as in tensor/Ulysses parallelism); heads outside ``[h0, h0 + H_in)`` are untouched.
 
@@ -42,7 +48,14 @@ def cache_write(
             mismatches (the message names both shapes or dtypes); ``"... requires cache_head_start when cache heads
             (H_cache) differ from input heads (H_in)."``; a head slice outside ``[0, H_cache)``.
         RuntimeError: ``"Invalid kvops.cache_write write range: local=[s, e), kv_cache_size=S, num_new_tokens=T..."``
-            when ``[start, start + T)`` leaves ``[0, S)``.
+            when ``[start, start + T)`` leaves ``[0, S)``. A tensor ``start``: ``ValueError`` for a dtype other than
+            int32/int64, a shape other than ``[]``, ``[1]``, ``[T]`` or another device; ``RuntimeError`` when
+            ``T > S`` with a first row; its rows outside ``[0, S)`` are a value contract (docs/semantics.md §7) checked
+            before anything is written per the value-check mode, as the paged indices: ``"eager"`` (default; eager
+            calls, the int form's message, or ``"... start[i] = r is outside [0, S) ..."`` for ``[T]`` rows),
+            ``"async"`` (``torch._assert_async``, also in compiled/exported graphs; nothing is written), ``"off"``.
+            Unchecked (``"off"``, or compiled code in ``"eager"`` mode), rows outside ``[0, S)`` are skipped and the
+            others written: nothing outside the cache is touched.
 
     All errors are raised by the fake rule too, so they fire at trace time under ``torch.compile`` and
     ``torch.export``. Semantics: a row-range ``copy_`` (as ``k_cache[:, start:start+T, h0:h0+H_in] = key``), the
@@ -53,8 +66,36 @@ def cache_write(
     source first; docs/semantics.md §1). Under ``torch.compile`` (torch 2.13) pass a ``.clone()`` of such a
     view on every call, the first included: torch does not recompile when the inputs' aliasing changes
     (pytorch/pytorch#139789).
+
+    With a tensor ``start`` the write is ``kvops.paged_cache_write`` on the cache read as ``B`` blocks of ``S`` rows
+    (a view; slots ``b * S + row``), so it keeps that op's kernels, Inductor lowering (the write fuses with its
+    producer) and export path; its metadata checks are the ones above, run in Python before it (under
+    ``torch.compile(fullgraph=True)`` they surface as an "Observed exception" carrying the same error).
     """
+    if isinstance(start, torch.Tensor):
+        _cache_write_rows(key, value, k_cache, v_cache, start, cache_head_start)
+        return
     _cache_write(key, value, k_cache, v_cache, start, cache_head_start)
+
+
+def _cache_write_rows(key, value, k_cache, v_cache, start, cache_head_start) -> None:
+    """``cache_write`` with a tensor ``start``: slots ``b * S + row`` into the cache read as ``[B, S]`` blocks."""
+    check_cache_write(key, value, k_cache, v_cache, 0, cache_head_start, check_rows=False)
+    check_write_rows(key, k_cache, start)
+    batch, num_new, cache_len = key.shape[0], key.shape[1], k_cache.shape[1]
+    device = k_cache.device
+    if start.dim() == 1 and start.shape[0] == num_new and num_new != 1:
+        rows = start.to(torch.int64)
+    else:
+        rows = start.reshape(()).to(torch.int64) + torch.arange(num_new, dtype=torch.int64, device=device)
+    ok = values.check_write_rows(rows, cache_len, start.dim() == 0 or start.shape[0] == 1)
+    inside = (rows >= 0) & (rows < cache_len)
+    if ok is not None:  # async value checks: a failing call writes nothing
+        inside = inside & ok
+    slots = torch.arange(batch, dtype=torch.int64, device=device)[:, None] * cache_len + rows[None, :]
+    slots = torch.where(inside[None, :], slots, -1).view(-1)
+    paged_cache_write(key.reshape(batch * num_new, *key.shape[2:]), value.reshape(batch * num_new, *value.shape[2:]),
+                      k_cache, v_cache, slots, cache_head_start)
 
 
 def cache_roll(

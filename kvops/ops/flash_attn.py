@@ -49,10 +49,19 @@ def flash_attn_with_kvcache(
     ``[cache_seqlens[b], cache_seqlens[b] + S_new)`` through ``kvops.paged_cache_write``, then ``q[b]`` attends to
     positions ``[0, cache_seqlens[b] + S_new)`` through ``kvops.paged_attention``.
 
+    Argument forms (kvops/_checks/forms.py, docs/porting.md "FlashAttention's argument forms"): every form
+    FlashAttention's pybind11 entry point converts is accepted with its meaning: ints (NumPy integers, one-element
+    integer tensors) for ``window_size``'s bounds and ``num_splits``; ints, floats or one-element tensors for
+    ``softmax_scale`` and ``softcap``; truth values for ``causal``, ``rotary_interleaved`` and
+    ``return_softmax_lse``. A tensor given for such a Python value is read once in eager calls; while
+    ``torch.compile``/``torch.export`` trace the call it is refused (``ValueError`` naming the form that compiles),
+    since its value would be baked into the graph.
+
     Args:
         q: ``[B, S_q, H_q, D]`` float32/bfloat16/float16.
         k_cache: paged ``[P, block_size, H_kv, D]`` (NHD) when ``block_table`` is given, else contiguous-form
-            ``[B, S, H_kv, D]`` (read as ``B`` blocks of ``block_size = S``, one per sequence: a view, no copy). Any
+            ``[B, S, H_kv, D]`` (read as ``B`` blocks of ``block_size = S``, one per sequence: a view, no copy;
+            ``[B_cache, S, H_kv, D]`` with ``cache_batch_idx``). Any
             strides; mutated in place when ``k`` is given. NHD only (as FlashAttention): for an HND cache
             ``[P, H_kv, block_size, D]`` pass its NHD view ``k_cache.transpose(1, 2)`` (no copy), or use
             ``kvops.paged_cache_write``/``kvops.paged_attention`` with ``kv_layout="HND"``. An HND cache with
@@ -61,13 +70,20 @@ def flash_attn_with_kvcache(
         k, v: optional ``[B, S_new, H_kv, D]`` / ``[B, S_new, H_kv, D_v]`` new tokens (together or not at all).
         cache_seqlens: int or ``[B]`` int32 tensor, tokens already in each sequence's cache (before ``k``). ``None``
             (only without ``k``): every sequence fills its capacity ``max_blocks * block_size``.
+        cache_batch_idx: ``[B]`` int32, contiguous form only (as FlashAttention): sequence ``b`` uses row
+            ``cache_batch_idx[b]`` of a ``[B_cache, S, H_kv, D]`` cache (its block table is ``cache_batch_idx.view(B,
+            1)``); other rows are untouched. Value contract ``0 <= cache_batch_idx[b] < B_cache``, checked before
+            anything is written. Repeated rows with ``k`` get the tokens of one of the sequences (as FlashAttention).
         block_table: ``[B, max_blocks]`` int32 physical block ids (entries past a sequence's blocks are never read).
         softmax_scale: default ``D ** -0.5``.
         causal: bottom-right aligned causal mask: query ``i`` sits at position ``seq_len - S_q + i``.
         window_size: ``(left, right)``, each ``-1`` (unbounded) or ``>= 0``: query at position ``pos`` sees keys
             ``[pos - left, pos + right]`` (bottom-right aligned, as FlashAttention's local attention); with
             ``causal=True`` ``right`` is ignored (0), as in FlashAttention (``flash_api.cpp``: ``if (is_causal)
-            window_size_right = 0``). Anything but a pair raises ``ValueError``.
+            window_size_right = 0``). A tuple or list of two ints, or a 2-element integer tensor (FlashAttention's
+            ``test_flash_attn_kvcache`` passes ``torch.randint(0, seqlen_k, (2,))``); anything else raises
+            ``ValueError``.
+
         cache_leftpad: ``[B]`` int32, the row each sequence's cache starts at (FlashAttention's left padding):
             the keys are rows ``[cache_leftpad[b], cache_seqlens[b] + S_new)``, the new ``k``/``v`` are still
             written at row ``cache_seqlens[b]``, and the query's position is counted in rows (so causal, window
@@ -88,7 +104,7 @@ def flash_attn_with_kvcache(
             (``window_size != (-1, -1)``), else every query at ``cache_seqlens`` (FlashAttention's semantics).
         rotary_interleaved: GPT-J pairs ``(2j, 2j + 1)`` (default, as FlashAttention) or GPT-NeoX pairs ``(j, j +
             rotary_dim / 2)``.
-        num_splits: a scheduling hint; ignored.
+        num_splits: a scheduling hint (an int); ignored.
         k_scale, v_scale: (kvops extension, keyword-only) float32 ``[1]`` or ``[H_kv]`` scales for
             ``float8_e4m3fn`` caches (written as ``x / scale``, read as ``cache * scale``).
 
@@ -113,28 +129,39 @@ def flash_attn_with_kvcache(
             ``num_kv_heads`` or ``head_dim`` 0. Every check, the attention's included, runs before ``k``/``v`` are
             appended: a failing call changes no cache.
         ValueError (features): ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``; ``cache_leftpad`` not int32
-            ``[B]``; ``window_size`` not a pair, or a bound below -1. A ``cache_leftpad[b]`` outside ``[0,
-            cache_seqlens[b]]`` is a value contract (``RuntimeError``, below).
-        NotImplementedError: ``cache_batch_idx``.
+            ``[B]``; ``window_size`` not a pair of ints in one of FlashAttention's forms (e.g. ``(2.5, 0)``), or a
+            bound below -1; ``softmax_scale``/``softcap``/``num_splits`` not a number of the kind FlashAttention takes;
+            ``cache_batch_idx`` not int32 ``[B]``, or given with ``block_table`` (FlashAttention refuses the pair); a
+            tensor for a Python value while tracing (above). A ``cache_leftpad[b]`` outside ``[0, cache_seqlens[b]]``
+            is a value contract (``RuntimeError``, below). All argument checks run before anything is written.
         RuntimeError: value contracts (docs/semantics.md §7), before anything is written: a ``cache_seqlens``
             value with ``cache_seqlens[b] + S_new`` past the capacity addressable by ``block_table``, or negative
             (``"flash_attn_with_kvcache: sequence b has cache_seqlens=n; ... block_table addresses only C tokens
             ..."``, as FlashAttention's ``RuntimeError`` matching ``"block_table"``), or a block id outside
             ``[0, P)`` among the blocks a sequence uses, or a ``cache_leftpad[b]`` outside ``[0,
-            cache_seqlens[b]]``. Checked per the value-check mode: ``"eager"`` (default;
-            eager calls, one host sync), ``"async"`` (``torch._assert_async``, also in compiled/exported graphs;
-            the write is skipped), ``"off"``. Unchecked (``"off"``, or compiled code in ``"eager"`` mode),
-            positions past the capacity are neither written (slot -1) nor read (``seq_lens`` clamped), so no other
-            sequence's blocks are touched, but the result is meaningless; a used block id outside ``[0, P)`` then
-            raises in the native CPU attention kernel (``"kvops.paged_attention: block_table[b, j] = id is not a
-            block of the cache ..."``, docs/semantics.md §7).
+            cache_seqlens[b]]``, or a ``cache_batch_idx[b]`` outside ``[0, B_cache)``. Checked per the value-check
+            mode: ``"eager"`` (default; eager calls, one host sync), ``"async"`` (``torch._assert_async``, also in
+            compiled/exported graphs; the write is skipped), ``"off"``. Unchecked (``"off"``, or compiled code in
+            ``"eager"`` mode), positions past the capacity are neither written (slot -1) nor read (``seq_lens``
+            clamped), so no other sequence's blocks are touched, but the result is meaningless; a used block id
+            outside ``[0, P)`` then raises in the native CPU attention kernel (``"kvops.paged_attention:
+            block_table[b, j] = id is not a block of the cache ..."``, docs/semantics.md §7).
     """
-    check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, causal, window_size, alibi_slopes)
+    args = check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                         cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                         window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                         return_softmax_lse)
+    cache_seqlens, softmax_scale, softcap = args.cache_seqlens, args.softmax_scale, args.softcap
+    if k_scale is not None and k_scale.dim() == 0:  # a 0-d per-tensor scale is [1] (a view), as the ops take it
+        k_scale = k_scale.reshape(1)
+    if v_scale is not None and v_scale.dim() == 0:
+        v_scale = v_scale.reshape(1)
     batch, s_q = q.shape[0], q.shape[1]
     device = q.device
     user_table = block_table
-    if block_table is None:  # contiguous form: sequence b is block b of block_size S
+    if cache_batch_idx is not None:  # contiguous form, sequence b in k_cache row cache_batch_idx[b] (block of size S)
+        block_table = cache_batch_idx.view(batch, 1)
+    elif block_table is None:  # contiguous form: sequence b is block b of block_size S
         block_table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
     block_size = k_cache.shape[1]
     capacity = block_table.shape[1] * block_size
@@ -147,7 +174,7 @@ def flash_attn_with_kvcache(
         base = torch.full((batch,), cache_seqlens, dtype=torch.int64, device=device)
     seq_lens = (base + s_new).clamp(0, capacity).to(torch.int32)
     cu_seqlens_q = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * s_q
-    right = 0 if causal else window_size[1]
+    left, right = args.window[0], 0 if args.causal else args.window[1]
     features = {}  # only what is used: calls without the features keep the op's call of before them
     if alibi_slopes is not None:
         features["alibi_slopes"] = alibi_slopes
@@ -158,17 +185,22 @@ def flash_attn_with_kvcache(
     q_rows = q.reshape(batch * s_q, *q.shape[2:])
     # the attention's contract too, before anything is written (a failing call changes nothing)
     check_paged_attention(q_rows, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s_q, softmax_scale,
-                          right == 0, window_size[0], softcap, None, k_scale, v_scale, "NHD", **features)
+                          right == 0, left, softcap, None, k_scale, v_scale, "NHD", **features)
     ok = values.check_kvcache(base, user_table, k_cache, s_new,  # value contract, docs/semantics.md §7
                               cache_leftpad=cache_leftpad)
     if alibi_slopes is not None:  # finite slopes (async: a failing call writes nothing either)
         alibi_ok = values.check_alibi_slopes(alibi_slopes, OP)
         ok = alibi_ok if ok is None else ok if alibi_ok is None else ok & alibi_ok
+    if cache_batch_idx is not None:
+        ok_idx = values.check_cache_batch_idx(cache_batch_idx, k_cache.shape[0], OP)
+        ok = ok_idx if ok is None else (ok if ok_idx is None else ok & ok_idx)
 
     if k is not None and s_new > 0:
         pos = base[:, None] + torch.arange(s_new, dtype=torch.int64, device=device)[None, :]  # [B, S_new]
         inside = (pos >= 0) & (pos < capacity)
         blocks = block_table.gather(1, pos.clamp(0, capacity - 1) // block_size).to(torch.int64)
+        if cache_batch_idx is not None:  # a row outside k_cache is never written, whatever the value-check mode
+            inside = inside & (blocks >= 0) & (blocks < k_cache.shape[0])
         slots = torch.where(inside, blocks * block_size + pos % block_size, -1).view(-1)
         if ok is not None:  # async value checks: a failing batch writes nothing
             slots = torch.where(ok, slots, -1)
@@ -178,20 +210,20 @@ def flash_attn_with_kvcache(
         else:  # k rotated at its cache positions inside the write (fused under Inductor)
             ro_pos = pos.clamp(0, rotary_cos.shape[0] - 1).view(-1)
             rotary_paged_cache_write(k_rows, v_rows, k_cache, v_cache, slots, ro_pos, rotary_cos, rotary_sin,
-                                     rotary_interleaved, None, k_scale, v_scale)
+                                     args.rotary_interleaved, None, k_scale, v_scale)
     if rotary_cos is not None:  # q: at cache_seqlens + i when causal or local, else all at cache_seqlens (as FA)
-        local = causal or tuple(window_size) != (-1, -1)
+        local = args.causal or args.window != (-1, -1)
         q_pos = base[:, None] + (torch.arange(s_q, dtype=torch.int64, device=device) if local else 0)
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos.expand(batch, s_q).clamp(0, rotary_cos.shape[0] - 1),
-                         rotary_interleaved)
+                         args.rotary_interleaved)
 
     out, lse = paged_attention(
         q.reshape(batch * s_q, *q.shape[2:]), k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s_q,
-        scale=softmax_scale, causal=right == 0, window_left=window_size[0], softcap=softcap, k_scale=k_scale,
+        scale=softmax_scale, causal=right == 0, window_left=left, softcap=softcap, k_scale=k_scale,
         v_scale=v_scale, return_lse=True, **features,
     )
     out = out.view(batch, s_q, *out.shape[1:])
-    if not return_softmax_lse:
+    if not args.return_softmax_lse:
         return out
     return out, lse.view(lse.shape[0], batch, s_q).transpose(0, 1).contiguous()
 

@@ -178,8 +178,9 @@ def paged_attention(
         softcap: if ``> 0``, scores become ``softcap * tanh(score / softcap)`` *before* masking (Gemma-2).
         sinks: ``[H_q]`` float32 attention-sink logits (gpt-oss), natural-log units, not multiplied by ``scale``:
             ``exp(sinks[h])`` joins head ``h``'s softmax denominator and contributes no value.
-        k_scale, v_scale: float32 ``[1]`` or ``[H_kv]``, required for (and only allowed with) fp8 caches, which are
-            dequantized as ``cache.float() * scale`` (the inverse of ``kvops.paged_cache_write``'s ``x / scale``).
+        k_scale, v_scale: float32 ``[1]`` or ``[H_kv]`` (a 0-d tensor, vLLM's per-tensor form, counts as ``[1]``),
+            required for (and only allowed with) fp8 caches, which are dequantized as ``cache.float() * scale`` (the
+            inverse of ``kvops.paged_cache_write``'s ``x / scale``).
         return_lse: also return the log-sum-exp.
         kv_layout: ``"NHD"`` (default) or ``"HND"`` (FlashInfer's name for ``[P, H_kv, block_size, D]``). An HND
             cache is read through its NHD view ``transpose(1, 2)``: no copy.
@@ -248,6 +249,10 @@ def paged_attention(
     # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md); negative ones are
     # left to the validator's errors
     window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)
+    if k_scale is not None and k_scale.dim() == 0:  # vLLM's per-tensor form: a 0-d scale is [1] (a view)
+        k_scale = k_scale.reshape(1)
+    if v_scale is not None and v_scale.dim() == 0:
+        v_scale = v_scale.reshape(1)
     features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)

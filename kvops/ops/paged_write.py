@@ -53,7 +53,8 @@ def paged_cache_write(
             negative. ``N`` is the number of tokens written.
         cache_head_start: first cache head written when ``H_in != H_kv`` (a tensor-parallel head slice); other heads
             are untouched.
-        k_scale, v_scale: float32 ``[1]`` or ``[H_kv]``; required for (and only for) ``float8_e4m3fn`` caches, which
+        k_scale, v_scale: float32 ``[1]`` or ``[H_kv]`` (a 0-d tensor, vLLM's per-tensor form ``(key.amax() /
+            64.0).to(torch.float32)``, counts as ``[1]``); required for (and only for) ``float8_e4m3fn`` caches, which
             store ``x / scale`` (fp32 division) saturated to ``±448``, rounded to nearest even. With ``[H_kv]`` and a
             head slice, input head ``i`` uses the scale of cache head ``h0 + i``.
         kv_layout: ``"NHD"`` (default, vLLM's flash layout) or ``"HND"`` (FlashInfer's name for
@@ -81,6 +82,10 @@ def paged_cache_write(
     2.13) pass a ``.clone()`` of such a view on every call, the first included: torch does not recompile when the
     inputs' aliasing changes (pytorch/pytorch#139789), so a later call can read the traced offset or fail.
     """
+    if k_scale is not None and k_scale.dim() == 0:  # vLLM's per-tensor form: a 0-d scale is [1] (a view)
+        k_scale = k_scale.reshape(1)
+    if v_scale is not None and v_scale.dim() == 0:
+        v_scale = v_scale.reshape(1)
     if _traced():  # traced: the op (and the async value check), through few globals (few guards, see above)
         if values.get_value_checks() == "async":
             slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)

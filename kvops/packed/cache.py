@@ -150,8 +150,11 @@ class PackedCausalKVCache:
                 f"{name}: cache_size ({s}) must be >= sink_tokens + chunk_tokens ({sink} + {n}) so that a chunk fits "
                 f"after the sink."
             )
+        if attention_window_size == 0:  # sglang's QVG cache: `attention_window_size or cache_size`
+            attention_window_size = None
         if attention_window_size is not None and attention_window_size < 1:
-            raise ValueError(f"{name}: attention_window_size must be >= 1 (or None), got {attention_window_size}.")
+            raise ValueError(f"{name}: attention_window_size must be >= 1 (or None or 0 for the cache size, as "
+                             f"sglang's), got {attention_window_size}.")
         self.name, self.quant, self.chunk_tokens, self.sink_tokens = name, quant, n, k
         self.global_sink_tokens, self.pinnable, self.cache_size = gs, pinnable and k > 0, s
         self.attention_window_size = s if attention_window_size is None else attention_window_size
@@ -341,9 +344,9 @@ class PackedCausalKVCache:
         return parts
 
     # --- the update ---------------------------------------------------------------------------------------------
-    def _write(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens):
+    def _write(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens, debug_name=None):
         """Validate, advance (quantize the chunk leaving the ring) and write; returns ``(h0, h1, cur, G, L, ls)``."""
-        name = self.name
+        name = self.name if debug_name is None else debug_name
         check_update_args(name, key, value, self.num_kv_heads, current_chunk_start, cache_head_start, recent_window_tokens)
         if key.shape[2] != self.num_kv_heads and cache_head_start is None:
             raise ValueError(
@@ -361,7 +364,7 @@ class PackedCausalKVCache:
         # binds one of them but uses the other: "name 's72' is not defined"; a ``Min``/``Max`` re-specializes a warm
         # FX graph cache hit, kvops/cache/_clamp.py).
         if abs(s - cur_start) * abs(s - g) > 0:  # neither the current chunk nor the global end
-            self._raise_non_sequential(s, g, cur_start)
+            self._raise_non_sequential(s, g, cur_start, name)
         if self._pad and s == 0:  # the first chunk: first_chunk_tokens long
             size = self.first_chunk_tokens
         if n != size:  # an append is exactly one chunk, so a rewrite (s == current start) of another size differs
@@ -406,7 +409,7 @@ class PackedCausalKVCache:
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int, cache_head_start: int | None = None,
-        recent_window_tokens: int | None = None,
+        recent_window_tokens: int | None = None, debug_name: str | None = None,
     ) -> PackedKVView:
         """Write a chunk and return the visible window as the storage + a row mask (no dense copy).
 
@@ -424,18 +427,18 @@ class PackedCausalKVCache:
             :meth:`update_and_get_attention_kv`'s rows (the same rows, in storage order; tests/test_packed_cache.py).
         """
         h0, h1, cur, g, local_end, ls = self._write(key, value, current_chunk_start, cache_head_start,
-                                                   recent_window_tokens)
+                                                   recent_window_tokens, debug_name)
         rows, sink, shift, pin = self._window(local_end, ls, g, recent_window_tokens)
         ks, vs, counts = window_counts(self, rows, lambda r: row_positions(r, sink, shift, pin), cur, h0, h1,
                                        h1 - h0 != self.num_kv_heads)
         return PackedKVView(PackedSegments(ks, counts), PackedSegments(vs, counts), ls, local_end, local_end, g)
 
-    def _raise_non_sequential(self, s: int, g: int, cur_start: int) -> None:
+    def _raise_non_sequential(self, s: int, g: int, cur_start: int, name: str) -> None:
         cur = None if cur_start < 0 else cur_start
         rewrite = "" if cur is None else (
             f", or current_chunk_start={cur} to rewrite the current chunk (a denoising step)")
         raise NotImplementedError(
-            f"{self.name}: non-sequential write current_start={s} global_end={g} cur={cur}. The packed cache takes "
+            f"{name}: non-sequential write current_start={s} global_end={g} cur={cur}. The packed cache takes "
             f"chunks in order: pass current_chunk_start={g} to append the next chunk{rewrite}."
         )
 
@@ -475,7 +478,7 @@ class PackedCausalKVCache:
 
     def update_and_get_attention_kv(
         self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int, cache_head_start: int | None = None,
-        recent_window_tokens: int | None = None,
+        recent_window_tokens: int | None = None, debug_name: str | None = None,
     ) -> CausalKVView:
         """Write a chunk of K/V at its global position and return the rows it attends to (docs/semantics.md §1-2).
 
@@ -487,6 +490,8 @@ class PackedCausalKVCache:
                 Head-sliced writers of one step call with the same ``s``: the first one appends, the others
                 rewrite, and all see the same indices.
             recent_window_tokens: ``r``: the sink rows and the ``r`` rows before the chunk, then the chunk.
+            debug_name: the cache's name in this call's error messages (sglang's argument of the same name; default:
+                the constructor's ``name``).
 
         Returns:
             :class:`CausalKVView`: ``k``/``v`` ``[B, V, H_in, D]`` in the cache dtype (a new tensor: the visible rows
@@ -503,7 +508,7 @@ class PackedCausalKVCache:
                 ``current_chunk_start`` values that are accepted).
         """
         h0, h1, cur, g, local_end, ls = self._write(key, value, current_chunk_start, cache_head_start,
-                                                   recent_window_tokens)
+                                                   recent_window_tokens, debug_name)
         rows, sink, shift, pin = self._window(local_end, ls, g, recent_window_tokens)
         k, v = gather_window(self, rows, lambda r: row_positions(r, sink, shift, pin), cur, h0, h1,
                              h1 - h0 != self.num_kv_heads)

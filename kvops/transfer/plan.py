@@ -62,9 +62,17 @@ def _check_split(total_kv_heads: int, tp_size: int, side: str) -> None:
         )
 
 
-def _check_rank(rank: int, tp_size: int, side: str) -> None:
-    if not 0 <= rank < tp_size:
-        raise ValueError(f"{side} tp_rank={rank} is outside [0, {tp_size}).")
+def _tp_rank(rank: int, tp_size: int, side: str) -> int:
+    """sglang's rank rule: a rank is taken modulo its TP group (``src_tp_rank % src_attn_tp_size``, ``dst_tp_rank %
+    dst_attn_tp_size`` in ``compute_head_slice_params``), so a global rank maps to its rank in the group. It must be
+    a non-negative int (a negative rank is no rank; Python's ``%`` would silently map -1 to the last rank)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        side = f"{side} " if side else ""
+        raise ValueError(
+            f"{side}tp_rank={rank!r} must be a non-negative int (a TP rank, or a global rank, which is taken modulo "
+            f"{side}tp_size={tp_size} as sglang does)."
+        )
+    return rank % tp_size
 
 
 def heads_per_rank(total_kv_heads: int, tp_size: int) -> int:
@@ -74,9 +82,11 @@ def heads_per_rank(total_kv_heads: int, tp_size: int) -> int:
 
 
 def rank_head_range(total_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """Global heads ``[start, end)`` held by ``tp_rank`` of a TP group of ``tp_size`` ranks (see module docstring)."""
+    """Global heads ``[start, end)`` held by ``tp_rank`` of a TP group of ``tp_size`` ranks (see module docstring).
+
+    ``tp_rank`` may be a global rank: it is taken modulo ``tp_size`` (sglang's rule, docs/transfer.md)."""
     _check_split(total_kv_heads, tp_size, "the")
-    _check_rank(tp_rank, tp_size, "the")
+    tp_rank = _tp_rank(tp_rank, tp_size, "")
     n = max(1, total_kv_heads // tp_size)
     replication = max(1, tp_size // total_kv_heads)
     start = (tp_rank // replication) * n
@@ -94,7 +104,8 @@ def compute_head_slice_params(
 
     ``decode_tp_rank`` may be a global rank: as sglang (``dst_tp_rank % dst_attn_tp_size``), it is taken modulo
     ``decode_tp_size``, i.e. mapped to its rank in the TP group (rank 5 of a world with decode TP 4 is TP rank 1).
-    It must be a non-negative int.
+    It must be a non-negative int. (sglang's function also takes the prefill rank, modulo the prefill TP size; here
+    :func:`plan_for_writer` takes it, with the same rule.)
 
     Worked cases (``P_tp, D_tp, H``): ``(4, 2, 8)``: each decode rank has 2 writers with ``cache_head_start``
     ``[0, 2]``; ``(2, 4, 8)``: decode ranks take ``src_head_start`` 0, 2, 0, 2; ``(1, 4, 2)``: 0, 0, 1, 1;
@@ -105,12 +116,7 @@ def compute_head_slice_params(
     """
     _check_split(total_kv_heads, prefill_tp_size, "prefill")
     _check_split(total_kv_heads, decode_tp_size, "decode")
-    if not isinstance(decode_tp_rank, int) or decode_tp_rank < 0:
-        raise ValueError(
-            f"decode tp_rank={decode_tp_rank!r} must be a non-negative int (a TP rank, or a global rank, which is "
-            f"taken modulo decode tp_size={decode_tp_size})."
-        )
-    decode_tp_rank %= decode_tp_size
+    decode_tp_rank = _tp_rank(decode_tp_rank, decode_tp_size, "decode")
     ds, de = rank_head_range(total_kv_heads, decode_tp_size, decode_tp_rank)
     src_n = max(1, total_kv_heads // prefill_tp_size)
     src_rep = max(1, prefill_tp_size // total_kv_heads)
@@ -127,8 +133,13 @@ def plan_for_writer(
     prefill_tp_size: int, decode_tp_size: int, prefill_tp_rank: int, total_kv_heads: int
 ) -> tuple[tuple[int, HeadSlice], ...]:
     """What one prefill rank sends: ``(decode_tp_rank, HeadSlice)`` pairs in decode-rank order (possibly empty, when
-    its heads are replicated and another replica writes them)."""
-    _check_rank(prefill_tp_rank, prefill_tp_size, "prefill")
+    its heads are replicated and another replica writes them).
+
+    ``prefill_tp_rank`` may be a global rank: as sglang (``src_tp_rank % src_attn_tp_size``), it is taken modulo
+    ``prefill_tp_size`` (prefill rank 5 of a world with prefill TP 4 is TP rank 1; the slices' ``writer`` is then 1).
+    Raises ``ValueError`` for a negative or non-int rank and the errors of :func:`compute_head_slice_params`."""
+    _check_split(total_kv_heads, prefill_tp_size, "prefill")
+    prefill_tp_rank = _tp_rank(prefill_tp_rank, prefill_tp_size, "prefill")
     return tuple(
         (d, s)
         for d in range(decode_tp_size)
