@@ -82,8 +82,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         Raises:
             ValueError: an unknown ``pos_encoding_mode``; index tensors not 1-D int32 or of inconsistent lengths;
                 ``num_qo_heads % num_kv_heads != 0``; a size ``< 1``; ``window_left < -1``; ``logits_soft_cap <
-                0``; ``rope_scale``/``rope_theta`` not ``> 0``; a ``last_page_len`` outside ``[1, page_size]`` for
-                a sequence with pages; ``indptr`` not non-decreasing from 0 to at most ``len(indices)``.
+                0``; ``rope_scale``/``rope_theta`` not ``> 0``; ``logits_soft_cap``, ``sm_scale``, ``rope_scale``
+                or ``rope_theta`` NaN or infinite; a ``last_page_len`` outside ``[1, page_size]`` for a sequence
+                with pages; ``indptr`` not non-decreasing from 0 to at most ``len(indices)``; a sequence of more
+                than ``2**31 - 1`` keys (kvops' ``seq_lens`` are int32).
         """
         if data_type is not None:
             q_data_type = kv_data_type = data_type
@@ -92,7 +94,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         rope_scale = 1.0 if rope_scale is None else rope_scale
         rope_theta = 1e4 if rope_theta is None else rope_theta
         counts = check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                            pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
+                            pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta, sm_scale)
         device = indptr.device
         width = max(1, max(counts, default=0))
         n = torch.tensor(counts, dtype=torch.int64, device=device)
