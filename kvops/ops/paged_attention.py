@@ -211,7 +211,8 @@ def paged_attention(
         ``out == sum_j exp(s_j - lse) v_j`` holds in every case. A query with no visible key gets ``out = 0``
         (never NaN) and ``lse = -inf`` (or ``sinks[h]`` when sinks are given). GQA: query head ``h`` reads KV head
         ``h // (H_q // H_kv)``. Values stored in slots at or beyond ``seq_len`` never reach the output, even when
-        NaN/inf.
+        NaN/inf; a NaN score of a visible key (NaN in q or K) makes the query's output and LSE NaN, as SDPA's.
+        Windows and ``sink_tokens`` of ``2**31`` or more (e.g. ``sys.maxsize``) are unbounded.
 
     Raises:
         ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; ``block_size``, ``H_kv`` or a
@@ -221,7 +222,8 @@ def paged_attention(
             ``B``; K/V caches disagreeing in dtype, ``P``, ``block_size`` or ``H_kv``; a non-fp8 cache dtype
             different from q's; ``sinks`` not float32 ``[H_q]``; an fp8 cache without scales (or scales without
             one, or scales not float32 ``[1]``/``[H_kv]``); devices; ``max_seqlen_q < 1`` with tokens;
-            ``window_left < -1``; ``softcap < 0``; features: ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``,
+            ``window_left < -1``; ``softcap < 0``; ``scale``, ``softcap``, ``rope_theta`` or ``rope_scale`` NaN or
+            infinite; features: ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``,
             ``window_right < -1``, ``cache_leftpad`` not int32 ``[B]``, ``sink_tokens < 0``, ``rope_theta``/
             ``rope_scale`` not > 0 or an odd ``head_dim`` with RoPE. Raised by the fake rule too (trace time under
             ``torch.compile`` and ``torch.export``).
@@ -231,7 +233,7 @@ def paged_attention(
             capacity of ``block_table``); a block id outside ``[0, P)`` in the first ``ceil(seq_len / block_size)``
             entries of a ``block_table`` row (the message names ``block_table[b, j]``, the id and ``P``);
             ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``; a ``cache_leftpad[b]`` outside
-            ``[0, seq_lens[b]]``. With
+            ``[0, seq_lens[b]]``; a NaN or infinite ALiBi slope (``alibi_slopes[h]``). With
             a window (or ``cache_leftpad``) only the block ids of rows some query can see are checked
             (docs/attention_features.md). ``cu_seqlens_q[-1] < T_q`` is allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
             rows of a CUDA-graph batch. On CPU with the native kernel, eager checks are one native pass over the
