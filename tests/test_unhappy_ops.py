@@ -1,8 +1,8 @@
 """Issue 17 for the ops: no input kills the process, a failing call changes nothing, no silently wrong results.
 
 The generated cases (``tests/unhappy_ops_cases.py``: every public op's arguments in wrong dtypes, ranks, devices,
-sizes, zero-size dims, overlapping caches, out-of-range index values, and the private ``torch.ops.kvops._*`` ops)
-run in ONE subprocess, each case in a forked child, and must all be ``clear``: the documented exception type, a
+sizes, zero-size dims, overlapping caches, out-of-range index values, and the private ``torch.ops.kvops._*`` ops;
+and issue 29's ``tests/unhappy_kernels_cases.py``) run in ONE subprocess per source, each case in a forked child, and must all be ``clear``: the documented exception type, a
 message naming the argument (and the value), every tensor byte unchanged, no crash, no hang. Below them, the issue's
 cases with their messages (expecttest), in eager, compile and export where they are contract errors, and the
 behaviours defined here (joint layouts keep working, non-finite quantization, packed attention's backward).
@@ -44,6 +44,24 @@ class TestGeneratedCases(unittest.TestCase):
         self.assertIsNotNone(line, proc.stderr[-3000:])
         results = json.loads(line[len("RESULTS"):])
         self.assertGreater(len(results), 200)
+        bad = [f"{outcome}: {name}: {detail[:300]}" for name, outcome, detail in results if outcome != "clear"]
+        self.assertEqual(bad, [], "\n".join(bad))
+
+    def test_every_issue_29_case_is_clear(self):
+        """tests/unhappy_kernels_cases.py (sizes near the integer limits, non-finite scalars and data, threads, the
+        attention features' and FlashInfer's arguments): every case clear, each in a forked child."""
+        proc = run_isolated(
+            """
+            import json
+            from tests.unhappy import cases_of, run_cases
+            print("RESULTS" + json.dumps(run_cases(cases_of("tests.unhappy_kernels_cases"), timeout=300)))
+            """,
+            timeout=900,
+        )
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULTS")), None)
+        self.assertIsNotNone(line, proc.stderr[-3000:])
+        results = json.loads(line[len("RESULTS"):])
+        self.assertGreater(len(results), 150)
         bad = [f"{outcome}: {name}: {detail[:300]}" for name, outcome, detail in results if outcome != "clear"]
         self.assertEqual(bad, [], "\n".join(bad))
 

@@ -28,6 +28,12 @@ def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_
                 f"{PLAN}: {name} must be a 1-D int32 tensor, got "
                 f"{(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__}."
             )
+    for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+        if t.device.type == "meta" or t.device != indptr.device:
+            raise ValueError(
+                f"{PLAN}: {name} is on {t.device} (indptr on {indptr.device}); plan reads indptr and last_page_len on "
+                f"the host and gathers indices next to them: pass the three on one real device (e.g. cpu)."
+            )
     batch = indptr.shape[0] - 1
     if batch < 0 or last_page_len.shape[0] != batch:
         raise ValueError(
@@ -76,10 +82,13 @@ def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_
 
 
 def check_run(q, k_cache, v_cache, kv_layout, shape, dtypes, planned_window, window_left, out=None,
-              lse=None) -> None:
+              lse=None, scales=()) -> None:
     """Shapes and dtypes of a ``run`` call against its plan (``ValueError``; metadata only), including the optional
     ``out`` ``[batch, num_qo_heads, head_dim_vo]`` (q's dtype) and ``lse`` ``[batch, num_qo_heads]`` (float32)
-    buffers, checked before any attention runs."""
+    buffers, checked before any attention runs; ``scales``: ``(name, value)`` of the float calibration scales
+    (``q_scale``, ``k_scale``, ``v_scale``), each None or finite."""
+    for name, x in scales:
+        require_finite(RUN, name, x, "a calibration scale; None: 1", f"Pass a finite {name}, or None.")
     batch, h_q, h_kv, head_dim, page_size = shape
     q_dtype, kv_dtype = dtypes
     for name, buf, want, dtype in (("out", out, (batch, h_q, v_cache.shape[-1]), q.dtype),

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-ADDRESSABLE = 2**47  # bytes: the user virtual address space of x86-64 and AArch64 (128 TiB); no device holds more
+from .._checks.common import ADDRESSABLE  # bytes (2**47, 128 TiB)
 
 
 def _human(n: int) -> str:

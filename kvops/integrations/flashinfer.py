@@ -142,7 +142,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         Raises:
             RuntimeError: ``run`` before ``plan``. ValueError: q or caches whose shapes, page size or dtypes differ
-            from the plan; ``out``/``lse`` buffers of another shape, dtype or device; a ``window_left`` other than the planned one; and every error of
+            from the plan; ``out``/``lse`` buffers of another shape, dtype or device; a ``window_left`` other than the planned one;
+            a NaN or infinite ``q_scale``/``k_scale``/``v_scale``; and every error of
             ``kvops.paged_attention``. No host sync: the checks read shapes and dtypes only (kvops' own value
             checks follow its value-check mode, docs/semantics.md §7).
         """
@@ -154,7 +155,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             k_cache, v_cache = _split(paged_kv_cache)
         check_run(q, k_cache, v_cache, self._kv_layout, p["shape"], p["dtypes"], p["window_left"], window_left, out,
-                  lse)
+                  lse, (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)))
         scale = q.shape[-1] ** -0.5 if p["sm_scale"] is None else p["sm_scale"]
         scale = scale * (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
         fp8 = k_cache.dtype == torch.float8_e4m3fn

@@ -24,7 +24,7 @@ import torch
 
 from .. import _library  # noqa: F401  (other schemas; this op's schema is inferred by triton_op)
 from .._checks import values
-from .._checks.common import resolve_bounds
+from .._checks.common import int64_error, resolve_bounds
 from .._checks.paged_attention import check_paged_attention
 from .._checks.paged_write import as_nhd
 from .. import native
@@ -247,12 +247,16 @@ def paged_attention(
     (memory bounded by the tile). CUDA:
     Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
     """
-    # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md); negative ones are
-    # left to the validator's errors
+    bad = int64_error("kvops.paged_attention", {"max_seqlen_q": max_seqlen_q})
+    if bad is not None:  # (torch's schema error gives no fix)
+        raise bad
+    # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md)
     window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)
     features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
+    if window_left < -1 or window_right < -1 or sink_tokens < 0:  # the validator's error (before the value pass)
+        check_paged_attention(*args, *features)
     try:  # value contracts, docs/semantics.md §7
         values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout,
                                      window_left=window_left, sink_tokens=sink_tokens, cache_leftpad=cache_leftpad)
