@@ -172,6 +172,21 @@ class TestNonFiniteData(unittest.TestCase):
                     self.assertTrue(out[last, :2].isnan().all() and lse[:2, last].isnan().all(), (out, lse))
                     self.assertTrue(torch.isfinite(out[last, 2:]).all())
 
+    def test_native_split_kv_merge_keeps_the_nan(self):
+        """A long decode on 2 threads runs split-KV (parts merged afterwards): a NaN in one part is NaN after the
+        merge (a max over the parts' maxima may drop it)."""
+        x = make_inputs(1, [5000], [1], block_size=16, h_q=2, h_kv=1, d=16)
+        set_key(x, 0, 1234)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            out, lse = kvops.paged_attention(*args_of(x), return_lse=True)
+            clean = kvops.paged_attention(*args_of(make_inputs(1, [5000], [1], block_size=16, h_q=2, h_kv=1, d=16)))
+        finally:
+            torch.set_num_threads(threads)
+        self.assertTrue(out.isnan().all() and lse.isnan().all(), (out, lse))
+        self.assertTrue(torch.isfinite(clean).all())
+
     def test_hidden_garbage_never_reaches_the_output(self):
         """NaN/inf beyond seq_len (make_inputs fills every unused slot and block with NaN), inf there too, and a NaN
         key the causal mask or the window hides: finite outputs equal to those without them."""

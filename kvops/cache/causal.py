@@ -173,7 +173,8 @@ class CausalKVCache:
 
         ``k`` is ``[B, S, H_kv, D]`` and ``v`` ``[B, S, H_kv, D_v]`` (``D_v = head_dim_v or head_dim``) in ``dtype``
         (default: torch's default dtype) on ``device``. With ``fused_kv=True`` both are views of one
-        ``[B, S, 2, H_kv, D]`` allocation (requires ``D_v == D``). ``kwargs`` go to the constructor.
+        ``[B, S, 2, H_kv, D]`` allocation (requires ``D_v == D``). ``kwargs`` go to the constructor. Buffers of more
+        than ``2**47`` bytes raise ``ValueError`` naming the sizes and the byte count (kvops/cache/_alloc.py).
         """
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         sizes = dict(batch_size=batch_size, cache_size=cache_size, num_kv_heads=num_kv_heads, head_dim=head_dim,

@@ -95,7 +95,9 @@ class PagedKVCache:
             stay bounded (``ceil(sink_tokens / bs) + ceil((window_left + new tokens) / bs) + 1``) as it grows.
 
     Raises:
-        ValueError: non-positive sizes, ``joint`` with ``D_v != D``; from the methods: unknown or duplicate sequence
+        ValueError: non-positive sizes, ``joint`` with ``D_v != D``, caches needing more than ``2**47`` bytes (the
+            message names the sizes and the byte count; an allocator failure below that re-raises its own type with
+            the same facts first); from the methods: unknown or duplicate sequence
             ids, negative token counts, a non-block-aligned fork, padding targets smaller than the step.
         OutOfBlocksError: (a ``RuntimeError``) not enough free blocks; nothing is allocated.
     """

@@ -255,8 +255,8 @@ def paged_attention(
     features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
-    if window_left < -1 or window_right < -1 or sink_tokens < 0:  # the validator's error (before the value pass)
-        check_paged_attention(*args, *features)
+    if (window_left < -1 or window_right < -1 or sink_tokens < 0) and not torch.compiler.is_compiling():
+        check_paged_attention(*args, *features)  # the validator's error, before the value pass (traced: the op's)
     try:  # value contracts, docs/semantics.md §7
         values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout,
                                      window_left=window_left, sink_tokens=sink_tokens, cache_leftpad=cache_leftpad)
