@@ -178,3 +178,69 @@ class TestUnboundedArguments(unittest.TestCase):
         want = kvops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=False)
         got = kvops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=False, window_size=(-1, sys.maxsize))
         self.assertTrue(torch.equal(got, want))
+
+
+class TestFlashInferPlan(expecttest.TestCase):
+    def test_kv_len_past_int32_is_refused(self):
+        """4097 pages of 2^20 tokens: kv_len 2^32 + 2^20 wrapped to int32 (3 keys) and ``run`` attended to 3 keys."""
+        from kvops.integrations.flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+        w = BatchDecodeWithPagedKVCacheWrapper()
+        plan = (torch.tensor([0, 1, 4098], dtype=I32), torch.zeros(4098, dtype=I32),
+                torch.tensor([5, 3], dtype=I32), 2, 1, 8, 2**20)
+        msg = check_failing_call(self, lambda: w.plan(*plan), ValueError, ["sequence 1", "kv_len = 4294967299"],
+                                 state=w)
+        self.assertExpectedInline(msg, """BatchDecodeWithPagedKVCacheWrapper.plan: sequence 1 has 4097 pages of page_size 1048576 (last_page_len 3), kv_len = 4294967299 keys, more than the 2147483647 an int32 sequence length holds (kvops.paged_attention's seq_lens). Split the sequence, or pass fewer pages.""")  # noqa: B950
+        ok = (torch.tensor([0, 2048], dtype=I32), torch.zeros(2048, dtype=I32), torch.tensor([2**20 - 1], dtype=I32),
+              2, 1, 8, 2**20)  # 2^31 - 1 keys: the longest int32 length plans
+        w.plan(*ok)
+        self.assertEqual(int(w._plan["seq_lens"][0]), 2**31 - 1)
+
+    def test_non_finite_scalars_are_refused_at_plan(self):
+        from kvops.integrations.flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+        w = BatchDecodeWithPagedKVCacheWrapper()
+        plan = (torch.tensor([0, 1], dtype=I32), torch.zeros(1, dtype=I32), torch.tensor([1], dtype=I32), 2, 1, 8, 4)
+        for kw, name in ((dict(logits_soft_cap=float("nan")), "logits_soft_cap"), (dict(sm_scale=float("inf")),
+                                                                                    "sm_scale"),
+                         (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=float("inf")), "rope_theta")):
+            with self.subTest(name):
+                check_failing_call(self, lambda: w.plan(*plan, **kw), ValueError, [name, "must be a finite"],
+                                   state=w)
+
+
+class TestCacheSizes(expecttest.TestCase):
+    """Buffers past the addressable bytes: a ValueError naming the arguments and the byte count, before allocating."""
+
+    def test_every_cache_class(self):
+        from kvops.cache import PackedCausalKVCache, PagedKVCache, RingCausalKVCache, RollingKVCache
+
+        huge = 2**50
+        cases = [
+            ("PagedKVCache", lambda: PagedKVCache(huge, 16, 8, 128), "num_blocks=1125899906842624"),
+            ("PagedKVCache joint", lambda: PagedKVCache(2**31, 2**16, 8, 128, joint=True), "block_size=65536"),
+            ("CausalKVCache.allocate", lambda: kvops.CausalKVCache.allocate(1, huge, 8, 128), "cache_size="),
+            ("RingCausalKVCache.allocate", lambda: RingCausalKVCache.allocate(4, huge, 8, 128), "batch_size=4"),
+            ("RollingKVCache.allocate", lambda: RollingKVCache.allocate(1, huge, 8, 128), "window_size="),
+            ("PackedCausalKVCache", lambda: PackedCausalKVCache.allocate(1, huge, 8, 128, chunk_tokens=4,
+                                                                         quant="int8"), "chunk_tokens=4"),
+        ]
+        for owner, make, needle in cases:
+            with self.subTest(owner):
+                msg = check_failing_call(self, make, ValueError, [owner.split()[0], needle, "bytes", "128 TiB"])
+        msg = check_failing_call(self, cases[0][1], ValueError, [])
+        self.assertExpectedInline(msg, """PagedKVCache: num_blocks=1125899906842624, block_size=16, num_kv_heads=8, head_dim=128, head_dim_v=128, num_layers=1 (torch.float32) need 147573952589676412928 bytes (134217728.0 TiB) of K/V buffers, more than a process can address (140737488355328 bytes, 128 TiB). Pass smaller sizes (fewer blocks or tokens, layers or heads).""")  # noqa: B950
+
+    def test_an_allocator_failure_names_the_arguments(self):
+        """Within the addressable bytes but past the memory: the allocator's exception type, the arguments first."""
+        from unittest import mock
+
+        from kvops.cache import PagedKVCache
+
+        def fail(*a, **k):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+        with mock.patch("torch.zeros", fail):
+            msg = check_failing_call(self, lambda: PagedKVCache(2**20, 16, 8, 128, num_layers=2), torch.OutOfMemoryError,
+                                     ["PagedKVCache", "num_blocks=1048576", "274877906944 bytes", "out of memory"])
+        self.assertTrue(msg.startswith("PagedKVCache: allocating 274877906944 bytes (256.0 GiB) of K/V buffers"))

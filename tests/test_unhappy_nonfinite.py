@@ -172,6 +172,21 @@ class TestNonFiniteData(unittest.TestCase):
                     self.assertTrue(out[last, :2].isnan().all() and lse[:2, last].isnan().all(), (out, lse))
                     self.assertTrue(torch.isfinite(out[last, 2:]).all())
 
+    def test_native_split_kv_merge_keeps_the_nan(self):
+        """A long decode on 2 threads runs split-KV (parts merged afterwards): a NaN in one part is NaN after the
+        merge (a max over the parts' maxima may drop it)."""
+        x = make_inputs(1, [5000], [1], block_size=16, h_q=2, h_kv=1, d=16)
+        set_key(x, 0, 1234)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            out, lse = kvops.paged_attention(*args_of(x), return_lse=True)
+            clean = kvops.paged_attention(*args_of(make_inputs(1, [5000], [1], block_size=16, h_q=2, h_kv=1, d=16)))
+        finally:
+            torch.set_num_threads(threads)
+        self.assertTrue(out.isnan().all() and lse.isnan().all(), (out, lse))
+        self.assertTrue(torch.isfinite(clean).all())
+
     def test_hidden_garbage_never_reaches_the_output(self):
         """NaN/inf beyond seq_len (make_inputs fills every unused slot and block with NaN), inf there too, and a NaN
         key the causal mask or the window hides: finite outputs equal to those without them."""
@@ -188,6 +203,39 @@ class TestNonFiniteData(unittest.TestCase):
                     n = out.shape[0]
                     hidden = [0, 1, 2] if n == 4 else [0]  # rows that cannot see position 20 (or nothing NaN)
                     self.assertTrue(torch.equal(out[hidden], clean[0][hidden]), (name, out[hidden]))
+
+
+class TestPackedAttention(unittest.TestCase):
+    """``packed_attention`` over a dense or quantized segment holding a NaN (a quantized NaN dequantizes to NaN:
+    docs/semantics.md §2.0): NaN for the query heads that read it, in the native, composite and Triton kernels;
+    a row ``row_counts`` hides (0) never reaches the output."""
+
+    def test_every_kernel_and_format(self):
+        import kvops.packed as kp
+        from kvops.packed import reference as pref
+        from kvops.packed import triton_attention
+
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, 4, 16, generator=g)
+        k, v = torch.randn(1, 16, 2, 16, generator=g), torch.randn(1, 16, 2, 16, generator=g)
+        k[0, 3, 1, 2] = NAN  # KV head 1: query heads 2, 3
+        kernels = {"native": lambda *a: torch.ops.kvops.packed_attention(*a),
+                   "composite": pref.packed_attention, "triton": triton_attention.packed_attention}
+        for quant in (None, *kp.FORMATS):
+            if quant is None:
+                args = (q, [k], [v], [], [], None, 0.25)
+            else:
+                args = (q, [], [], kp.quantize_kv(k, quant).tensors(), kp.quantize_kv(v, quant).tensors(), quant,
+                        0.25)
+            for name, run in kernels.items():
+                with self.subTest(name, quant=quant):
+                    out, lse = run(*args)
+                    self.assertTrue(out[0, :, 2:].isnan().all() and lse[0, 2:].isnan().all(), (out, lse))
+                    self.assertTrue(torch.isfinite(out[0, :, :2]).all() and torch.isfinite(lse[0, :2]).all())
+                    counts = torch.ones(16, dtype=I32)
+                    counts[3] = 0  # the NaN row hidden
+                    out, lse = run(*args[:7], counts)
+                    self.assertTrue(torch.isfinite(out).all() and torch.isfinite(lse).all(), (name, quant))
 
 
 if __name__ == "__main__":

@@ -120,36 +120,44 @@ def _needle_name(name):
     return {"k_caches": "caches", "v_caches": "caches"}.get(name, name)
 
 
+def mutations(op, fn, make) -> list[Case]:
+    """Every tensor (or tensor list) argument of the base call ``fn(make())`` in another dtype, with an extra dim,
+    and on the meta device: a ``ValueError`` naming it (and "meta")."""
+    cases = []
+    names = [n for n, v in make().items() if isinstance(v, torch.Tensor) or isinstance(v, list)]
+    for name in names:
+        for kind in ("dtype", "rank", "meta"):
+            def mutate(a, name=name, kind=kind):
+                v = a[name]
+                one = v[0] if isinstance(v, list) else v
+                if kind == "dtype":
+                    if one.dtype in (I32, I64, torch.uint8, torch.int8):
+                        new = one.float()
+                    elif one.dtype == torch.float8_e4m3fn:
+                        new = one.float()
+                    else:
+                        new = one.double()
+                elif kind == "rank":
+                    new = one.unsqueeze(0)
+                else:
+                    new = one.to("meta")
+                a[name] = [new] if isinstance(v, list) else new
+                return a
+            exc = ValueError
+            needles = [_needle_name(name)] if kind != "meta" else [_needle_name(name), "meta"]
+            if op.startswith("dequantize_kv") or name in ("codes",):
+                needles = [] if kind == "meta" else needles
+            if kind == "meta" and len(names) == 1:
+                continue  # the only tensor on meta: a valid meta call
+            cases.append(_case(f"{op}: {name} {kind}", fn, make, mutate, exc, needles))
+    return cases
+
+
 def generate() -> list[Case]:
     """Every generated case, in a stable order."""
     cases = []
     for op, (fn, make) in _base_calls().items():
-        names = [n for n, v in make().items() if isinstance(v, torch.Tensor) or isinstance(v, list)]
-        for name in names:
-            for kind in ("dtype", "rank", "meta"):
-                def mutate(a, name=name, kind=kind):
-                    v = a[name]
-                    one = v[0] if isinstance(v, list) else v
-                    if kind == "dtype":
-                        if one.dtype in (I32, I64, torch.uint8, torch.int8):
-                            new = one.float()
-                        elif one.dtype == torch.float8_e4m3fn:
-                            new = one.float()
-                        else:
-                            new = one.double()
-                    elif kind == "rank":
-                        new = one.unsqueeze(0)
-                    else:
-                        new = one.to("meta")
-                    a[name] = [new] if isinstance(v, list) else new
-                    return a
-                exc = ValueError
-                needles = [_needle_name(name)] if kind != "meta" else [_needle_name(name), "meta"]
-                if op.startswith("dequantize_kv") or name in ("codes",):
-                    needles = [] if kind == "meta" else needles
-                if kind == "meta" and len(names) == 1:
-                    continue  # the only tensor on meta: a valid meta call
-                cases.append(_case(f"{op}: {name} {kind}", fn, make, mutate, exc, needles))
+        cases += mutations(op, fn, make)
         # zero-size dims of the caches / inputs: a ValueError naming the dim, or a correct empty result (exc None)
         cases += _zero_cases(op, fn, make)
     cases += _value_cases()

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from .common import require_finite
+
 PLAN = "BatchDecodeWithPagedKVCacheWrapper.plan"
 RUN = "BatchDecodeWithPagedKVCacheWrapper.run"
 MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+MAX_KV_LEN = 2**31 - 1  # kvops.paged_attention's seq_lens are int32
 
 
 def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
-               window_left, logits_soft_cap, rope_scale, rope_theta) -> list[int]:
+               window_left, logits_soft_cap, rope_scale, rope_theta, sm_scale=None) -> list[int]:
     """Check a ``plan`` call; returns the number of pages of each sequence (read from ``indptr`` on the host)."""
     if pos_encoding_mode not in MODES:
         raise ValueError(f"{PLAN}: pos_encoding_mode must be one of {MODES}, got {pos_encoding_mode!r}.")
@@ -24,6 +27,12 @@ def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_
             raise ValueError(
                 f"{PLAN}: {name} must be a 1-D int32 tensor, got "
                 f"{(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__}."
+            )
+    for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+        if t.device.type == "meta" or t.device != indptr.device:
+            raise ValueError(
+                f"{PLAN}: {name} is on {t.device} (indptr on {indptr.device}); plan reads indptr and last_page_len on "
+                f"the host and gathers indices next to them: pass the three on one real device (e.g. cpu)."
             )
     batch = indptr.shape[0] - 1
     if batch < 0 or last_page_len.shape[0] != batch:
@@ -44,6 +53,10 @@ def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_
         raise ValueError(f"{PLAN}: logits_soft_cap must be None or >= 0 (0: off), got {logits_soft_cap}.")
     if pos_encoding_mode == "ROPE_LLAMA" and not (rope_scale > 0 and rope_theta > 0):
         raise ValueError(f"{PLAN}: rope_scale and rope_theta must be > 0, got {rope_scale} and {rope_theta}.")
+    for name, x, what in (("logits_soft_cap", logits_soft_cap, "None or >= 0; 0/None: off"),
+                          ("sm_scale", sm_scale, "None: head_dim ** -0.5"), ("rope_scale", rope_scale, "default 1"),
+                          ("rope_theta", rope_theta, "default 1e4")):
+        require_finite(PLAN, name, x, what, f"Pass a finite {name}.")
     ptr = indptr.tolist()  # host work, as FlashInfer's plan
     counts = [ptr[b + 1] - ptr[b] for b in range(batch)]
     if ptr[0] != 0 or min(counts, default=0) < 0 or ptr[-1] > indices.shape[0]:
@@ -58,14 +71,24 @@ def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_
                 f"{PLAN}: last_page_len[{b}] = {last[b]} must be in [1, page_size = {page_size}] (the keys in "
                 f"sequence {b}'s last page)."
             )
+        kv_len = (counts[b] - 1) * page_size + last[b] if counts[b] > 0 else 0
+        if kv_len > MAX_KV_LEN:  # kvops' seq_lens are int32: a longer sequence would wrap (to 3 keys, issue 29)
+            raise ValueError(
+                f"{PLAN}: sequence {b} has {counts[b]} pages of page_size {page_size} (last_page_len {last[b]}), "
+                f"kv_len = {kv_len} keys, more than the {MAX_KV_LEN} an int32 sequence length holds "
+                f"(kvops.paged_attention's seq_lens). Split the sequence, or pass fewer pages."
+            )
     return counts
 
 
 def check_run(q, k_cache, v_cache, kv_layout, shape, dtypes, planned_window, window_left, out=None,
-              lse=None) -> None:
+              lse=None, scales=()) -> None:
     """Shapes and dtypes of a ``run`` call against its plan (``ValueError``; metadata only), including the optional
     ``out`` ``[batch, num_qo_heads, head_dim_vo]`` (q's dtype) and ``lse`` ``[batch, num_qo_heads]`` (float32)
-    buffers, checked before any attention runs."""
+    buffers, checked before any attention runs; ``scales``: ``(name, value)`` of the float calibration scales
+    (``q_scale``, ``k_scale``, ``v_scale``), each None or finite."""
+    for name, x in scales:
+        require_finite(RUN, name, x, "a calibration scale; None: 1", f"Pass a finite {name}, or None.")
     batch, h_q, h_kv, head_dim, page_size = shape
     q_dtype, kv_dtype = dtypes
     for name, buf, want, dtype in (("out", out, (batch, h_q, v_cache.shape[-1]), q.dtype),

@@ -9,6 +9,7 @@ import torch
 
 from .._checks.contiguous import check_cache_write, check_caches
 from ..ops.contiguous import cache_roll, cache_write
+from ._alloc import allocate
 from ._clamp import smax
 from ._plan import CausalKVView, _Cursors, eviction_moves, eviction_moves_with_pin, plan_rows, raise_write_range
 from ._validate import check_update_args, check_window_mode
@@ -175,16 +176,21 @@ class CausalKVCache:
 
         ``k`` is ``[B, S, H_kv, D]`` and ``v`` ``[B, S, H_kv, D_v]`` (``D_v = head_dim_v or head_dim``) in ``dtype``
         (default: torch's default dtype) on ``device``. With ``fused_kv=True`` both are views of one
-        ``[B, S, 2, H_kv, D]`` allocation (requires ``D_v == D``). ``kwargs`` go to the constructor.
+        ``[B, S, 2, H_kv, D]`` allocation (requires ``D_v == D``). ``kwargs`` go to the constructor. Buffers of more
+        than ``2**47`` bytes raise ``ValueError`` naming the sizes and the byte count (kvops/cache/_alloc.py).
         """
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        sizes = dict(batch_size=batch_size, cache_size=cache_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     head_dim_v=head_dim_v)
+        owner = f"{cls.__name__}.allocate"
         if fused_kv:
             if head_dim_v != head_dim:
                 raise ValueError(f"fused_kv needs head_dim_v == head_dim, got {head_dim_v} and {head_dim}.")
-            kv = torch.empty(batch_size, cache_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+            (kv,) = allocate(owner, sizes, [(batch_size, cache_size, 2, num_kv_heads, head_dim)], dtype, device,
+                             torch.empty)
             return cls(kv[:, :, 0], kv[:, :, 1], **kwargs)
-        k = torch.empty(batch_size, cache_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        v = torch.empty(batch_size, cache_size, num_kv_heads, head_dim_v, dtype=dtype, device=device)
+        k, v = allocate(owner, sizes, [(batch_size, cache_size, num_kv_heads, head_dim),
+                                       (batch_size, cache_size, num_kv_heads, head_dim_v)], dtype, device, torch.empty)
         return cls(k, v, **kwargs)
 
     # --- cursors ------------------------------------------------------------------------------------------------

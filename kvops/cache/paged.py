@@ -18,6 +18,7 @@ import torch
 from ..ops.paged_attention import paged_attention
 from ..ops.paged_write import paged_cache_write
 from . import _device_step
+from ._alloc import allocate
 
 
 class OutOfBlocksError(RuntimeError):
@@ -96,7 +97,9 @@ class PagedKVCache:
             stay bounded (``ceil(sink_tokens / bs) + ceil((window_left + new tokens) / bs) + 1``) as it grows.
 
     Raises:
-        ValueError: non-positive sizes, ``joint`` with ``D_v != D``; from the methods: unknown or duplicate sequence
+        ValueError: non-positive sizes, ``joint`` with ``D_v != D``, caches needing more than ``2**47`` bytes (the
+            message names the sizes and the byte count; an allocator failure below that re-raises its own type with
+            the same facts first); from the methods: unknown or duplicate sequence
             ids, negative token counts, a non-block-aligned fork, padding targets smaller than the step.
         OutOfBlocksError: (a ``RuntimeError``) not enough free blocks; nothing is allocated.
     """
@@ -139,14 +142,18 @@ class PagedKVCache:
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.kv_caches: list[torch.Tensor] = []  # joint: each layer's [P, block_size, 2, H_kv, D] allocation
-        for _ in range(num_layers):
+        sizes = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     head_dim_v=head_dim_v, num_layers=num_layers)
+        shapes = ([(num_blocks, block_size, 2, num_kv_heads, head_dim)] if joint else
+                  [(num_blocks, block_size, num_kv_heads, head_dim), (num_blocks, block_size, num_kv_heads, head_dim_v)])
+        buffers = allocate("PagedKVCache", sizes, shapes * num_layers, dtype, device)  # sizes checked first
+        for layer in range(num_layers):
             if joint:
-                kv = torch.zeros(num_blocks, block_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+                kv = buffers[layer]
                 k, v = kv[:, :, 0], kv[:, :, 1]
                 self.kv_caches.append(kv)
             else:
-                k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-                v = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim_v, dtype=dtype, device=device)
+                k, v = buffers[2 * layer], buffers[2 * layer + 1]
             self.k_caches.append(k)
             self.v_caches.append(v)
         self.device = self.k_caches[0].device  # resolved like torch factories (None: the default device)

@@ -15,6 +15,7 @@ import torch
 
 from .._checks.contiguous import check_cache_write
 from ..ops import cache_write
+from ._alloc import allocate
 from ._validate import check_writer
 
 
@@ -62,9 +63,12 @@ class RollingKVCache:
                 raise TypeError(f"RollingKVCache.allocate: {name} must be an int, got {type(x).__name__} {x!r}.")
         if window_size <= 0:
             raise ValueError(f"RollingKVCache: window_size must be positive, got {window_size}.")
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         shape = (batch, window_size, num_kv_heads)
-        return cls(torch.zeros(*shape, head_dim, dtype=dtype, device=device),
-                   torch.zeros(*shape, head_dim if head_dim_v is None else head_dim_v, dtype=dtype, device=device))
+        sizes = dict(batch=batch, window_size=window_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     head_dim_v=head_dim_v)
+        return cls(*allocate("RollingKVCache.allocate", sizes, [(*shape, head_dim), (*shape, head_dim_v)], dtype,
+                             device))
 
     @property
     def length(self) -> int:

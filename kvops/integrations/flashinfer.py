@@ -84,8 +84,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         Raises:
             ValueError: an unknown ``pos_encoding_mode``; index tensors not 1-D int32 or of inconsistent lengths;
                 ``num_qo_heads % num_kv_heads != 0``; a size ``< 1``; ``window_left < -1``; ``logits_soft_cap <
-                0``; ``rope_scale``/``rope_theta`` not ``> 0``; a ``last_page_len`` outside ``[1, page_size]`` for
-                a sequence with pages; ``indptr`` not non-decreasing from 0 to at most ``len(indices)``.
+                0``; ``rope_scale``/``rope_theta`` not ``> 0``; ``logits_soft_cap``, ``sm_scale``, ``rope_scale``
+                or ``rope_theta`` NaN or infinite; a ``last_page_len`` outside ``[1, page_size]`` for a sequence
+                with pages; ``indptr`` not non-decreasing from 0 to at most ``len(indices)``; a sequence of more
+                than ``2**31 - 1`` keys (kvops' ``seq_lens`` are int32).
         """
         if data_type is not None:  # FlashInfer's deprecated alias: fills the dtypes not given explicitly
             q_data_type = data_type if q_data_type is None else q_data_type
@@ -95,7 +97,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         rope_scale = 1.0 if rope_scale is None else rope_scale
         rope_theta = 1e4 if rope_theta is None else rope_theta
         counts = check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                            pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
+                            pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta, sm_scale)
         device = indptr.device
         width = max(1, max(counts, default=0))
         n = torch.tensor(counts, dtype=torch.int64, device=device)
@@ -143,7 +145,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         Raises:
             RuntimeError: ``run`` before ``plan``. ValueError: q or caches whose shapes, page size or dtypes differ
-            from the plan; ``out``/``lse`` buffers of another shape, dtype or device; a ``window_left`` other than the planned one; and every error of
+            from the plan; ``out``/``lse`` buffers of another shape, dtype or device; a ``window_left`` other than the planned one;
+            a NaN or infinite ``q_scale``/``k_scale``/``v_scale``; and every error of
             ``kvops.paged_attention``. No host sync: the checks read shapes and dtypes only (kvops' own value
             checks follow its value-check mode, docs/semantics.md §7).
         """
@@ -155,7 +158,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             k_cache, v_cache = _split(paged_kv_cache)
         check_run(q, k_cache, v_cache, self._kv_layout, p["shape"], p["dtypes"], p["window_left"], window_left, out,
-                  lse)
+                  lse, (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)))
         scale = q.shape[-1] ** -0.5 if p["sm_scale"] is None else p["sm_scale"]
         scale = scale * (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
         fp8 = k_cache.dtype == torch.float8_e4m3fn

@@ -5,8 +5,11 @@ see the comment at its top) and ``kvops::_paged_attention_values_bad`` (the one-
 calls, ``kvops/_checks/values.py``). It is compiled by ``torch.utils.cpp_extension.load`` the first time a CPU paged attention
 runs (not at import), with the machine's C++ compiler (the one ``torch.compile`` on CPU needs too), into torch's
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the
-source, the flags and the CPU's instruction-set flags, so later processes load the cached build in well under a
-second, and differing sources or machines never share a binary. A build that is not cached yet says so once on the
+source, the flags, the CPU's instruction-set flags and the torch it is built against (version and install folder), so
+later processes load the cached build in well under a second, and differing sources, machines or torch installs
+(two virtual environments) never share, or rebuild each other's, binary. One process builds at a time (an ``flock``
+on ``kvops.owner`` in the build folder, which names the builder); a build that was killed leaves torch's lock file
+behind, which the next build removes (the dead owner's ``flock`` is gone) instead of waiting on it forever. A build that is not cached yet says so once on the
 ``kvops.native`` logger (about 30-40 s on 2 idle cores; where it is cached) and how long it took; ``python -m kvops.native``
 builds ahead of time. It is not built at install time: the binary is specific to the machine's CPU (``-march=native``)
 and to the torch it was compiled against, and a wheel or an install outlives both (torch upgrades, images moved
@@ -77,13 +80,14 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """Extension name: ``kvops_native_<hash of source, its folder, flags, CPU flags, torch version>``.
+    """Extension name: ``kvops_native_<hash of source, its folder, flags, CPU flags, torch version and folder>``.
 
-    The folder is part of the hash because the build's ``build.ninja`` records absolute source paths: two checkouts
-    with the same sources sharing one build folder would rebuild each other's binary, without notice, on every
-    switch."""
+    The folders are part of the hash because the build's ``build.ninja`` records absolute paths: two checkouts with
+    the same sources, or two virtual environments with the same torch version (installed in two places), sharing one
+    build folder would rebuild each other's binary, without notice (about 2 minutes), on every switch."""
     h = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
-    for part in (*CFLAGS, _cpu_flags(), torch.__version__, str(SOURCE.parent.resolve())):
+    torch_dir = str(pathlib.Path(torch.__file__).parent.resolve())
+    for part in (*CFLAGS, _cpu_flags(), torch.__version__, torch_dir, str(SOURCE.parent.resolve())):
         h.update(part.encode())
     return f"kvops_native_{h.hexdigest()[:16]}"
 
@@ -154,23 +158,20 @@ def _build(load=None) -> bool:
             from torch.utils.cpp_extension import load
         name = build_name()
         build_dir = build_directory(name)
-        fresh = not (build_dir / f"{name}.so").exists()
-        if fresh:
-            log.warning(
-                "kvops: compiling the native CPU kernels (kvops/native/*.cpp) on first use, once per machine and "
-                "torch version: %s. The build is cached in %s (set TORCH_EXTENSIONS_DIR to move it); "
-                "`python -m kvops.native` builds it ahead of time, KVOPS_NATIVE=0 skips it (slower composite kernels).",
-                BUILD_SECONDS, build_dir,
-            )
-        lock = build_dir / "lock"
-        if lock.exists():  # torch's FileBaton waits on it forever, silently
-            log.warning(
-                "kvops: waiting for the native build lock %s: another process is building the kernels. If none is "
-                "(a build that was killed leaves its lock behind), delete that file and this wait ends.", lock,
-            )
-        t0 = time.perf_counter()
-        load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        with _owner_lock(build_dir) as owner:  # one kvops build at a time; the kernel releases a dead owner's lock
+            fresh = not (build_dir / f"{name}.so").exists()
+            if fresh:
+                log.warning(
+                    "kvops: compiling the native CPU kernels (kvops/native/*.cpp) on first use, once per machine and "
+                    "torch version: %s. The build is cached in %s (set TORCH_EXTENSIONS_DIR to move it); "
+                    "`python -m kvops.native` builds it ahead of time, KVOPS_NATIVE=0 skips it (slower composite "
+                    "kernels).", BUILD_SECONDS, build_dir,
+                )
+            if owner:
+                _take_over_stale_baton(build_dir)
+            t0 = time.perf_counter()
+            load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                 is_python_module=False, verbose=False)
         if fresh:
             log.warning("kvops: native CPU kernels built in %.0f s", time.perf_counter() - t0)
         if not _has_cpu_kernel():
@@ -185,6 +186,59 @@ def _build(load=None) -> bool:
         )
         return False
     return True
+
+
+OWNER_FILE = "kvops.owner"  # in the build folder: flock()ed by the building process, which writes its pid and host
+
+
+@contextlib.contextmanager
+def _owner_lock(build_dir: pathlib.Path):
+    """Hold an exclusive ``flock`` on ``build_dir / OWNER_FILE`` while building (yields True). The kernel releases it
+    when the holder exits or is killed, so a waiter never waits on a dead process; while a live process builds, the
+    wait is announced with that process's pid and host. (Without ``fcntl``, e.g. on Windows: yields False, torch's own
+    lock alone.)"""
+    try:
+        import fcntl
+    except ImportError:
+        lock = build_dir / "lock"
+        if lock.exists():  # torch's FileBaton waits on it forever, silently
+            log.warning(
+                "kvops: waiting for the native build lock %s: another process is building the kernels. If none is "
+                "(a build that was killed leaves its lock behind), delete that file and this wait ends.", lock,
+            )
+        yield False
+        return
+    import socket
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / OWNER_FILE, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            owner = f.read().strip() or "another process"
+            log.warning("kvops: waiting for %s, which is building the native CPU kernels in %s (the wait ends when "
+                        "it finishes, or at once if it is killed).", owner, build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _take_over_stale_baton(build_dir: pathlib.Path) -> None:
+    """torch's build lock (``build_dir / "lock"``, a ``FileBaton`` it waits on forever) found while holding the owner
+    lock was left by a build that was killed (every kvops build holds the owner lock while torch's exists): remove it,
+    saying so, so that this build does not wait forever."""
+    lock = build_dir / "lock"
+    if lock.exists():
+        log.warning("kvops: removing the native build lock %s, left by a build that was killed (no process holds %s); "
+                    "building again.", lock, build_dir / OWNER_FILE)
+        lock.unlink(missing_ok=True)
 
 
 def available() -> bool:

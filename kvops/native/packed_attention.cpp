@@ -274,6 +274,12 @@ void run(const Problem& pb, const std::vector<Item>& items) {
           const vi valid = (lane < (vi{} + nt)) & (wv > splat(0.0f));
           for (int r = 0; r < it.rows; ++r) {
             vf s = masked ? vsel(valid, p[r], splat(NEG_INF)) : p[r];
+            if (any_nan(s)) {  // a visible row's NaN score: the query's result is NaN, as SDPA's (l stays NaN)
+              lv[r] = splat(std::numeric_limits<float>::quiet_NaN());
+              alpha[r] = 1.f;
+              p[r] = vf{};
+              continue;
+            }
             const float mc = hmax(s);
             if (mc <= m[r]) {
               alpha[r] = 1.f;
@@ -306,11 +312,11 @@ void run(const Problem& pb, const std::vector<Item>& items) {
       for (int r = 0; r < it.rows; ++r) {
         const int row = it.r0 + r, i = row / pb.group, hq = it.h * pb.group + row % pb.group;
         const float l = hsum(lv[r]);
-        const float w = l > 0.f ? 1.f / l : 0.f;
+        const float w = l > 0.f || l != l ? 1.f / l : 0.f;  // NaN: a visible row's NaN score (above)
         TQ* o = out + ((static_cast<int64_t>(it.b) * pb.tokens + i) * pb.num_heads + hq) * pb.d_v;
         for (int e = 0; e < pb.d_v; ++e) o[e] = static_cast<TQ>(acc[static_cast<size_t>(r) * dvp + e] * w);
         const int64_t at = (static_cast<int64_t>(it.b) * pb.num_heads + hq) * pb.tokens + i;
-        pb.lse[at] = l > 0.f ? m[r] + std::log(l) : NEG_INF;
+        pb.lse[at] = l > 0.f || l != l ? m[r] + std::log(l) : NEG_INF;
       }
     }
   });

@@ -77,13 +77,6 @@ inline float hmax(vf v) {
 #endif
 }
 
-inline bool any_nan(vf v) {
-  const vi bad = v != v;
-  int32_t any = 0;
-  for (int i = 0; i < L; ++i) any |= bad[i];
-  return any != 0;
-}
-
 inline vf vtanh(vf x) {
   vi neg = x < splat(0.0f);
   vf ax = vsel(neg, -x, x);

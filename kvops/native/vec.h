@@ -28,6 +28,14 @@ inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
 inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < L; ++i) s += v[i]; return s; }
+// whether a lane is NaN (a visible key's NaN score makes its row NaN, as SDPA's: the kernels check it explicitly,
+// because a max over lanes may drop a NaN)
+inline bool any_nan(vf v) {
+  const vi bad = v != v;
+  int32_t any = 0;
+  for (int i = 0; i < L; ++i) any |= bad[i];
+  return any != 0;
+}
 
 // exp with exact 0 for x < -87 (incl. -inf); Cephes expf polynomial, ~1 ulp
 inline vf vexp(vf x) {

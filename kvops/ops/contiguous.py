@@ -10,6 +10,7 @@ import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
+from .._checks.common import int64_error
 from .._checks.contiguous import check_cache_roll, check_cache_write, check_write_rows
 from ..reference import contiguous as cpu
 from ..triton import HAS_TRITON
@@ -75,6 +76,8 @@ def cache_write(
     if isinstance(start, torch.Tensor):
         _cache_write_rows(key, value, k_cache, v_cache, start, cache_head_start)
         return
+    if type(start) is int and not -(2**63) <= start < 2**63:  # (torch's schema error gives no fix)
+        raise int64_error("kvops.cache_write", {"start": start})
     _cache_write(key, value, k_cache, v_cache, start, cache_head_start)
 
 
@@ -126,6 +129,9 @@ def cache_roll(
             stride-0 dim.
         RuntimeError: ``"Invalid kvops.cache_roll range: ..."`` when either range leaves ``[0, S)``.
     """
+    bad = int64_error("kvops.cache_roll", {"src": src, "dst": dst, "num_tokens": num_tokens})
+    if bad is not None:  # (torch's schema error gives no fix)
+        raise bad
     torch.ops.kvops.cache_roll(k_cache, v_cache, src, dst, num_tokens, cache_head_start, num_heads)
 
 

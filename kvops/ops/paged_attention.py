@@ -24,7 +24,7 @@ import torch
 
 from .. import _library  # noqa: F401  (other schemas; this op's schema is inferred by triton_op)
 from .._checks import values
-from .._checks.common import resolve_bounds
+from .._checks.common import int64_error, resolve_bounds
 from .._checks.paged_attention import check_paged_attention
 from .._checks.paged_write import as_nhd
 from .. import native
@@ -212,7 +212,8 @@ def paged_attention(
         ``out == sum_j exp(s_j - lse) v_j`` holds in every case. A query with no visible key gets ``out = 0``
         (never NaN) and ``lse = -inf`` (or ``sinks[h]`` when sinks are given). GQA: query head ``h`` reads KV head
         ``h // (H_q // H_kv)``. Values stored in slots at or beyond ``seq_len`` never reach the output, even when
-        NaN/inf.
+        NaN/inf; a NaN score of a visible key (NaN in q or K) makes the query's output and LSE NaN, as SDPA's.
+        Windows and ``sink_tokens`` of ``2**31`` or more (e.g. ``sys.maxsize``) are unbounded.
 
     Raises:
         ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; ``block_size``, ``H_kv`` or a
@@ -222,7 +223,8 @@ def paged_attention(
             ``B``; K/V caches disagreeing in dtype, ``P``, ``block_size`` or ``H_kv``; a non-fp8 cache dtype
             different from q's; ``sinks`` not float32 ``[H_q]``; an fp8 cache without scales (or scales without
             one, or scales not float32 ``[1]``/``[H_kv]``); devices; ``max_seqlen_q < 1`` with tokens;
-            ``window_left < -1``; ``softcap < 0``; features: ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``,
+            ``window_left < -1``; ``softcap < 0``; ``scale``, ``softcap``, ``rope_theta`` or ``rope_scale`` NaN or
+            infinite; features: ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``,
             ``window_right < -1``, ``cache_leftpad`` not int32 ``[B]``, ``sink_tokens < 0``, ``rope_theta``/
             ``rope_scale`` not > 0 or an odd ``head_dim`` with RoPE. Raised by the fake rule too (trace time under
             ``torch.compile`` and ``torch.export``).
@@ -232,7 +234,7 @@ def paged_attention(
             capacity of ``block_table``); a block id outside ``[0, P)`` in the first ``ceil(seq_len / block_size)``
             entries of a ``block_table`` row (the message names ``block_table[b, j]``, the id and ``P``);
             ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``; a ``cache_leftpad[b]`` outside
-            ``[0, seq_lens[b]]``. With
+            ``[0, seq_lens[b]]``; a NaN or infinite ALiBi slope (``alibi_slopes[h]``). With
             a window (or ``cache_leftpad``) only the block ids of rows some query can see are checked
             (docs/attention_features.md). ``cu_seqlens_q[-1] < T_q`` is allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
             rows of a CUDA-graph batch. On CPU with the native kernel, eager checks are one native pass over the
@@ -246,8 +248,10 @@ def paged_attention(
     (memory bounded by the tile). CUDA:
     Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
     """
-    # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md); negative ones are
-    # left to the validator's errors
+    bad = int64_error("kvops.paged_attention", {"max_seqlen_q": max_seqlen_q})
+    if bad is not None:  # (torch's schema error gives no fix)
+        raise bad
+    # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md)
     window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)
     if k_scale is not None and k_scale.dim() == 0:  # vLLM's per-tensor form: a 0-d scale is [1] (a view)
         k_scale = k_scale.reshape(1)
@@ -256,6 +260,8 @@ def paged_attention(
     features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
+    if (window_left < -1 or window_right < -1 or sink_tokens < 0) and not torch.compiler.is_compiling():
+        check_paged_attention(*args, *features)  # the validator's error, before the value pass (traced: the op's)
     try:  # value contracts, docs/semantics.md §7
         values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout,
                                      window_left=window_left, sink_tokens=sink_tokens, cache_leftpad=cache_leftpad)

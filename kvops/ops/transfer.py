@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
+from .._checks.common import int64_error
 from .._checks.transfer import check_paged_kv_transfer
 from ..reference import transfer as cpu
 from ..triton import HAS_TRITON
@@ -62,6 +63,9 @@ def paged_kv_gather(
             compile/export).
         IndexError: (CPU kernel, eager) a used block id outside ``[0, P)``.
     """
+    bad = int64_error("kvops.paged_kv_gather", {"start": start, "head_start": head_start})
+    if bad is not None:  # (torch's schema error gives no fix)
+        raise bad
     torch.ops.kvops.paged_kv_gather(list(k_caches) + list(v_caches), block_table, staging, start, head_start)
 
 
@@ -88,6 +92,9 @@ def paged_kv_scatter(
         ValueError: as :func:`paged_kv_gather`, plus a cache that cannot be written in place (stride 0).
         IndexError: (CPU kernel, eager) a used block id outside ``[0, P)``.
     """
+    bad = int64_error("kvops.paged_kv_scatter", {"start": start, "cache_head_start": cache_head_start})
+    if bad is not None:  # (torch's schema error gives no fix)
+        raise bad
     torch.ops.kvops.paged_kv_scatter(staging, list(k_caches) + list(v_caches), block_table, start, cache_head_start)
 
 

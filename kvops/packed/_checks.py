@@ -12,9 +12,12 @@ from typing import NamedTuple
 
 import torch
 
+from .._checks.common import require_finite
+
 FORMATS = ("int8", "fp8", "int4", "int2")
 GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_KMEANS_ITERS = 1000  # quantize_kv's kmeans_iters bound
 SCALE_DTYPE = torch.float16  # int8 / int4 / int2 scales (fp8: one fp32 scale per (batch, head))
 ZERO_DTYPE = torch.int8  # int4 / int2 zero points, in eighths of the group's scale
 _FIELDS = ("codes", "scales", "zeros", "centroids", "cluster_ids")
@@ -150,6 +153,9 @@ def check_quantize_kv(x, codes, scales, zeros, centroids, cluster_ids, quant: st
         raise ValueError(f"{op}: x must be one of {FLOAT_DTYPES}, got {x.dtype}.")
     if kmeans_iters < 0:
         raise ValueError(f"{op}: kmeans_iters must be >= 0, got {kmeans_iters}.")
+    if kmeans_iters > MAX_KMEANS_ITERS:  # (2**40 steps ran for hours: a hang, issue 29)
+        raise ValueError(f"{op}: kmeans_iters must be <= {MAX_KMEANS_ITERS} (Lloyd's k-means settles in tens of "
+                         f"steps; the default is 4), got {kmeans_iters}.")
     b, t, h, d = x.shape
     if d == 0:
         raise ValueError(f"{op}: x of shape {tuple(x.shape)} has head_dim D = 0; quantization needs D >= 1.")
@@ -283,6 +289,8 @@ def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale
             raise ValueError(
                 f"{op}: row_counts is on {row_counts.device} but q is on {q.device}. Move them to one device."
             )
+    require_finite(op, "scale", scale, "the score scale on q·k; None: head_dim ** -0.5",
+                   "Pass a finite scale, or None for the default.")
     return (d**-0.5 if scale is None else scale), d_v
 
 

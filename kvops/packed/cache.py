@@ -23,6 +23,7 @@ import torch
 
 from .._checks.common import as_int
 from .._checks.contiguous import check_cache_write
+from ..cache._alloc import check_size
 from ..cache._clamp import positive, relu, smin
 from ..cache.causal import CausalKVView
 from ..ops.contiguous import cache_write
@@ -168,6 +169,9 @@ class PackedCausalKVCache:
         retained = _cdiv(s - (gs if self.pinnable else sink), n) + (1 if self._pad else 0)
         self.ring_chunks = retained if quant is None else min(keep_recent_chunks + 1, retained)
         self.pool_chunks = retained - self.ring_chunks
+        # the dense rows (ring, sink, pin: at most cache_size + 2 chunks each of K and V) bound the buffers' size
+        check_size(name, dict(batch_size=b, cache_size=s, num_kv_heads=h, head_dim=d, chunk_tokens=n),
+                   2 * b * (s + 2 * n) * h * d, dtype)
         dense = lambda rows: torch.zeros(b, rows, h, d, dtype=dtype, device=device)  # noqa: E731
         pool = lambda slots: alloc_pool(quant, slots, b, n, h, d, device=device, **fmt)  # noqa: E731
         self.k_ring, self.v_ring = dense(self.ring_chunks * n), dense(self.ring_chunks * n)

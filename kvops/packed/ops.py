@@ -8,12 +8,14 @@ directly): ``kvops/packed/attention.py``.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
 from ..triton import HAS_TRITON
+from .._checks.common import ADDRESSABLE
 from . import reference
 from ._checks import check_dequantize_kv, check_format, check_quantize_kv, packed_layout
 
@@ -80,6 +82,13 @@ def empty_packed(
     layout = packed_layout(
         quant, batch, tokens, heads, head_dim, group_size=group_size, stages=stages, num_clusters=num_clusters
     )
+    nbytes = sum(math.prod(leading + spec.shape) * spec.dtype.itemsize for spec in layout.values() if spec)
+    if nbytes > ADDRESSABLE:  # (stages=2**40 failed in the allocator, naming nothing)
+        raise ValueError(
+            f"kvops.packed: quant={quant!r}, batch={batch}, tokens={tokens}, heads={heads}, head_dim={head_dim}, "
+            f"group_size={group_size}, stages={stages}, num_clusters={num_clusters} need {nbytes} bytes of packed "
+            f"storage, more than a process can address ({ADDRESSABLE} bytes). Pass smaller sizes (fewer stages or "
+            f"tokens).")
     alloc = {
         k: None if spec is None else torch.empty(leading + spec.shape, dtype=spec.dtype, device=device)
         for k, spec in layout.items()

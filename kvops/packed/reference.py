@@ -85,32 +85,42 @@ def kmeans(x: torch.Tensor, num_clusters: int, iters: int) -> tuple[torch.Tensor
     return cent, assign(cent)
 
 
-def _saturating(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-finite inputs (docs/semantics.md §2.0): ``(x for the scales, x for the codes)``. Scales are computed from
-    the finite values only (a non-finite value counts as 0), so an Inf or NaN never changes another value's code;
-    ``±inf`` saturates to the largest code of its sign, NaN is stored as 0 (int2: both as 0)."""
+def _saturating(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Non-finite inputs (docs/semantics.md §2.0): ``(x for the scales, x for the codes, finite)``. Scales are
+    computed from the finite values only (a non-finite value counts as 0), so an Inf or NaN never changes another
+    value's code; the codes of non-finite values are those of ``±big`` / 0 (deterministic), and the caller then makes
+    what holds them NaN (:func:`_poison`)."""
     finite = xf.isfinite()  # (no branch on it: no host sync where this runs on CUDA, the int2 k-means)
     big = torch.finfo(torch.float32).max
-    return torch.where(finite, xf, 0.0), torch.nan_to_num(xf, nan=0.0, posinf=big, neginf=-big)
+    return torch.where(finite, xf, 0.0), torch.nan_to_num(xf, nan=0.0, posinf=big, neginf=-big), finite
+
+
+def _poison(scale: torch.Tensor, finite: torch.Tensor, groups: int) -> torch.Tensor:
+    """``scale [..., groups]`` (or ``[...]`` for one group per row) NaN where its group of ``finite [..., D]`` holds
+    a NaN or ±inf: it dequantizes to NaN, visible as attention over a dense cache holding the value is (issue 29:
+    before, the value was saturated or stored as 0, silently)."""
+    bad = ~finite.unflatten(-1, (groups, -1)).all(-1)
+    return torch.where(bad if scale.dim() == bad.dim() else bad.squeeze(-1), float("nan"), scale)
 
 
 def quantize(x, codes, scales, zeros, centroids, cluster_ids, quant: str, kmeans_iters: int) -> None:
     """Quantize ``x [B, T, H, D]`` into the given output tensors (layouts: ``packed_layout``)."""
-    xf, xc = _saturating(x.float())
+    xf, xc, finite = _saturating(x.float())
     if quant == "int8":
         scale = _fp16_scale(xf.abs().amax(-1) / 127.0)
         codes.copy_(torch.round(xc / scale[..., None]).clamp(-127, 127).to(torch.int8))
-        scales.copy_(scale)
+        scales.copy_(_poison(scale, finite, 1))
     elif quant == "fp8":
         b, t, h, _ = xf.shape
         amax = xf.abs().amax(dim=(1, 3)) if t > 0 else xf.new_zeros(b, h)  # [B, H]; no tokens: any scale
         scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-        codes.copy_((xc / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+        y = (xc / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+        codes.copy_(torch.where(finite, y, float("nan")).to(torch.float8_e4m3fn))  # e4m3fn's NaN code: that value
         scales.copy_(scale)
     elif quant == "int4":
         q, scale, zero = _affine(xf, xf.shape[-1] // scales.shape[-1], 15, xc)
         codes.copy_(_pack(q, 4))
-        scales.copy_(scale)
+        scales.copy_(_poison(scale, finite, scales.shape[-1]))
         zeros.copy_(zero)
     else:  # int2: k-means per (batch, head), then progressive 2-bit residual stages (non-finite values as 0)
         b, t, h, d = xf.shape
@@ -124,7 +134,7 @@ def quantize(x, codes, scales, zeros, centroids, cluster_ids, quant: str, kmeans
         for s in range(codes.shape[3]):
             q, scale, zero = _affine(residual, group, 3)
             codes[:, :, :, s].copy_(_pack(q, 2))
-            scales[:, :, :, s].copy_(scale)
+            scales[:, :, :, s].copy_(_poison(scale, finite, scales.shape[-1]))
             zeros[:, :, :, s].copy_(zero)
             residual = residual - _ungroup(q, scale, zero)
 

@@ -24,12 +24,14 @@ _KIND = {None: 0, "int8": 1, "fp8": 2, "int4": 3, "int2": 4}
 
 @triton.jit
 def _fp8_e4m3(bits):
-    """float8_e4m3fn bits (int32 in [0, 255]) -> fp32 (exact; the NaN codes are not produced by quantize_kv)."""
+    """float8_e4m3fn bits (int32 in [0, 255]) -> fp32 (exact; ``S.1111.111`` is NaN: quantize_kv stores a NaN or
+    ±inf input so, docs/semantics.md §2.0)."""
     sign = (bits >> 7) & 1
     exp = (bits >> 3) & 15
     man = bits & 7
     normal = ((exp + 120) << 23) | (man << 20)  # (1 + man/8) · 2^(exp - 7): fp32 exponent exp - 7 + 127
     mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+    mag = tl.where((exp == 15) & (man == 7), float("nan"), mag)
     return tl.where(sign == 1, -mag, mag)
 
 
@@ -170,7 +172,7 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
     acc = torch.zeros(b * hkv, rows, d_v, dtype=torch.float32, device=q.device)
     counts = None if row_counts is None else row_counts.contiguous()
     run(plan_packed_attention(q, segments, hkv, m, l, acc, counts, scale, capability_of(q)))
-    has = l > 0
+    has = (l > 0) | torch.isnan(l)  # NaN: a visible row's NaN score (exp(NaN) joined l): NaN, as SDPA
     out = torch.where(has[..., None], acc / torch.where(has, l, 1.0)[..., None], 0.0)
     lse = torch.where(has, m + torch.log(torch.where(has, l, 1.0)), float("-inf"))
     out = out.view(b, hkv, t, g, d_v).permute(0, 2, 1, 3, 4).reshape(b, t, hq, d_v).to(q.dtype)

@@ -4,7 +4,8 @@ One program per (batch, token, head) row of ``D`` values. Covered: int8 and int4
 dequantize (centroid gather + every residual stage in one pass). The fp8 quantize (a per-head amax over all tokens)
 and the int2 quantize (k-means) run as torch ops on the GPU (``kvops/packed/reference.py``). The arithmetic follows
 the reference exactly (IEEE division ``div_rn``, round-half-to-even, fp16-rounded scales, int8 zero points in
-eighths of a step: ``x ≈ (code - zero / 8) · scale``), so the codes are equal.
+eighths of a step: ``x ≈ (code - zero / 8) · scale``), so the codes are equal; non-finite inputs too (scales from the
+finite values, a NaN scale for the row or group that holds one: docs/semantics.md §2.0).
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ def _fp16_scale(s, SMIN: tl.constexpr, SMAX: tl.constexpr):
 
 
 @triton.jit
+def _finite_parts(x):
+    """``(x for the scale, x for the codes, bad)`` of loaded values (the reference's ``_saturating``): non-finite
+    values count as 0 for the scale and as ``±big`` / 0 for the codes; ``bad`` marks them (their scale becomes NaN)."""
+    big = 3.4028234663852886e38
+    bad = (x != x) | (tl.abs(x) == float("inf"))
+    return tl.where(bad, 0.0, x), tl.where(x != x, 0.0, tl.minimum(tl.maximum(x, -big), big)), bad
+
+
+@triton.jit
 def _row(pid, T, H, sb, st, sh):
     b = pid // (T * H)
     t = (pid // H) % T
@@ -46,10 +56,12 @@ def _int8_quant_kernel(x_ptr, c_ptr, s_ptr, T, H, D, xb, xt, xh, xd, cb, ct, ch,
     pid = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
-    x = tl.load(x_ptr + _row(pid, T, H, xb, xt, xh) + d * xd, mask=mask, other=0.0).to(tl.float32)
+    x, xc, bad = _finite_parts(tl.load(x_ptr + _row(pid, T, H, xb, xt, xh) + d * xd, mask=mask,
+                                       other=0.0).to(tl.float32))
     scale = _fp16_scale(tl.math.div_rn(tl.max(tl.abs(x), 0), 127.0), SMIN, SMAX)
-    q = tl.minimum(tl.maximum(_rint(tl.math.div_rn(x, scale)), -127.0), 127.0)
+    q = tl.minimum(tl.maximum(_rint(tl.math.div_rn(xc, scale)), -127.0), 127.0)
     tl.store(c_ptr + _row(pid, T, H, cb, ct, ch) + d * cd, q.to(tl.int8), mask=mask)
+    scale = tl.where(tl.max(bad.to(tl.int32), 0) > 0, float("nan"), scale)  # a non-finite value: NaN row
     tl.store(s_ptr + _row(pid, T, H, sb, st, sh), scale.to(tl.float16))
 
 
@@ -73,14 +85,18 @@ def _int4_quant_kernel(x_ptr, c_ptr, s_ptr, z_ptr, T, H, G, xb, xt, xh, xd, cb, 
     j = tl.arange(0, HALF)[None, :]
     mask = (g < G) & (j < HALF)
     base = x_ptr + _row(pid, T, H, xb, xt, xh)
-    even = tl.load(base + (g * 2 * HALF + 2 * j) * xd, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(base + (g * 2 * HALF + 2 * j + 1) * xd, mask=mask, other=0.0).to(tl.float32)
+    even, even_c, even_bad = _finite_parts(tl.load(base + (g * 2 * HALF + 2 * j) * xd, mask=mask,
+                                                   other=0.0).to(tl.float32))
+    odd, odd_c, odd_bad = _finite_parts(tl.load(base + (g * 2 * HALF + 2 * j + 1) * xd, mask=mask,
+                                                other=0.0).to(tl.float32))
     lo = tl.minimum(tl.min(tl.where(mask, even, float("inf")), 1), tl.min(tl.where(mask, odd, float("inf")), 1))
     hi = tl.maximum(tl.max(tl.where(mask, even, -float("inf")), 1), tl.max(tl.where(mask, odd, -float("inf")), 1))
     scale = _fp16_scale(tl.maximum(tl.math.div_rn(hi - lo, 15.0), tl.math.div_rn(tl.abs(lo), 15.875)), SMIN, SMAX)
     zero = tl.minimum(tl.maximum(_rint(tl.math.div_rn(-lo, scale) * 8.0), -128.0), 127.0)  # int8, units of scale / 8
-    qe = tl.minimum(tl.maximum(_rint(tl.math.div_rn(even, scale[:, None]) + zero[:, None] / 8.0), 0.0), 15.0)
-    qo = tl.minimum(tl.maximum(_rint(tl.math.div_rn(odd, scale[:, None]) + zero[:, None] / 8.0), 0.0), 15.0)
+    qe = tl.minimum(tl.maximum(_rint(tl.math.div_rn(even_c, scale[:, None]) + zero[:, None] / 8.0), 0.0), 15.0)
+    qo = tl.minimum(tl.maximum(_rint(tl.math.div_rn(odd_c, scale[:, None]) + zero[:, None] / 8.0), 0.0), 15.0)
+    bad = tl.max((even_bad | odd_bad).to(tl.int32), 1) > 0
+    scale = tl.where(bad, float("nan"), scale)  # a group holding a non-finite value: NaN (dequantizes to NaN)
     byte = qe.to(tl.int32) | (qo.to(tl.int32) << 4)
     tl.store(c_ptr + _row(pid, T, H, cb, ct, ch) + (g * HALF + j) * cd, byte.to(tl.uint8), mask=mask)
     gs = tl.arange(0, BLOCK_G)
