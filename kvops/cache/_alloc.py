@@ -10,8 +10,6 @@ allocator's exception type with the same facts in front of its message.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._checks.common import ADDRESSABLE  # bytes (2**47, 128 TiB)
@@ -30,7 +28,7 @@ def check_size(owner: str, args: dict, numel: int, dtype=None) -> str:
     dtype = dtype or torch.get_default_dtype()
     total = numel * dtype.itemsize
     given = ", ".join(f"{k}={v}" for k, v in args.items()) + f" ({dtype})"
-    if total > ADDRESSABLE:
+    if isinstance(total, int) and total > ADDRESSABLE:  # (symbolic sizes while tracing: checked when they are known)
         raise ValueError(
             f"{owner}: {given} need {total} bytes ({_human(total)}) of K/V buffers, more than a process can address "
             f"({ADDRESSABLE} bytes, 128 TiB). Pass smaller sizes (fewer blocks or tokens, layers or heads)."
@@ -48,7 +46,12 @@ def allocate(owner: str, args: dict, shapes: list[tuple[int, ...]], dtype=None, 
     allocator's own exception type (``RuntimeError``, ``torch.OutOfMemoryError``), with the arguments and the byte
     count in front of its message, when the device has not that much memory.
     """
-    total = sum(math.prod(int(n) for n in shape) for shape in shapes)
+    total = 0
+    for shape in shapes:  # plain loops: Dynamo traces them when a cache is built inside a compiled function
+        numel = 1
+        for n in shape:
+            numel = numel * n
+        total = total + numel
     given = check_size(owner, args, total, dtype)
     total *= (dtype or torch.get_default_dtype()).itemsize
     factory = factory or torch.zeros
