@@ -124,6 +124,32 @@ class TestContiguous(unittest.TestCase):
             self.assertTrue(torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref), (start, src))
 
 
+class TensorPositionWrites(torch.nn.Module):
+    """``cache_write`` and ``cache_roll`` with tensor positions (no ``.item()``: fixed-size masked paged writes)."""
+
+    def forward(self, key, value, k_cache, v_cache, start, src, dst, count):
+        kvops.cache_write(key, value, k_cache, v_cache, start, cache_head_start=1)
+        kvops.cache_roll(k_cache, v_cache, src, dst, count, cache_head_start=0, num_heads=2)
+        return k_cache, v_cache
+
+
+class TestContiguousTensorPositions(unittest.TestCase):
+    def test_write_and_roll_equal_the_int_forms(self):
+        torch.manual_seed(3)
+        k_cache, v_cache = torch.randn(2, 12, 3, 8), torch.randn(2, 12, 3, 5)
+        key, value = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 5)
+        t = torch.tensor
+        args = (key, value, k_cache, v_cache, t(0), t(0), t(0), t(0))
+        session = export_onnx(TensorPositionWrites(), tuple(a.clone() for a in args))
+        # (start, src, dst, count): overlapping moves down and up, nothing moved, the whole cache, the last rows
+        for start, src, dst, count in ((0, 4, 2, 4), (9, 2, 5, 6), (4, 3, 3, 0), (2, 0, 0, 12), (5, 11, 0, 1)):
+            k_ref, v_ref = k_cache.clone(), v_cache.clone()
+            kvops.cache_write(key, value, k_ref, v_ref, start, cache_head_start=1)
+            kvops.cache_roll(k_ref, v_ref, src, dst, count, cache_head_start=0, num_heads=2)
+            k_got, v_got = run_onnx(session, (key, value, k_cache, v_cache, t(start), t(src), t(dst), t(count)))
+            self.assertTrue(torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref), (start, src, dst, count))
+
+
 class Attention(torch.nn.Module):
     def __init__(self, max_seqlen_q, extra_names=(), **kwargs):
         super().__init__()

@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import values
 from .._checks.common import as_int, require_ndim
 from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write, check_caches
-from ..ops.contiguous import cache_roll, cache_write
+from ..ops.contiguous import move_rows
+from ..ops.paged_write import paged_cache_write
 
 
 _OP = "kvops.export.streaming_update"
@@ -55,6 +57,7 @@ _POSITION_CHECKS = (
     "the sink rows). Rewrite only tokens still in the cache, current_chunk_start >= global_end - local_end (plus "
     "sink_tokens once tokens were evicted, i.e. global_end > local_end), or append at global_end",
 )
+CHECKS = len(_POSITION_CHECKS)
 
 
 def _stream_positions(state: torch.Tensor, sink_tokens: int, kv_cache_size: int) -> torch.Tensor:
@@ -80,6 +83,34 @@ def _stream_positions_fake(state, sink_tokens, kv_cache_size):
     return torch.empty_like(state)
 
 
+def device_message(i: int) -> str:
+    """The message of position check ``i`` where it runs on the device (``"async"`` mode, compiled code): no values
+    (no host read); they are in the eager message."""
+    return (f"{_OP}: {_POSITION_CHECKS[i]}. Nothing was written. Run the step eagerly with kvops.value_checks('eager') "
+            f"to see the values.")
+
+
+def _check_positions(state: torch.Tensor, sink: int, cache_size: int, k_cache: torch.Tensor) -> torch.Tensor | None:
+    """The position contract of ``state`` (``kvops::stream_positions``'s layout) in the current value-check mode;
+    returns the 0-d bool ``ok`` that masks the step's moves and writes (None in ``"off"`` mode).
+
+    ``"eager"``: the op ``kvops::stream_positions``: eager calls and exported programs run its kernel (one host read,
+    the message with the values); Inductor lowers it to device-side asserts (lowering/inductor_checks.py: no host
+    sync, the messages of :func:`device_message`). ``"async"`` (or eager mode while capturing a CUDA graph):
+    ``torch._assert_async`` per check. Either way a failing step moves and writes nothing, even where the assert
+    fires after the writes (CUDA's asynchronous asserts)."""
+    mode = values.get_value_checks()
+    if mode == "off":
+        return None
+    if mode == "eager" and not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+        margins = torch.ops.kvops.stream_positions(state, sink, cache_size)[6:]
+    else:
+        margins = state[6:]
+        for i in range(CHECKS):
+            torch._assert_async(margins[i] >= 0, device_message(i))
+    return (margins >= 0).all()
+
+
 def _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start) -> None:
     """The metadata contract of a step (the write's, plus the cursors' device and all heads), checked before the roll
     so that a failing step moves and writes nothing."""
@@ -91,6 +122,11 @@ def _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start) -> N
             f"cache_head_start)."
         )
     check_cache_write(key, value, k_cache, v_cache, 0, None, op=_OP)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError(
+            f"{_OP}: {k_cache.dtype} caches are not supported: the step moves and writes rows with "
+            f"kvops.paged_cache_write, which quantizes into such caches. Use CausalKVCache (plain copies)."
+        )
     for name, t in (("cursors", cursors), ("current_chunk_start", current_chunk_start)):
         if isinstance(t, torch.Tensor) and t.device != k_cache.device:
             raise ValueError(
@@ -178,26 +214,19 @@ def streaming_update(
     evicted = (l + added - cache_size).clamp(min=0)
     ls = l + s - g - evicted
     count = torch.where(evicted > 0, (l - evicted - sink).clamp(min=0), 0)
-    src = (evicted + sink).clamp(max=cache_size)
-    # The checks run in an op, so exported programs (and torch.export.load) raise the message with the values; the
-    # torch._check calls below are the same margins without a message: compiled code (Inductor, AOTInductor: see
-    # lowering/inductor_checks.py) keeps those, and the ops' validators need them as value ranges.
+    src = evicted + sink
     margins = (torch.minimum(torch.minimum(l, g - l), cache_size - l),  # cursors: 0 <= L <= min(G, S)
                g - s,  # no gap
                torch.where((e <= g) & (g > l), ls - sink, ls))  # rows from row 0; no rewrite onto the sink
-    state = torch.stack([s, g, l, ls, src, count, *margins])
-    host = torch.ops.kvops.stream_positions(state, sink, cache_size).cpu()  # one host copy for the .item() calls
-    ls_i, src_i, count_i, *margins_i = (host[i].item() for i in range(3, 9))
-    for m in margins_i:
-        torch._check(m >= 0)
-    torch._check(ls_i >= 0)
-    torch._check(ls_i <= cache_size - n)
-    torch._check(src_i >= sink)
-    torch._check(count_i >= 0)
-    torch._check(src_i + count_i <= cache_size)
-    torch._check(sink + count_i <= cache_size)
-    cache_roll(k_cache, v_cache, src_i, sink, count_i)
-    cache_write(key, value, k_cache, v_cache, ls_i)
+    ok = _check_positions(torch.stack([s, g, l, ls, src, count, *margins]), sink, cache_size, k_cache)
+    move_rows(k_cache, v_cache, src, sink, count, 0, k_cache.shape[2], ok)  # the eviction: rows [K + ev, L) to K
+    rows = ls + torch.arange(n, dtype=torch.int64, device=k_cache.device)
+    write = (rows >= 0) & (rows < cache_size)
+    if ok is not None:
+        write = write & ok
+    slots = torch.arange(key.shape[0], dtype=torch.int64, device=k_cache.device)[:, None] * cache_size + rows
+    slots = torch.where(write[None, :], slots, -1).view(-1)
+    paged_cache_write(key.flatten(0, 1), value.flatten(0, 1), k_cache, v_cache, slots)
 
     new_l = l + added - evicted
     rows = torch.arange(cache_size, device=k_cache.device)
