@@ -137,8 +137,8 @@ def check_roll_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, src, dst, num_
         require_same_device(op, name, x, "k_cache", k_cache)
     if k_cache.dtype == torch.float8_e4m3fn:
         raise ValueError(
-            f"{op}: a {k_cache.dtype} cache cannot be moved with tensor positions: the rows are moved by a cache write, "
-            f"which quantizes into {k_cache.dtype} caches. Pass int positions (a plain copy)."
+            f"{op}: a {k_cache.dtype} cache cannot be moved with tensor positions: the rows are moved by a cache "
+            f"write, which quantizes into {k_cache.dtype} caches. Pass int positions (a plain copy)."
         )
     if v_cache is k_cache:
         raise ValueError(
