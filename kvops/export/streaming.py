@@ -9,10 +9,19 @@ live cache's cursors while tracing, and its visible window has a data-dependent 
 
 - ``cursors``: int64 ``[2]`` = ``(global_end G, local_end L)``, returned updated (the input is not modified);
 - ``current_chunk_start``: int64 ``[]`` tensor ``s``;
-- the eviction is branch-free index arithmetic on those tensors; the row positions reach the write/roll ops as
-  unbacked SymInts (``.item()``) bounded with ``torch._check``, so one exported program serves appends, rewrites and
-  evicting appends; the position contract is checked first by the op ``kvops::stream_positions``, whose message
-  (argument, values, fix) survives ``torch.export`` (a ``torch._check`` message becomes ``u3 <= 0`` there);
+- the eviction is branch-free index arithmetic on those tensors, and the rows it names never reach the host: the
+  eviction move is ``kvops.cache_roll``'s tensor form (a fixed-size masked gather of rows ``[K, S)``, written back
+  with ``kvops.paged_cache_write``; see its docstring for the cost) and the chunk a masked ``paged_cache_write`` on
+  the cache read as ``B`` blocks of ``S`` rows, so one program (exported, or compiled with
+  ``torch.compile(fullgraph=True)``: one graph, no recompile as the positions advance, no host sync) serves appends,
+  rewrites and evicting appends;
+- the position contract is checked before anything is written, per value-check mode (docs/semantics.md §7):
+  ``"eager"`` (default) through the op ``kvops::stream_positions``, whose message (argument, values, fix) eager calls
+  and exported programs (``torch.export``, saved and loaded) raise, and which Inductor (``torch.compile``,
+  AOTInductor packages) lowers to device-side asserts naming the argument and the fix (no host read:
+  lowering/inductor_checks.py); ``"async"``: ``torch._assert_async`` in every path; ``"off"``: unchecked. The moves
+  and writes are masked with the same checks, so a failing step writes nothing (and an unchecked one nothing outside
+  the cache);
 - the visible window is a boolean row mask ``[S]`` over the whole cache instead of a variable-length view, so every
   shape is static: attend with ``scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask[None, :])`` (the row mask broadcast over queries). The keys are the
   same rows as ``CausalKVCache``'s view (in cache-row order, which attention does not depend on).
@@ -27,10 +36,13 @@ zero attention weight, which is not zero for NaN/inf garbage (``CausalKVCache`` 
 
 Which to use: ``CausalKVCache`` in eager code and under ``torch.compile`` when you need its full feature set (growth,
 pins, head slices) or no tensor bookkeeping at all; :func:`streaming_update` for ``torch.export`` (strict and
-non-strict), ``torch.export.save/load``, AOTInductor packages and ONNX (``lowering/onnx.py``). Under
-``torch.compile`` it needs ``torch._dynamo.config.capture_scalar_outputs = True`` (the ``.item()`` calls otherwise
-break the graph); then the streaming example's step compiled into 1 graph for a whole stream (``CausalKVCache``: 3)
-with a per-pass latency of the same order (measured on a loaded 2-core CPU, too noisy to rank them).
+non-strict), ``torch.export.save/load``, AOTInductor packages and ONNX (``lowering/onnx.py``), and for
+``torch.compile`` loops that keep their positions in tensors (one graph for a whole stream,
+tests/test_streaming_compiled.py; no ``torch._dynamo.config.capture_scalar_outputs``, which the step needed while it
+read its rows with ``.item()``). Cost of the fixed shapes: every pass gathers rows ``[K, S)`` of both caches into a
+temporary of ``B x (S - K) x H x (D + D_v)`` elements (about what an evicting append moves once the cache is full)
+and writes back the moved ones, also on passes that evict nothing (rewrites, appends while the cache fills), where
+``CausalKVCache`` moves nothing; the chunk itself is written once.
 """
 
 from __future__ import annotations
@@ -157,8 +169,9 @@ def streaming_update(
 
     Args:
         key: ``[B, n, H, D]``, value: ``[B, n, H, D_v]`` (the caches' dtype and device; all heads).
-        k_cache, v_cache: ``[B, S, H, D]`` / ``[B, S, H, D_v]``, mutated in place through ``kvops.cache_roll`` and
-            ``kvops.cache_write`` (any strides; zero-initialized, see the module docstring).
+        k_cache, v_cache: ``[B, S, H, D]`` / ``[B, S, H, D_v]``, mutated in place through ``kvops.paged_cache_write``
+            (the eviction move and the chunk; any strides; not ``float8_e4m3fn``; zero-initialized, see the module
+            docstring).
         cursors: int64 ``[2]`` ``(G, L)`` on the caches' device (:func:`init_cursors` for a new stream).
         current_chunk_start: int64 ``[]``, ``s``: global position of the chunk's first token.
         sink_tokens: ``K`` rows never evicted (Python int, part of the program).
@@ -177,13 +190,16 @@ def streaming_update(
     Raises:
         ValueError (when called or traced, before anything moves): ``K + n > S`` (an evicting append would
             overwrite the sink), ``K >= S``, ``W < 1``, the write op's metadata errors (ranks, dtypes, key/value
-            lengths), key/value with fewer heads than the caches (a step writes all heads), cursors or
-            ``current_chunk_start`` on another device.
+            lengths, caches that overlap in memory), ``float8_e4m3fn`` caches, key/value with fewer heads than the
+            caches (a step writes all heads), cursors or ``current_chunk_start`` of another dtype, shape or device.
         RuntimeError (when run, before anything is written): cursors that are not ``0 <= L <= min(G, S)``;
             ``s > G`` (a gap); ``s`` negative or naming tokens already evicted (rows before row 0, or a rewrite onto
-            the sink rows after eviction). The message names the argument, the values and the fix in eager code,
-            exported programs (``torch.export``, saved and loaded) and ``torch.compile``; AOTInductor packages raise
-            their wrapper's ``Expected u5 >= 0 but received -2`` for the same checks (lowering/inductor_checks.py).
+            the sink rows after eviction). A value contract (docs/semantics.md §7): in the default ``"eager"`` mode
+            the message names the argument, the values and the fix in eager code and exported programs
+            (``torch.export``, saved and loaded); compiled code (``torch.compile``, AOTInductor packages) raises the
+            same text without the values (a device-side assert, :func:`device_message`); ``"async"``:
+            ``torch._assert_async`` with that text everywhere; ``"off"``: unchecked (rows outside the cache are
+            skipped, nothing else is guaranteed).
     """
     if window_mode not in ("sink", "tail"):
         raise ValueError(f"{_OP}: window_mode must be 'sink' or 'tail' (docs/porting.md), got {window_mode!r}.")
