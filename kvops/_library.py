@@ -64,7 +64,8 @@ lib.define(
 
 # --- the streaming step's position contract (kvops/export/streaming.py) ------------------------------------------
 # state: int64 [9] (current_chunk_start, global_end, local_end, write row, roll src, roll count, and three margins
-# that are >= 0 when the step is valid); returns a copy after raising the contract's RuntimeError when one is < 0.
+# that are >= 0 when the step is valid); returns a copy after raising the contract's RuntimeError when one is < 0
+# (the kernel reads the values on the host; Inductor lowers the op to device-side asserts, lowering/inductor_checks.py).
 lib.define("stream_positions(Tensor state, int sink_tokens, int kv_cache_size) -> Tensor")
 
 # --- attention over a packed window (kvops/packed/attention.py; docs/semantics.md §2) ---------------------------

@@ -17,7 +17,8 @@ Mapping (values are ONNX graphs; nothing here runs at import of kvops):
 - ``cache_write`` -> ``ScatterND`` of ``[B, T, H_in]`` (batch, row, head) indices (``Range`` + ``Expand``); head slices
   via the head coordinate. ``start`` may be a graph value (a SymInt of the exported program).
 - ``cache_roll`` -> ``Slice`` of the source rows/heads + ``ScatterND`` at the destination (reads the old cache, so
-  overlapping ranges are correct).
+  overlapping ranges are correct). With tensor positions (and ``cache_write`` with a tensor ``start``,
+  ``kvops.export.streaming_update``) the op is a masked ``paged_cache_write`` of gathered rows, translated below.
 - ``paged_cache_write`` -> ``ScatterND`` on the ``[P * block_size + 1, H_kv, D]`` flattened cache: negative slots
   (skip) are redirected explicitly to the extra last row, which is dropped afterwards (ONNX indices count from the
   end, so a negative slot would otherwise overwrite a real row). fp8 caches: ``Div`` by the scale, ``Clip(+-448)``,
@@ -269,8 +270,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, ma
 
 
 def stream_positions(state, sink_tokens=None, kv_cache_size=None, **_):
-    """``kvops::stream_positions`` (``streaming_update``'s position check) -> ``Identity``: ONNX has no assert; the
-    program's other checks are the exported ``torch._check`` margins, if the runtime keeps them."""
+    """``kvops::stream_positions`` (``streaming_update``'s position check) -> ``Identity``: ONNX has no assert. The
+    step masks its moves and writes with the same checks, so a bad position writes nothing (no error)."""
     return op.Identity(state)
 
 

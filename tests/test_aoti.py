@@ -73,11 +73,12 @@ class TestStreamPackage(unittest.TestCase):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
     def test_bad_position_raises_and_writes_nothing(self):
-        """The package keeps the step's position checks as runtime asserts of the C++ wrapper (without the message
-        an ExportedProgram gives, see lowering/inductor_checks.py) and raises before writing, without kvops."""
+        """The package keeps the step's position checks as device-side asserts in its generated code (the argument
+        and the fix, without the values an ExportedProgram gives, see lowering/inductor_checks.py) and writes nothing,
+        without kvops."""
         package = aoti_load_package(STREAM_PACKAGE)
         x, k, v, cursors, _ = StreamSession().example_inputs()
-        with self.assertRaisesRegex(RuntimeError, r"Expected u\d+ >= 0 but received -8"):
+        with self.assertRaisesRegex(RuntimeError, r"current_chunk_start is past cursors\[0\] \(global_end\)"):
             package(x, k, v, cursors, torch.tensor(8))  # a gap: positions [0, 8) never written
         self.assertFalse(any(c.any() for c in k + v))
 

@@ -185,7 +185,9 @@ class TestExportSignature(unittest.TestCase):
         decomposed = ep.run_decompositions()
         hop = torch.ops.higher_order.auto_functionalized_v2
         ops = [n.args[0] for n in decomposed.graph.nodes if n.target is hop]
-        self.assertEqual(ops, [torch.ops.kvops.cache_roll.default, torch.ops.kvops.cache_write.default] * 2)
+        # per layer the eviction move and the chunk write, both paged writes on the cache read as B blocks of S rows
+        # (tensor positions, kvops.export.streaming_update)
+        self.assertEqual(ops, [torch.ops.kvops.paged_cache_write.default] * 4)
         self.assertEqual(_mutations(decomposed), ["k_caches_0", "k_caches_1", "v_caches_0", "v_caches_1"])
 
     def test_functionalize_keeps_the_signature_and_the_results(self):

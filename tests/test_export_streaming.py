@@ -15,6 +15,7 @@ import torch
 
 from kvops.cache import CausalKVCache
 from kvops.export import init_cursors, streaming_update
+from kvops.export.streaming import device_message
 from tests.test_export_models import StreamSession
 
 
@@ -135,16 +136,20 @@ class TestErrors(expecttest.TestCase):
                 program = torch.export.load(buffer).module()
                 self.assertEqual([self.raise_and_write_nothing(program, c, s) for c, s in bad], expected)
 
-    def test_compiled_step_names_argument_value_and_fix(self):
-        """Inductor keeps the check as an extern call from its Python wrapper (lowering/inductor_checks.py): the
-        eager message, not an assert thrown from a generated kernel."""
+    def test_compiled_step_asserts_on_the_device_and_writes_nothing(self):
+        """Inductor lowers the check to device-side asserts (lowering/inductor_checks.py; no host read, no
+        ``capture_scalar_outputs``): the argument and the fix without the values, nothing written, and the same graph
+        then runs a valid step."""
         step = lambda *args: streaming_update(*args, sink_tokens=2)  # noqa: E731
-        bad = self.bad_positions()[1:3]
-        expected = [self.raise_and_write_nothing(step, c, s) for c, s in bad]
+        bad = self.bad_positions()
         torch._dynamo.reset()
-        with torch._dynamo.config.patch(capture_scalar_outputs=True):
-            compiled = torch.compile(step, fullgraph=True)
-            self.assertEqual([self.raise_and_write_nothing(compiled, c, s) for c, s in bad], expected)
+        compiled = torch.compile(step, fullgraph=True)
+        msgs = [self.raise_and_write_nothing(compiled, c, s) for c, s in bad]
+        self.assertEqual(msgs, [device_message(i) for i in (0, 1, 2, 2)])
+        self.assertExpectedInline(msgs[1], """kvops.export.streaming_update: current_chunk_start is past cursors[0] (global_end): the tokens in between were never written (a gap). Pass current_chunk_start <= global_end (global_end appends the next chunk). Nothing was written. Run the step eagerly with kvops.value_checks('eager') to see the values.""")  # noqa: B950
+        cursors = bad[1][0]
+        compiled(self.chunk, self.chunk, self.k, self.v, cursors, torch.tensor(8))
+        self.assertTrue(torch.equal(self.k[0, 4:, 0], self.chunk[0, :, 0]))
 
 
 class TestExportedStream(unittest.TestCase):

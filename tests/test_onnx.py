@@ -124,6 +124,60 @@ class TestContiguous(unittest.TestCase):
             self.assertTrue(torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref), (start, src))
 
 
+class TensorPositionWrites(torch.nn.Module):
+    """``cache_write`` and ``cache_roll`` with tensor positions (no ``.item()``: fixed-size masked paged writes)."""
+
+    def forward(self, key, value, k_cache, v_cache, start, src, dst, count):
+        kvops.cache_write(key, value, k_cache, v_cache, start, cache_head_start=1)
+        kvops.cache_roll(k_cache, v_cache, src, dst, count, cache_head_start=0, num_heads=2)
+        return k_cache, v_cache
+
+
+class TestContiguousTensorPositions(unittest.TestCase):
+    def test_write_and_roll_equal_the_int_forms(self):
+        torch.manual_seed(3)
+        k_cache, v_cache = torch.randn(2, 12, 3, 8), torch.randn(2, 12, 3, 5)
+        key, value = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 5)
+        t = torch.tensor
+        args = (key, value, k_cache, v_cache, t(0), t(0), t(0), t(0))
+        session = export_onnx(TensorPositionWrites(), tuple(a.clone() for a in args))
+        # (start, src, dst, count): overlapping moves down and up, nothing moved, the whole cache, the last rows
+        for start, src, dst, count in ((0, 4, 2, 4), (9, 2, 5, 6), (4, 3, 3, 0), (2, 0, 0, 12), (5, 11, 0, 1)):
+            k_ref, v_ref = k_cache.clone(), v_cache.clone()
+            kvops.cache_write(key, value, k_ref, v_ref, start, cache_head_start=1)
+            kvops.cache_roll(k_ref, v_ref, src, dst, count, cache_head_start=0, num_heads=2)
+            k_got, v_got = run_onnx(session, (key, value, k_cache, v_cache, t(start), t(src), t(dst), t(count)))
+            self.assertTrue(torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref), (start, src, dst, count))
+
+
+class TinyStream(torch.nn.Module):
+    def forward(self, key, value, k_cache, v_cache, cursors, start):
+        mask, cursors = kvops.export.streaming_update(key, value, k_cache, v_cache, cursors, start, sink_tokens=2)
+        return mask, cursors, k_cache, v_cache
+
+
+class TestStreamingPositions(unittest.TestCase):
+    def test_appends_evictions_and_a_bad_position_that_writes_nothing(self):
+        """ONNX has no assert (``kvops::stream_positions`` is an ``Identity``), but the step's moves and writes are
+        masked by the same checks: a gap returns the caches unchanged."""
+        g = torch.Generator().manual_seed(4)
+        k_cache, v_cache = torch.zeros(2, 7, 2, 4), torch.zeros(2, 7, 2, 3)
+        chunk = lambda d: torch.randn(2, 2, 2, d, generator=g)  # noqa: E731
+        session = export_onnx(TinyStream(), (chunk(4), chunk(3), k_cache.clone(), v_cache.clone(),
+                                             kvops.export.init_cursors(), torch.tensor(0)))
+        cursors, k_ref, v_ref = kvops.export.init_cursors(), k_cache.clone(), v_cache.clone()
+        for s in (0, 2, 2, 4, 6, 6, 8, 10):  # appends, rewrites, evicting appends after the sink
+            key, value = chunk(4), chunk(3)
+            mask, new_cursors, k_got, v_got = run_onnx(session, (key, value, k_cache, v_cache, cursors,
+                                                                 torch.tensor(s)))
+            want_mask, cursors = TinyStream()(key, value, k_ref, v_ref, cursors, torch.tensor(s))[:2]
+            self.assertTrue(torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref), s)
+            self.assertTrue(torch.equal(mask, want_mask) and torch.equal(new_cursors, cursors), s)
+            k_cache, v_cache = k_got, v_got
+        _, _, k_got, v_got = run_onnx(session, (chunk(4), chunk(3), k_cache, v_cache, cursors, torch.tensor(14)))
+        self.assertTrue(torch.equal(k_got, k_cache) and torch.equal(v_got, v_cache))  # a gap: nothing written
+
+
 class Attention(torch.nn.Module):
     def __init__(self, max_seqlen_q, extra_names=(), **kwargs):
         super().__init__()

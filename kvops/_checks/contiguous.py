@@ -109,12 +109,42 @@ def check_cache_roll(
         )
     h0 = check_head_slice(op, cache_heads, num_heads, h0)
     if num_tokens < 0 or src < 0 or dst < 0 or src + num_tokens > cache_len or dst + num_tokens > cache_len:
-        s, d, n = as_int(src), as_int(dst), as_int(num_tokens)
-        raise RuntimeError(
-            f"Invalid {op} range: src=[{s}, {s + n}), dst=[{d}, {d + n}), kv_cache_size={cache_len}, "
-            f"num_tokens={n}. Both ranges must lie in [0, kv_cache_size) and num_tokens must be >= 0."
-        )
+        raise RuntimeError(roll_range_message(op, as_int(src), as_int(dst), as_int(num_tokens), cache_len))
     return h0, h0 + num_heads
+
+
+def roll_range_message(op: str, src: int, dst: int, num_tokens: int, cache_len) -> str:
+    """The roll's range error (docs/semantics.md §1.8), shared by the int form and the tensor form's value check."""
+    s, d, n = src, dst, num_tokens
+    return (f"Invalid {op} range: src=[{s}, {s + n}), dst=[{d}, {d + n}), kv_cache_size={cache_len}, "
+            f"num_tokens={n}. Both ranges must lie in [0, kv_cache_size) and num_tokens must be >= 0.")
+
+
+def check_roll_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, src, dst, num_tokens,
+                    op: str = "kvops.cache_roll") -> None:
+    """Metadata of a ``cache_roll`` whose ``src``/``dst``/``num_tokens`` include a tensor (compiled streaming loops
+    keep positions in tensors): each tensor int32/int64, ``[]`` or ``[1]``, on the caches' device; ``k_cache`` and
+    ``v_cache`` distinct (the tensor form moves rows through a cache write, which needs two caches; the int form
+    accepts ``k_cache is v_cache``). Their values are a value contract (``kvops._checks.values.check_roll_rows``)."""
+    for name, x in (("src", src), ("dst", dst), ("num_tokens", num_tokens)):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.dtype not in (torch.int32, torch.int64) or x.dim() > 1 or (x.dim() == 1 and x.shape[0] != 1):
+            raise ValueError(
+                f"{op}: {name} must be an int or an int32/int64 tensor holding one row count or row ([] or [1]); got "
+                f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}."
+            )
+        require_same_device(op, name, x, "k_cache", k_cache)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError(
+            f"{op}: a {k_cache.dtype} cache cannot be moved with tensor positions: the rows are moved by a cache "
+            f"write, which quantizes into {k_cache.dtype} caches. Pass int positions (a plain copy)."
+        )
+    if v_cache is k_cache:
+        raise ValueError(
+            f"{op}: k_cache is v_cache; with tensor positions the rows are moved by a cache write, which needs two "
+            f"distinct caches. Pass int positions to roll one tensor as both caches, or pass separate K and V caches."
+        )
 
 
 def check_write_rows(key: torch.Tensor, k_cache: torch.Tensor, start: torch.Tensor,

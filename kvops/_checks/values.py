@@ -466,6 +466,27 @@ def check_write_rows(rows: torch.Tensor, cache_len: int, from_start: bool,
     )
 
 
+# --- cache_roll with tensor rows -------------------------------------------------------------------------------
+def check_roll_rows(src, dst, num_tokens, cache_len: int, op: str = "kvops.cache_roll") -> torch.Tensor | None:
+    """``num_tokens >= 0`` and ``[src, src + n)``, ``[dst, dst + n)`` inside ``[0, cache_len)`` for a ``cache_roll``
+    whose positions include a tensor (ints or 0-d int64 tensors here), in the current mode, before anything moves.
+    Returns the async ``ok`` flag (None otherwise). The eager message is the int form's, word for word."""
+    tensors = [x for x in (src, dst, num_tokens) if isinstance(x, torch.Tensor)]
+    mode = _active(*tensors)
+    if mode is None:
+        return None
+    ok = (num_tokens >= 0) & (src >= 0) & (dst >= 0) & (src + num_tokens <= cache_len) & (dst + num_tokens <= cache_len)
+    if mode == "async":
+        _assert(ok, f"{op}: src, dst or num_tokens names rows outside [0, kv_cache_size = {_known(cache_len)}) of the "
+                    f"cache (or num_tokens < 0); nothing was moved. Run with kvops.value_checks('eager') to see them.")
+        return ok
+    if not bool(ok):
+        from .contiguous import roll_range_message
+
+        raise RuntimeError(roll_range_message(op, int(src), int(dst), int(num_tokens), cache_len))
+    return None
+
+
 # --- PagedKVCache.step_at ---------------------------------------------------------------------------------------
 def check_step_positions(pos: torch.Tensor, blocks: torch.Tensor, block_table: torch.Tensor, capacity: int,
                          num_blocks: int, op: str = "PagedKVCache.step_at") -> torch.Tensor | None:

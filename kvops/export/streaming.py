@@ -9,10 +9,19 @@ live cache's cursors while tracing, and its visible window has a data-dependent 
 
 - ``cursors``: int64 ``[2]`` = ``(global_end G, local_end L)``, returned updated (the input is not modified);
 - ``current_chunk_start``: int64 ``[]`` tensor ``s``;
-- the eviction is branch-free index arithmetic on those tensors; the row positions reach the write/roll ops as
-  unbacked SymInts (``.item()``) bounded with ``torch._check``, so one exported program serves appends, rewrites and
-  evicting appends; the position contract is checked first by the op ``kvops::stream_positions``, whose message
-  (argument, values, fix) survives ``torch.export`` (a ``torch._check`` message becomes ``u3 <= 0`` there);
+- the eviction is branch-free index arithmetic on those tensors, and the rows it names never reach the host: the
+  eviction move is ``kvops.cache_roll``'s tensor form (a fixed-size masked gather of rows ``[K, S)``, written back
+  with ``kvops.paged_cache_write``; see its docstring for the cost) and the chunk a masked ``paged_cache_write`` on
+  the cache read as ``B`` blocks of ``S`` rows, so one program (exported, or compiled with
+  ``torch.compile(fullgraph=True)``: one graph, no recompile as the positions advance, no host sync) serves appends,
+  rewrites and evicting appends;
+- the position contract is checked before anything is written, per value-check mode (docs/semantics.md §7):
+  ``"eager"`` (default) through the op ``kvops::stream_positions``, whose message (argument, values, fix) eager calls
+  and exported programs (``torch.export``, saved and loaded) raise, and which Inductor (``torch.compile``,
+  AOTInductor packages) lowers to device-side asserts naming the argument and the fix (no host read:
+  lowering/inductor_checks.py); ``"async"``: ``torch._assert_async`` in every path; ``"off"``: unchecked. The moves
+  and writes are masked with the same checks, so a failing step writes nothing (and an unchecked one nothing outside
+  the cache);
 - the visible window is a boolean row mask ``[S]`` over the whole cache instead of a variable-length view, so every
   shape is static: attend with ``scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask[None, :])`` (the row mask broadcast over queries). The keys are the
   same rows as ``CausalKVCache``'s view (in cache-row order, which attention does not depend on).
@@ -27,19 +36,24 @@ zero attention weight, which is not zero for NaN/inf garbage (``CausalKVCache`` 
 
 Which to use: ``CausalKVCache`` in eager code and under ``torch.compile`` when you need its full feature set (growth,
 pins, head slices) or no tensor bookkeeping at all; :func:`streaming_update` for ``torch.export`` (strict and
-non-strict), ``torch.export.save/load``, AOTInductor packages and ONNX (``lowering/onnx.py``). Under
-``torch.compile`` it needs ``torch._dynamo.config.capture_scalar_outputs = True`` (the ``.item()`` calls otherwise
-break the graph); then the streaming example's step compiled into 1 graph for a whole stream (``CausalKVCache``: 3)
-with a per-pass latency of the same order (measured on a loaded 2-core CPU, too noisy to rank them).
+non-strict), ``torch.export.save/load``, AOTInductor packages and ONNX (``lowering/onnx.py``), and for
+``torch.compile`` loops that keep their positions in tensors (one graph for a whole stream,
+tests/test_streaming_compiled.py; no ``torch._dynamo.config.capture_scalar_outputs``, which the step needed while it
+read its rows with ``.item()``). Cost of the fixed shapes: every pass gathers rows ``[K, S)`` of both caches into a
+temporary of ``B x (S - K) x H x (D + D_v)`` elements (about what an evicting append moves once the cache is full)
+and writes back the moved ones, also on passes that evict nothing (rewrites, appends while the cache fills), where
+``CausalKVCache`` moves nothing; the chunk itself is written once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._checks import values
 from .._checks.common import as_int, require_ndim
 from .._checks.contiguous import TOKENS_LAYOUT, check_cache_write, check_caches
-from ..ops.contiguous import cache_roll, cache_write
+from ..ops.contiguous import move_rows
+from ..ops.paged_write import paged_cache_write
 
 
 _OP = "kvops.export.streaming_update"
@@ -55,6 +69,7 @@ _POSITION_CHECKS = (
     "the sink rows). Rewrite only tokens still in the cache, current_chunk_start >= global_end - local_end (plus "
     "sink_tokens once tokens were evicted, i.e. global_end > local_end), or append at global_end",
 )
+CHECKS = len(_POSITION_CHECKS)
 
 
 def _stream_positions(state: torch.Tensor, sink_tokens: int, kv_cache_size: int) -> torch.Tensor:
@@ -80,6 +95,34 @@ def _stream_positions_fake(state, sink_tokens, kv_cache_size):
     return torch.empty_like(state)
 
 
+def device_message(i: int) -> str:
+    """The message of position check ``i`` where it runs on the device (``"async"`` mode, compiled code): no values
+    (no host read); they are in the eager message."""
+    return (f"{_OP}: {_POSITION_CHECKS[i]}. Nothing was written. Run the step eagerly with kvops.value_checks('eager') "
+            f"to see the values.")
+
+
+def _check_positions(state: torch.Tensor, sink: int, cache_size: int, k_cache: torch.Tensor) -> torch.Tensor | None:
+    """The position contract of ``state`` (``kvops::stream_positions``'s layout) in the current value-check mode;
+    returns the 0-d bool ``ok`` that masks the step's moves and writes (None in ``"off"`` mode).
+
+    ``"eager"``: the op ``kvops::stream_positions``: eager calls and exported programs run its kernel (one host read,
+    the message with the values); Inductor lowers it to device-side asserts (lowering/inductor_checks.py: no host
+    sync, the messages of :func:`device_message`). ``"async"`` (or eager mode while capturing a CUDA graph):
+    ``torch._assert_async`` per check. Either way a failing step moves and writes nothing, even where the assert
+    fires after the writes (CUDA's asynchronous asserts)."""
+    mode = values.get_value_checks()
+    if mode == "off":
+        return None
+    if mode == "eager" and not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+        margins = torch.ops.kvops.stream_positions(state, sink, cache_size)[6:]
+    else:
+        margins = state[6:]
+        for i in range(CHECKS):
+            torch._assert_async(margins[i] >= 0, device_message(i))
+    return (margins >= 0).all()
+
+
 def _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start) -> None:
     """The metadata contract of a step (the write's, plus the cursors' device and all heads), checked before the roll
     so that a failing step moves and writes nothing."""
@@ -91,6 +134,11 @@ def _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start) -> N
             f"cache_head_start)."
         )
     check_cache_write(key, value, k_cache, v_cache, 0, None, op=_OP)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError(
+            f"{_OP}: {k_cache.dtype} caches are not supported: the step moves and writes rows with "
+            f"kvops.paged_cache_write, which quantizes into such caches. Use CausalKVCache (plain copies)."
+        )
     for name, t in (("cursors", cursors), ("current_chunk_start", current_chunk_start)):
         if isinstance(t, torch.Tensor) and t.device != k_cache.device:
             raise ValueError(
@@ -121,8 +169,9 @@ def streaming_update(
 
     Args:
         key: ``[B, n, H, D]``, value: ``[B, n, H, D_v]`` (the caches' dtype and device; all heads).
-        k_cache, v_cache: ``[B, S, H, D]`` / ``[B, S, H, D_v]``, mutated in place through ``kvops.cache_roll`` and
-            ``kvops.cache_write`` (any strides; zero-initialized, see the module docstring).
+        k_cache, v_cache: ``[B, S, H, D]`` / ``[B, S, H, D_v]``, mutated in place through ``kvops.paged_cache_write``
+            (the eviction move and the chunk; any strides; not ``float8_e4m3fn``; zero-initialized, see the module
+            docstring).
         cursors: int64 ``[2]`` ``(G, L)`` on the caches' device (:func:`init_cursors` for a new stream).
         current_chunk_start: int64 ``[]``, ``s``: global position of the chunk's first token.
         sink_tokens: ``K`` rows never evicted (Python int, part of the program).
@@ -141,13 +190,16 @@ def streaming_update(
     Raises:
         ValueError (when called or traced, before anything moves): ``K + n > S`` (an evicting append would
             overwrite the sink), ``K >= S``, ``W < 1``, the write op's metadata errors (ranks, dtypes, key/value
-            lengths), key/value with fewer heads than the caches (a step writes all heads), cursors or
-            ``current_chunk_start`` on another device.
+            lengths, caches that overlap in memory), ``float8_e4m3fn`` caches, key/value with fewer heads than the
+            caches (a step writes all heads), cursors or ``current_chunk_start`` of another dtype, shape or device.
         RuntimeError (when run, before anything is written): cursors that are not ``0 <= L <= min(G, S)``;
             ``s > G`` (a gap); ``s`` negative or naming tokens already evicted (rows before row 0, or a rewrite onto
-            the sink rows after eviction). The message names the argument, the values and the fix in eager code,
-            exported programs (``torch.export``, saved and loaded) and ``torch.compile``; AOTInductor packages raise
-            their wrapper's ``Expected u5 >= 0 but received -2`` for the same checks (lowering/inductor_checks.py).
+            the sink rows after eviction). A value contract (docs/semantics.md §7): in the default ``"eager"`` mode
+            the message names the argument, the values and the fix in eager code and exported programs
+            (``torch.export``, saved and loaded); compiled code (``torch.compile``, AOTInductor packages) raises the
+            same text without the values (a device-side assert, :func:`device_message`); ``"async"``:
+            ``torch._assert_async`` with that text everywhere; ``"off"``: unchecked (rows outside the cache are
+            skipped, nothing else is guaranteed).
     """
     if window_mode not in ("sink", "tail"):
         raise ValueError(f"{_OP}: window_mode must be 'sink' or 'tail' (docs/porting.md), got {window_mode!r}.")
@@ -178,26 +230,19 @@ def streaming_update(
     evicted = (l + added - cache_size).clamp(min=0)
     ls = l + s - g - evicted
     count = torch.where(evicted > 0, (l - evicted - sink).clamp(min=0), 0)
-    src = (evicted + sink).clamp(max=cache_size)
-    # The checks run in an op, so exported programs (and torch.export.load) raise the message with the values; the
-    # torch._check calls below are the same margins without a message: compiled code (Inductor, AOTInductor: see
-    # lowering/inductor_checks.py) keeps those, and the ops' validators need them as value ranges.
+    src = evicted + sink
     margins = (torch.minimum(torch.minimum(l, g - l), cache_size - l),  # cursors: 0 <= L <= min(G, S)
                g - s,  # no gap
                torch.where((e <= g) & (g > l), ls - sink, ls))  # rows from row 0; no rewrite onto the sink
-    state = torch.stack([s, g, l, ls, src, count, *margins])
-    host = torch.ops.kvops.stream_positions(state, sink, cache_size).cpu()  # one host copy for the .item() calls
-    ls_i, src_i, count_i, *margins_i = (host[i].item() for i in range(3, 9))
-    for m in margins_i:
-        torch._check(m >= 0)
-    torch._check(ls_i >= 0)
-    torch._check(ls_i <= cache_size - n)
-    torch._check(src_i >= sink)
-    torch._check(count_i >= 0)
-    torch._check(src_i + count_i <= cache_size)
-    torch._check(sink + count_i <= cache_size)
-    cache_roll(k_cache, v_cache, src_i, sink, count_i)
-    cache_write(key, value, k_cache, v_cache, ls_i)
+    ok = _check_positions(torch.stack([s, g, l, ls, src, count, *margins]), sink, cache_size, k_cache)
+    move_rows(k_cache, v_cache, src, sink, count, 0, k_cache.shape[2], ok)  # the eviction: rows [K + ev, L) to K
+    rows = ls + torch.arange(n, dtype=torch.int64, device=k_cache.device)
+    write = (rows >= 0) & (rows < cache_size)
+    if ok is not None:
+        write = write & ok
+    slots = torch.arange(key.shape[0], dtype=torch.int64, device=k_cache.device)[:, None] * cache_size + rows
+    slots = torch.where(write[None, :], slots, -1).view(-1)
+    paged_cache_write(key.flatten(0, 1), value.flatten(0, 1), k_cache, v_cache, slots)
 
     new_l = l + added - evicted
     rows = torch.arange(cache_size, device=k_cache.device)

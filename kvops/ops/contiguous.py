@@ -11,7 +11,7 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
 from .._checks.common import int64_error
-from .._checks.contiguous import check_cache_roll, check_cache_write, check_write_rows
+from .._checks.contiguous import check_cache_roll, check_cache_write, check_roll_rows, check_write_rows
 from ..reference import contiguous as cpu
 from ..triton import HAS_TRITON
 from .paged_write import paged_cache_write
@@ -104,9 +104,9 @@ def _cache_write_rows(key, value, k_cache, v_cache, start, cache_head_start) -> 
 def cache_roll(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    src: int,
-    dst: int,
-    num_tokens: int,
+    src: int | torch.Tensor,
+    dst: int | torch.Tensor,
+    num_tokens: int | torch.Tensor,
     cache_head_start: int | None = None,
     num_heads: int | None = None,
 ) -> None:
@@ -120,19 +120,69 @@ def cache_roll(
     Args:
         k_cache: ``[B, S, H_cache, D]``; mutated.
         v_cache: ``[B, S, H_cache, D_v]``; mutated.
-        src, dst, num_tokens: rows (ints or SymInts).
+        src, dst, num_tokens: rows: ints or SymInts, or int32/int64 ``[]``/``[1]`` tensors on the caches' device, as
+            compiled streaming loops keep their cursors (``kvops.export.streaming_update``). A tensor is never read on
+            the host: no sync, no graph break, one compiled graph for every position; the rows are then a value
+            contract (below).
         cache_head_start: first head moved (default 0).
         num_heads: heads moved (default: all heads from ``cache_head_start``).
 
     Raises:
         ValueError: ``"v_cache must be provided"``, cache mismatches, a head slice outside the cache, a cache with a
-            stride-0 dim.
-        RuntimeError: ``"Invalid kvops.cache_roll range: ..."`` when either range leaves ``[0, S)``.
+            stride-0 dim. With a tensor position: a tensor of another dtype, shape or device, and ``k_cache is
+            v_cache`` (allowed with int positions only).
+        RuntimeError: ``"Invalid kvops.cache_roll range: ..."`` when either range leaves ``[0, S)`` or ``n < 0``.
+            With a tensor position this is a value contract (docs/semantics.md §7), checked before anything moves per
+            the value-check mode, as the paged indices: ``"eager"`` (default; eager calls, the int form's message
+            word for word), ``"async"`` (``torch._assert_async``, also in compiled/exported graphs; nothing moves),
+            ``"off"``. Unchecked, rows whose source or destination is outside ``[0, S)`` are not moved (nothing
+            outside the cache is read or written) and ``n <= 0`` moves nothing.
+
+    With a tensor position the move is a fixed-size masked gather: the rows of the window ``[dst, S)`` when ``dst``
+    is an int (``[dst, dst + n)`` when ``num_tokens`` is one too; ``[0, S)`` for a tensor ``dst``) are gathered
+    (``index_select``, each row from ``row - dst + src`` inside the move, else itself) into a temporary of
+    ``B x rows x heads x (D + D_v)`` elements, then the moved rows alone are written back with
+    ``kvops.paged_cache_write`` on the cache read as ``B`` blocks of ``S`` rows (slots ``b * S + row``, ``-1`` for the
+    rows not moved), so the move keeps that op's kernels, Inductor lowering and export path. The cache itself is never
+    copied; an eviction after a sink of ``K`` rows (``dst = K``) gathers ``S - K`` rows, about what the move itself
+    copies once the cache is full, but also when nothing moves (``n = 0``).
     """
     bad = int64_error("kvops.cache_roll", {"src": src, "dst": dst, "num_tokens": num_tokens})
     if bad is not None:  # (torch's schema error gives no fix)
         raise bad
+    if isinstance(src, torch.Tensor) or isinstance(dst, torch.Tensor) or isinstance(num_tokens, torch.Tensor):
+        h0, h1 = check_cache_roll(k_cache, v_cache, 0, 0, 0, cache_head_start, num_heads)  # metadata; rows below
+        check_roll_rows(k_cache, v_cache, src, dst, num_tokens)
+        src, dst, num_tokens = (x.reshape(()).long() if isinstance(x, torch.Tensor) else x
+                                for x in (src, dst, num_tokens))
+        ok = values.check_roll_rows(src, dst, num_tokens, k_cache.shape[1])
+        move_rows(k_cache, v_cache, src, dst, num_tokens, h0, h1, ok)
+        return
     torch.ops.kvops.cache_roll(k_cache, v_cache, src, dst, num_tokens, cache_head_start, num_heads)
+
+
+def move_rows(k_cache, v_cache, src, dst, num_tokens, h0: int, h1: int, ok=None) -> None:
+    """The tensor form of ``cache_roll`` on validated metadata (``src``/``dst``/``num_tokens``: ints or 0-d int64
+    tensors): rows ``[src, src + n)`` to ``[dst, dst + n)`` of heads ``[h0, h1)``, rows outside ``[0, S)`` skipped,
+    nothing moved where ``ok`` (a 0-d bool tensor) is False. Also used by ``kvops.export.streaming_update``."""
+    batch, cache_len = k_cache.shape[0], k_cache.shape[1]
+    device = k_cache.device
+    static_dst = type(dst) is int and 0 <= dst <= cache_len
+    lo = dst if static_dst else 0
+    hi = min(dst + num_tokens, cache_len) if static_dst and type(num_tokens) is int and num_tokens >= 0 else cache_len
+    rows = torch.arange(lo, max(lo, hi), dtype=torch.int64, device=device)
+    source = rows - dst + src
+    moved = (rows >= dst) & (rows < dst + num_tokens) & (source >= 0) & (source < cache_len)
+    if ok is not None:
+        moved = moved & ok
+    index = torch.where(moved, source, rows)
+    slots = torch.arange(batch, dtype=torch.int64, device=device)[:, None] * cache_len + rows[None, :]
+    slots = torch.where(moved[None, :], slots, -1).view(-1)
+    heads = h1 - h0
+    k_rows = k_cache[:, :, h0:h1].index_select(1, index)  # [B, rows, heads, D], the only copy
+    v_rows = v_cache[:, :, h0:h1].index_select(1, index)
+    paged_cache_write(k_rows.view(-1, heads, k_rows.shape[3]), v_rows.view(-1, heads, v_rows.shape[3]),
+                      k_cache, v_cache, slots, h0)
 
 
 # --- fake rules: the contract at trace time ---------------------------------------------------------------------
