@@ -86,18 +86,18 @@ class Spread:
         return Spread(self.median * factor, self.p25 * factor, self.p75 * factor, self.rounds)
 
     def format(self, num: str | None = None) -> str:
-        """``"1.23 [1.10-1.30]"`` (``num``: a format for each number; default 2 decimals below 10, else 1), with
-        ``~`` appended when noisy."""
+        """``"1.23 [1.10-1.30] "`` (``num``: a format for each number; default 2 decimals below 10, else 1), ending in
+        ``~`` when noisy, else in a space (so that table columns stay aligned)."""
         if num is None:
             num = "{:.2f}" if abs(self.median) < 10 else "{:.1f}"
         text = f"{num.format(self.median)} [{num.format(self.p25)}-{num.format(self.p75)}]"
-        return text + ("~" if self.noisy else "")
+        return text + ("~" if self.noisy else " ")
 
     def json(self) -> dict:
         return {"median": self.median, "p25": self.p25, "p75": self.p75, "rounds": self.rounds}
 
     def __str__(self) -> str:
-        return self.format()
+        return self.format().rstrip()
 
 
 def ratio(values, baselines) -> Spread:
@@ -234,6 +234,7 @@ def host(threads=None, device: str = "cpu") -> dict:
 
 def host_line(info: dict) -> str:
     t = info["threads"]
+    t = t[0] if isinstance(t, (list, tuple)) and len(t) == 1 else t
     t = ", ".join(map(str, t)) if isinstance(t, (list, tuple)) else t
     threads = f"{t} thread{'' if t == 1 else 's'} of {info['cores']} cores"
     load = f"; load {info['load_1min']:.1f}" if info.get("load_1min") is not None else ""
@@ -247,7 +248,7 @@ def _cell(value, fmt) -> str:
     if value is None:
         return "-"
     if isinstance(value, Spread):
-        return value.format(fmt)
+        return value.format(fmt)  # (ends in "~" or " ")
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, (int, float)) and fmt:
@@ -260,14 +261,16 @@ def _json(value):
 
 
 class Table:
-    """Columns ``(name, width[, number format])``: the first is left-aligned, the others right-aligned, two spaces
-    apart; the last column takes what is left of the 120 and wraps. A Spread cell prints ``median [p25-p75]``."""
+    """Columns ``(name, width[, number format[, "<"]])``: the first is left-aligned, the others right-aligned (the last
+    one left-aligned with ``"<"``), two spaces apart; the last column takes what is left of the 120 columns and wraps.
+    A Spread cell prints ``median [p25-p75]`` and ``~`` when noisy."""
 
     SEP = "  "
 
     def __init__(self, report: Report, title: str, columns: list):
         self.report, self.title = report, title
         cols = [(c[0], max(int(c[1]), len(c[0])), c[2] if len(c) > 2 else None) for c in columns]
+        self.left_last = len(columns[-1]) > 3 and columns[-1][3] == "<"
         fixed = sum(w for _, w, _ in cols[:-1]) + len(self.SEP) * (len(cols) - 1)
         if fixed + len(cols[-1][0]) > WIDTH:
             raise ValueError(f"table {title!r}: its columns need {fixed + len(cols[-1][0])} > {WIDTH} characters")
@@ -285,7 +288,7 @@ class Table:
             parts.append(f"{text:<{width}}" if i == 0 else f"{text:>{width}}")
         head = self.SEP.join(parts) + (self.SEP if parts else "")
         last = texts[-1]
-        if len(self.columns) > 1 and len(last) <= self.last_width:  # right-align a short last cell
+        if len(self.columns) > 1 and len(last) <= self.last_width and not self.left_last:  # right-align it
             last = f"{last:>{min(self.columns[-1][1], self.last_width)}}"
         wrapped = textwrap.wrap(last, self.last_width) or [""]
         return "\n".join([head + wrapped[0]] + [" " * len(head) + w for w in wrapped[1:]])
@@ -418,8 +421,8 @@ class Report:
             missed = [t for t in self.targets if not t.met]
             if missed:
                 worst = max(missed, key=lambda t: t.over)
-                lines.append(f"largest miss: {worst.case}: {worst.value} against {worst.op} {worst.bound:g} "
-                             f"({worst.over:.0%} {'over' if worst.op == '<=' else 'under'})")
+                lines.append(f"largest miss: {worst.case} ({worst.target}): {worst.value} against {worst.op} "
+                             f"{worst.bound:g}, {worst.over:.0%} {'over' if worst.op == '<=' else 'under'}")
                 if worst.meaning:
                     lines.append(f"  meaning: {worst.explain()}")
                 if worst.within_spread or worst.value.noisy:

@@ -47,7 +47,7 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402  (no torch: --help answers at once)
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 GEOMETRIES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.1-8b": (32, 8, 128)}  # (H_q, H_kv, D), models.md
 QUICK = dict(batches=[1, 8], contexts=[256, 1024], rounds=5, threads=[1], peers=["gather"])
@@ -86,7 +86,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"),
                         help="folder for the table (paged_decode.txt, or paged_decode_quick.txt with --quick) and "
                              "the plot (.png, with matplotlib)")
-    H.add_json_arg(parser)
+    harness.add_json_arg(parser)
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -139,9 +139,9 @@ def targets_for(kind: str, batch: int, context: int) -> dict:
             and (t["batches"] is None or batch in t["batches"]) and (t["contexts"] is None or context in t["contexts"])}
 
 
-def interleaved(cands: dict, rounds: int, clock: str) -> H.Timings:
+def interleaved(cands: dict, rounds: int, clock: str) -> harness.Timings:
     """Every candidate's per-call seconds per round (benchmarks/_harness.py: warm-up, ~2 ms samples, rotated order)."""
-    return H.interleave(cands, rounds, clock=clock, sync=sync, max_reps=200)
+    return harness.interleave(cands, rounds, clock=clock, sync=sync, max_reps=200)
 
 
 def copy_bandwidth_gbs(device, clock: str, nbytes: int = 256 << 20) -> float:
@@ -311,7 +311,7 @@ def main(args) -> None:
     kernel = ("Triton" if device.type == "cuda" else
               "native C++" if kvops.native.available() else "composite torch (no native build)")
     peers = list(args.peers)
-    report = H.Report("paged_decode", args)
+    report = harness.Report("paged_decode", args)
     report.start(threads=args.threads, device=args.device, kvops_kernel=kernel)
     report.note(f"block_size {BLOCK_SIZE}; value checks {args.value_checks}; {args.rounds} interleaved rounds per row"
                 + (" (--quick)" if args.quick else ""))
@@ -330,7 +330,7 @@ def main(args) -> None:
     max_err = 0.0
     for threads in args.threads:
         torch.set_num_threads(threads)
-        clock_name = H.pick_clock(threads, device.type, args.clock)[0]
+        clock_name = harness.pick_clock(threads, device.type, args.clock)[0]
         where = f"{threads} CPU thread(s)" if device.type == "cpu" else torch.cuda.get_device_name(device)
         report.print(f"\n=== {where}, {clock_name} clock ===")
         report.print(f"copy bandwidth (read + write) {copy_bandwidth_gbs(device, clock_name):.1f} GB/s; "
@@ -341,7 +341,7 @@ def main(args) -> None:
                 dtype = getattr(torch, dtype_name)
                 table = report.table(
                     f"{geometry} ({h_q}/{h_kv} heads x {d}), {dtype_name}, {where}",
-                    [("case", 13), ("ideal ms", 8, "{:.3f}"), *((col_names[n], 16) for n in cand_cols),
+                    [("case", 13), ("ideal ms", 8, "{:.3f}"), *((col_names[n], 17) for n in cand_cols),
                      ("GB/s", 6, "{:.2f}"), ("target", 13)])
                 shapes = [("decode", b, 1, s) for b in args.batches for s in args.contexts]
                 if not args.no_prefill:
