@@ -20,7 +20,7 @@ machine before believing it.
 ``torch.backends.cpu.get_cpu_capability()``; threads; torch version; load average), then tables whose rows fit in
 120 columns (a last free-text column wraps), then a **verdict block**: host, ISA, threads, which targets hold (per
 target, how many of its cases), the largest miss and what it means for a user. ``--json PATH`` writes the same
-content for tools (``--json`` or ``--json -``: to stdout, the human-readable output then goes to stderr)::
+content for tools (``--json`` or ``--json -``: to stdout, as its only content: everything else then goes to stderr)::
 
     {"benchmark": str, "argv": [str], "host": {...}, "spread": str, "notes": [str],
      "tables": [{"title": str, "columns": [str], "rows": [{column: value, ...}]}],
@@ -351,7 +351,12 @@ class Report:
     def __init__(self, name: str, args=None, argv=None):
         self.name = name
         self.json_path = getattr(args, "json", None)
-        self.out = sys.stderr if self.json_path == "-" else sys.stdout
+        self.out = sys.stdout
+        self._stdout = None
+        if self.json_path == "-":  # stdout is the JSON's alone: until finish(), whatever writes to fd 1 (this
+            sys.stdout.flush()  # module, the benchmark, native libraries) goes to stderr
+            self._stdout = os.dup(1)
+            os.dup2(2, 1)
         self.argv = list(sys.argv[1:] if argv is None else argv)
         self.host: dict = {}
         self.notes: list[str] = []
@@ -450,7 +455,11 @@ class Report:
                "verdict": {"held": sum(t.met for t in self.targets), "total": len(self.targets),
                            "largest_miss": worst.json() if worst else None, "lines": lines},
                "extra": self.extra}
-        if self.json_path == "-":
+        if self._stdout is not None:
+            sys.stdout.flush()
+            os.dup2(self._stdout, 1)
+            os.close(self._stdout)
+            self._stdout = None
             print(json.dumps(doc), flush=True)
         elif self.json_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.json_path)), exist_ok=True)
