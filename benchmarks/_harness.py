@@ -89,7 +89,7 @@ class Spread:
         """``"1.23 [1.10-1.30] "`` (``num``: a format for each number; default 2 decimals below 10, else 1), ending in
         ``~`` when noisy, else in a space (so that table columns stay aligned)."""
         if num is None:
-            num = "{:.2f}" if abs(self.median) < 10 else "{:.1f}"
+            num = "{:.2f}" if max(abs(self.median), abs(self.p25), abs(self.p75)) < 10 else "{:.1f}"
         text = f"{num.format(self.median)} [{num.format(self.p25)}-{num.format(self.p75)}]"
         return text + ("~" if self.noisy else " ")
 
