@@ -169,7 +169,7 @@ COLUMNS = [("dtype", 13), ("cache", 6), ("N", 5, "{:d}")]
 
 def compiled_paged(report, sizes, rounds, clock):
     target = "compiled paged write: kvops <= 1.0x Inductor's index_put_"
-    table = report.table(f"compiled paged write: kvops.paged_cache_write / Inductor's index_put_ (target <= 1.0x)",
+    table = report.table("compiled paged write: kvops.paged_cache_write / Inductor's index_put_ (target <= 1.0x)",
                          [*COLUMNS, ("kvops/aten", 17), ("aten us", 8, "{:.1f}")])
     for dtype in (torch.bfloat16, FP8):
         for joint in (False, True):

@@ -143,7 +143,6 @@ def over_processes(argv: list[str], n: int) -> list[dict]:
     """The rows of ``n`` fresh processes running ``argv``, combined: per row, the median over the processes of each
     process's median time, and the spread (median [p25-p75]) of the processes' median ratios."""
     import json
-    import statistics
     import subprocess
 
     runs = []

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
