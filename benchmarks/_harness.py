@@ -33,6 +33,7 @@ a benchmark parses its arguments (``--help`` answers at once) before torch is im
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -122,14 +123,6 @@ def rotation(names: list, r: int) -> list:
     return list(names[k:]) + list(names[:k])
 
 
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 @dataclass
 class Timings:
     """Per-call seconds of each candidate, one value per round, in candidate order."""
@@ -158,7 +151,7 @@ def interleave(candidates: dict, rounds: int, *, clock: str = "thread", sync=Non
         raise ValueError(f"interleave: rounds={rounds}; needs at least 1 round")
     tick = pick_clock(choice=clock)[1]
     sync = sync or (lambda: None)
-    fns = {n: c if isinstance(c, tuple) else (c, _Nothing) for n, c in candidates.items()}
+    fns = {n: c if isinstance(c, tuple) else (c, contextlib.nullcontext) for n, c in candidates.items()}
 
     def sample(fn, n: int) -> float:
         sync()
