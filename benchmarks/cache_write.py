@@ -16,11 +16,12 @@ synthetic ``randn`` values. Three tables, every ratio a candidate's time over it
   When ``kvops.value_checks`` exists (value checks on by default in eager), the table has a second column measured
   inside ``kvops.value_checks("off")``.
 
-Timing: candidates are interleaved round by round (each round times every candidate once, ``--inner`` calls each),
-so machine noise hits all of them alike; a table cell is the median of the per-round ratios and its spread the
-25th-75th percentile of those ratios. Nothing is asserted; only the ratios are meaningful. Threads default to 1 (the
-benchmark machine is shared; multi-threaded timings there measure the scheduler), and with one thread the clock is
-the thread's CPU time (``time.thread_time``: time this thread was descheduled by other processes is not counted;
+Timing (benchmarks/_harness.py, shared by every benchmark): candidates are interleaved round by round (the order
+rotated every round, each sample a batch of calls lasting >= ~2 ms after a warm-up that compiles), so machine noise
+hits all of them alike; a table cell is the median [p25-p75] of the per-round ratios. Nothing is asserted; only the
+ratios are meaningful; the verdict block at the end says which targets hold. Threads default to 1 (the benchmark
+machine is shared; multi-threaded timings there measure the scheduler), and with one thread the clock is the
+thread's CPU time (``time.thread_time``: time this thread was descheduled by other processes is not counted;
 ``--clock wall`` for ``time.perf_counter``, the default with more threads).
 
     python benchmarks/cache_write.py [--rounds 15] [--threads 1] [--clock thread|wall] [--quick]
@@ -29,29 +30,31 @@ the thread's CPU time (``time.thread_time``: time this thread was descheduled by
 from __future__ import annotations
 
 import argparse
-import contextlib
-import statistics
-import time
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per case")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per case (default 15; --quick: 7)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--clock", choices=("thread", "wall"), default=None,
                         help="thread CPU time (default with --threads 1) or wall time")
     parser.add_argument("--quick", action="store_true", help="N in {16, 512} and 7 rounds")
     parser.add_argument("--tables", default="paged,contiguous,eager", help="comma-separated subset to run")
+    harness.add_json_arg(parser)
     return parser.parse_args(argv)
-
 
 if __name__ == "__main__":
     ARGS = parse_args()  # before torch is imported: --help answers at once
 
-import torch
-from torch._inductor.utils import fresh_inductor_cache
+import torch  # noqa: E402
+from torch._inductor.utils import fresh_inductor_cache  # noqa: E402
 
-import kvops
+import kvops  # noqa: E402
 
 H, D, BLOCK_SIZE = 8, 128, 16
 FP8 = torch.float8_e4m3fn
@@ -129,63 +132,45 @@ def aten_contiguous(key, value, k_cache, v_cache):
 
 
 # --- timing ---------------------------------------------------------------------------------------------------------
-CLOCK = time.perf_counter
-
-
-def interleaved_ratios(candidates, rounds, inner):
-    """``candidates``: {name: (fn, context factory)}; the first is the baseline. Returns {name: [ratio per round]}."""
-    for fn, ctx in candidates.values():  # warm-up (compiles)
-        with ctx():
-            fn()
-            fn()
-    times = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, (fn, ctx) in candidates.items():
-            with ctx():
-                t0 = CLOCK()
-                for _ in range(inner):
-                    fn()
-                times[name].append((CLOCK() - t0) / inner)
-    base = next(iter(times))
-    return {name: [t / b for t, b in zip(ts, times[base])] for name, ts in times.items() if name != base}, times[base]
-
-
-def summary(ratios):
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    return f"{statistics.median(ratios):5.2f}x [{q[0]:.2f}-{q[2]:.2f}]"
-
-
-def inner_for(n):
-    return 200 if n <= 16 else (40 if n <= 512 else 4)
+MEANING = {
+    "compiled": "under torch.compile, kvops' fused {what} takes {value:.2f}x the time of the index_put_ Inductor "
+                "generates itself ({over:.0%} past the target): a model gains nothing from the kvops op in this case "
+                "on this host, and should expect that much more time in its cache writes",
+    "eager": "in eager mode, kvops.paged_cache_write takes {value:.2f}x the time of a plain index_copy_ "
+             "({over:.0%} past the target): eager models pay that much more per cache write on this host",
+}
 
 
 def main(args) -> None:
     torch.set_num_threads(args.threads)
-    global CLOCK
     clock = args.clock or ("thread" if args.threads == 1 else "wall")
-    CLOCK = time.thread_time if clock == "thread" else time.perf_counter
     sizes = (16, 512) if args.quick else (16, 512, 8192)
     rounds = 7 if args.quick else args.rounds
-    value_checks = getattr(kvops, "value_checks", None)
-    print(f"threads={args.threads}, clock={clock}, H_kv={H}, head_dim={D}, block_size={BLOCK_SIZE}, rounds={rounds}; "
-          f"cells: median ratio [25th-75th percentile]; baseline median time in us")
-
+    report = harness.Report("cache_write", args)
+    report.start(threads=args.threads)
+    report.note(f"clock {clock}; H_kv {H}, head_dim {D}, block_size {BLOCK_SIZE}, {rounds} interleaved rounds; cells: "
+                "kvops time / baseline time per round, median [p25-p75]; baseline: the aten baseline's median time "
+                "per call in us")
     tables = set(args.tables.split(","))
     # a fresh Inductor cache: the FX graph cache does not key on kvops' lowerings, so a warm one may serve code
     # generated by an older lowering
     with fresh_inductor_cache():
         if "paged" in tables:
-            compiled_paged(sizes, rounds)
+            compiled_paged(report, sizes, rounds, clock)
         if "contiguous" in tables:
-            compiled_contiguous(sizes, rounds)
+            compiled_contiguous(report, sizes, rounds, clock)
     if "eager" in tables:
-        eager_paged(sizes, rounds, value_checks)
+        eager_paged(report, sizes, rounds, clock)
+    report.finish()
 
 
-def compiled_paged(sizes, rounds):
-    nothing = contextlib.nullcontext
-    print("\n## compiled paged write: kvops.paged_cache_write / Inductor's index_put_ (target <= 1.0x)")
-    print(f"{'dtype':13} {'cache':6} {'N':>5} | {'ratio':22} | {'aten us':>8}")
+COLUMNS = [("dtype", 13), ("cache", 6), ("N", 5, "{:d}")]
+
+
+def compiled_paged(report, sizes, rounds, clock):
+    target = "compiled paged write: kvops <= 1.0x Inductor's index_put_"
+    table = report.table("compiled paged write: kvops.paged_cache_write / Inductor's index_put_ (target <= 1.0x)",
+                         [*COLUMNS, ("kvops/aten", 17), ("aten us", 8, "{:.1f}")])
     for dtype in (torch.bfloat16, FP8):
         for joint in (False, True):
             for n in sizes:
@@ -193,53 +178,51 @@ def compiled_paged(sizes, rounds):
                 torch._dynamo.reset()
                 ours = torch.compile(kvops_paged, fullgraph=True)
                 theirs = torch.compile(aten_paged, fullgraph=True)
-                ratios, base = interleaved_ratios({
-                    "aten": (lambda: theirs(key, value, kc, vc, slots, ks, vs), nothing),
-                    "kvops": (lambda: ours(key, value, kc, vc, slots, ks, vs), nothing),
-                }, rounds, inner_for(n))
-                print(f"{str(dtype)[6:]:13} {'joint' if joint else 'plain':6} {n:5} | {summary(ratios['kvops']):22} | "
-                      f"{statistics.median(base) * 1e6:8.1f}")
+                t = harness.interleave({"aten": lambda: theirs(key, value, kc, vc, slots, ks, vs),
+                                  "kvops": lambda: ours(key, value, kc, vc, slots, ks, vs)}, rounds, clock=clock)
+                cache = "joint" if joint else "plain"
+                table.row(str(dtype)[6:], cache, n, t.ratio("kvops", "aten"), t.time("aten", 1e6).median)
+                report.target(target, f"{str(dtype)[6:]} {cache} N={n}", t.ratio("kvops", "aten"), 1.0,
+                              meaning=MEANING["compiled"].replace("{what}", "paged_cache_write"))
 
 
-
-def compiled_contiguous(sizes, rounds):
-    nothing = contextlib.nullcontext
-    print("\n## compiled contiguous write: kvops.cache_write / k_cache[:, s:s+T] = key (target <= 1.0x)")
-    print(f"{'dtype':13} {'cache':6} {'N':>5} | {'ratio':22} | {'aten us':>8}")
+def compiled_contiguous(report, sizes, rounds, clock):
+    target = "compiled contiguous write: kvops <= 1.0x Inductor's slice copy"
+    table = report.table("compiled contiguous write: kvops.cache_write / k_cache[:, s:s+T] = key (target <= 1.0x)",
+                         [*COLUMNS, ("kvops/aten", 17), ("aten us", 8, "{:.1f}")])
     for joint in (False, True):
         for n in sizes:
             key, value, kc, vc = contiguous_case(n, torch.bfloat16, joint)
             torch._dynamo.reset()
             ours = torch.compile(kvops_contiguous, fullgraph=True)
             theirs = torch.compile(aten_contiguous, fullgraph=True)
-            ratios, base = interleaved_ratios({
-                "aten": (lambda: theirs(key, value, kc, vc), nothing),
-                "kvops": (lambda: ours(key, value, kc, vc), nothing),
-            }, rounds, inner_for(n))
-            print(f"{'bfloat16':13} {'joint' if joint else 'plain':6} {n:5} | {summary(ratios['kvops']):22} | "
-                  f"{statistics.median(base) * 1e6:8.1f}")
+            t = harness.interleave({"aten": lambda: theirs(key, value, kc, vc),
+                              "kvops": lambda: ours(key, value, kc, vc)}, rounds, clock=clock)
+            cache = "joint" if joint else "plain"
+            table.row("bfloat16", cache, n, t.ratio("kvops", "aten"), t.time("aten", 1e6).median)
+            report.target(target, f"bfloat16 {cache} N={n}", t.ratio("kvops", "aten"), 1.0,
+                          meaning=MEANING["compiled"].replace("{what}", "cache_write"))
 
 
-
-def eager_paged(sizes, rounds, value_checks):
-    nothing = contextlib.nullcontext
-    off = (lambda: value_checks("off")) if value_checks is not None else None
-    print("\n## eager paged write: kvops.paged_cache_write / index_copy_ (target <= 1.2x)")
-    print(f"{'dtype':13} {'cache':6} {'N':>5} | {'checks default':22} | {'checks off':22} | {'index_copy_ us':>8}")
+def eager_paged(report, sizes, rounds, clock):
+    target = "eager paged write: kvops (value checks off) <= 1.2x index_copy_"
+    table = report.table("eager paged write: kvops.paged_cache_write / index_copy_ (target <= 1.2x, value checks off)",
+                         [*COLUMNS, ("checks default", 17), ("checks off", 17), ("index_copy_ us", 14, "{:.1f}")])
+    off = lambda: kvops.value_checks("off")  # noqa: E731
     for dtype in (torch.bfloat16, FP8):
         for joint in (False, True):
             for n in sizes:
                 key, value, kc, vc, slots, (ks, vs) = paged_case(n, dtype, joint)
-                candidates = {
-                    "aten": (lambda: eager_index_copy(key, value, kc, vc, slots, ks, vs), nothing),
-                    "kvops": (lambda: eager_kvops(key, value, kc, vc, slots, ks, vs), nothing),
-                }
-                if off is not None:
-                    candidates["off"] = (lambda: eager_kvops(key, value, kc, vc, slots, ks, vs), off)
-                ratios, base = interleaved_ratios(candidates, rounds, inner_for(n))
-                off_cell = summary(ratios["off"]) if off is not None else "(no kvops.value_checks)"
-                print(f"{str(dtype)[6:]:13} {'joint' if joint else 'plain':6} {n:5} | {summary(ratios['kvops']):22} | "
-                      f"{off_cell:22} | {statistics.median(base) * 1e6:8.1f}")
+                t = harness.interleave({
+                    "aten": lambda: eager_index_copy(key, value, kc, vc, slots, ks, vs),
+                    "kvops": lambda: eager_kvops(key, value, kc, vc, slots, ks, vs),
+                    "off": (lambda: eager_kvops(key, value, kc, vc, slots, ks, vs), off),
+                }, rounds, clock=clock)
+                cache = "joint" if joint else "plain"
+                table.row(str(dtype)[6:], cache, n, t.ratio("kvops", "aten"), t.ratio("off", "aten"),
+                          t.time("aten", 1e6).median)
+                report.target(target, f"{str(dtype)[6:]} {cache} N={n}", t.ratio("off", "aten"), 1.2,
+                              meaning=MEANING["eager"])
 
 
 if __name__ == "__main__":

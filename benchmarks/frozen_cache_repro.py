@@ -14,6 +14,9 @@ each process the wall time of the first call and the cache counters torch report
 AOTInductor: ``torch.export`` + ``aoti_compile_and_package`` with the same Inductor settings once, then
 ``aoti_load_package`` in a fresh process (the package holds the frozen, prepacked weights).
 
+Output (benchmarks/_harness.py, as every benchmark): a host line, one table (one row per process), a verdict block
+(no targets: what the run found) and ``--json`` for tools. One process per row: a single measurement, no spread.
+
     python benchmarks/frozen_cache_repro.py          # about 2 minutes on 2 cores
 """
 
@@ -22,9 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 SETTINGS = {
     "defaults": {},
@@ -67,31 +74,47 @@ def child(mode: str, cfg: dict, cache_dir: str, package: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def counters(caches: dict) -> str:
+    """``{"inductor.fxgraph_cache_miss": 1, ...}`` as ``fxgraph miss 1, ...`` (what the table has room for)."""
+    return ", ".join(f"{k.replace('_cache', '').replace('_', ' ')} {n}" for k, n in caches.items()) or "-"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Show, without kvops, that torch caches no frozen graph on disk "
                                                  "(two fresh processes per setting), and time the AOTInductor "
                                                  "workaround.")
     parser.add_argument("--skip-aoti", action="store_true", help="skip the AOTInductor package rows")
+    harness.add_json_arg(parser)
     args = parser.parse_args(argv)
-    print("| setting | process | first call (s) | since interpreter start (s) | cache counters |")
-    print("|---|---|---|---|---|")
+    report = harness.Report("frozen_cache_repro", args, argv)
+    report.start(threads=1)
+    table = report.table("first call of a compiled two-layer MLP per fresh process, sharing one TORCHINDUCTOR_CACHE_DIR",
+                         [("setting", 22), ("process", 14), ("first call s", 12, "{:.2f}"), ("since start s", 13,
+                                                                                             "{:.2f}"),
+                          ("cache counters", 30, None, "<")])
+    first = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in SETTINGS.items():
             cache_dir = tempfile.mkdtemp(dir=tmp)
             for proc in ("first (cold)", "second (warm)"):
                 r = child("compile", cfg, cache_dir, "")
-                print(f"| {name} | {proc} | {r['first_s']:.2f} | {r['since_start_s']:.2f} | {r['caches']} |",
-                      flush=True)
-        if args.skip_aoti:
-            return
-        cfg = SETTINGS["freezing + CPP GEMM"]
-        package = os.path.join(tmp, "mlp.pt2")
-        r = child("aoti-build", cfg, tempfile.mkdtemp(dir=tmp), package)
-        print(f"| AOTInductor, freezing + CPP GEMM | build the package | {r['first_s']:.2f} | "
-              f"{r['since_start_s']:.2f} | - |", flush=True)
-        r = child("aoti-load", cfg, tempfile.mkdtemp(dir=tmp), package)
-        print(f"| AOTInductor, freezing + CPP GEMM | fresh process: load + first call | {r['first_s']:.2f} | "
-              f"{r['since_start_s']:.2f} | - |", flush=True)
+                first[name, proc] = r["first_s"]
+                table.row(name, proc, r["first_s"], r["since_start_s"], counters(r["caches"]), caches=r["caches"])
+        for name in SETTINGS:
+            cold, warm = first[name, "first (cold)"], first[name, "second (warm)"]
+            report.finding(f"{name}: the second process's first call takes {warm / cold:.2f}x the first's "
+                           f"({warm:.2f} s vs {cold:.2f} s)")
+        if not args.skip_aoti:
+            cfg = SETTINGS["freezing + CPP GEMM"]
+            package = os.path.join(tmp, "mlp.pt2")
+            r = child("aoti-build", cfg, tempfile.mkdtemp(dir=tmp), package)
+            table.row("AOTI, freezing + CPP", "build package", r["first_s"], r["since_start_s"], "-")
+            r = child("aoti-load", cfg, tempfile.mkdtemp(dir=tmp), package)
+            table.row("AOTI, freezing + CPP", "load + 1st call", r["first_s"], r["since_start_s"], "-")
+            report.finding(f"an AOTInductor package loads and runs its first call in a fresh process in "
+                           f"{r['first_s']:.2f} s, against {first['freezing + CPP GEMM', 'second (warm)']:.2f} s for "
+                           "the warm torch.compile process")
+    report.finish()
 
 
 if __name__ == "__main__":

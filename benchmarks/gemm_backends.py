@@ -15,9 +15,10 @@ a pass) four ways, interleaved (thread CPU time per call at 1 thread, wall time 
 * ``freezing+CPP``: freezing with ``max_autotune`` and the ``CPP`` GEMM backend only, the examples' setting
   (Inductor's C++ GEMM template over prepacked weights).
 
-It prints per shape: median time [min-max] over ``--repeats`` rounds, GFLOP/s, and each variant's speedup over eager;
-then, per example, the step-level estimate and ceiling for each variant (the GEMM share is given by ``--gemm-share``,
-measured with torch.profiler on an eager step). The outcome depends on the CPU (how fast eager's sgemm is there): on an
+It prints per shape and variant (benchmarks/_harness.py, as every benchmark: interleaved rounds in rotated order,
+median [p25-p75] over the rounds): time per call, GFLOP/s, and the speedup over eager (per-round eager time / variant
+time); then, per example, the step-level estimate and ceiling for each variant (the GEMM share is given by
+``--gemm-share``, measured with torch.profiler on an eager step), and a verdict block (no targets: what it found). The outcome depends on the CPU (how fast eager's sgemm is there): on an
 AVX2 host (AMD EPYC, Zen 3) a frozen CPP-GEMM LLM step took 70 ms against 110 ms eager; on an AVX-512 host (AMD EPYC
 with AVX-512) every compiled variant's GEMMs were 0.88-1.0x eager's, a ceiling of about 1.03x (LLM) and 1.06x
 (streaming) at 1 thread, so compiling cannot make these steps much faster there (docs/compile.md).
@@ -30,8 +31,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 # (example, name, tokens M, in K, out N) of one layer; the LLM's lm_head runs on the 7 last tokens of a step
 SHAPES = [
@@ -52,40 +56,39 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median and spread printed)")
-    p.add_argument("--calls", type=int, default=20, help="calls per variant per round (median taken)")
+    p.add_argument("--calls", type=int, default=20, help="calls per variant per round (a sample times them together)")
     p.add_argument("--gemm-share", type=float, nargs=2, default=[0.93, 0.89], metavar=("LLM", "STREAM"),
                    help="GEMM share of an eager step of each example (torch.profiler; default: measured on a 2-core "
                         "AVX-512 host, 1 thread)")
+    p.add_argument("--quick", action="store_true", help="the LLM's qkv and o shapes only, 3 rounds of 5 calls")
+    harness.add_json_arg(p)
     return p
-
-
-def call_time(fn, x, calls: int, clock) -> float:
-    """Median seconds of one call on ``clock``."""
-    times = []
-    for _ in range(calls):
-        t0 = clock()
-        fn(x)
-        times.append(clock() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.threads < 1 or args.repeats < 1 or args.calls < 1:
         raise SystemExit("--threads, --repeats and --calls must be >= 1")
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    if args.quick:
+        args.repeats, args.calls = min(args.repeats, 3), min(args.calls, 5)
     import torch  # after parsing: --help answers without importing torch
     import torch._inductor.config
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     # one thread: this thread's CPU time (what other load on the machine inflates least); more: wall time (the
     # calling thread's CPU time does not count the other threads' work)
-    clock, clock_name = (time.thread_time, "thread CPU time") if args.threads == 1 else (time.perf_counter, "wall time")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; {clock_name} per call, median [min-max] of {args.repeats} "
-          f"interleaved rounds", flush=True)
+    clock = harness.pick_clock(args.threads)[0]
+    report = harness.Report("gemm_backends", args, argv)
+    report.start(threads=args.threads)
+    report.note(f"{clock} clock per call ({args.calls} calls a sample), median [p25-p75] of {args.repeats} "
+                "interleaved rounds; speedup: eager time / variant time per round")
+    table = report.table("the examples' GEMMs alone: eager F.linear vs the compiled variants",
+                         [("example", 15), ("GEMM", 15), ("M x K x N", 16), ("variant", 12), ("us per call", 17, "{:.0f}"),
+                          ("GF/s", 5, "{:.0f}"), ("speedup", 17)])
     speedups = {}
     with torch.no_grad():
-        for example, name, m, k, n in SHAPES:
+        for example, name, m, k, n in shapes:
             linear = torch.nn.Linear(k, n, bias="bias" in name).eval()
             x = torch.randn(m, k)
             fns = {"eager": linear}
@@ -97,32 +100,33 @@ def main(argv=None) -> None:
                 with torch._inductor.config.patch(settings):
                     torch.testing.assert_close(compiled(x), linear(x), atol=1e-3, rtol=1e-4)  # compiles here
                 fns[label] = compiled
-            rounds = {label: [] for label in fns}
-            for r in range(args.repeats):
-                order = list(fns.items())
-                for label, fn in order if r % 2 == 0 else order[::-1]:
-                    rounds[label].append(call_time(fn, x, args.calls, clock))
-            eager = statistics.median(rounds["eager"])
-            cells = []
-            for label, ts in rounds.items():
-                med = statistics.median(ts)
+            t = harness.interleave({label: (lambda fn=fn: fn(x)) for label, fn in fns.items()}, args.repeats,
+                                   clock=clock, reps=args.calls, warmup=0)
+            eager = t.time("eager").median
+            for label in fns:
+                med = t.time(label).median
                 speedups.setdefault(example, {}).setdefault(label, []).append((eager / med, 2 * m * k * n))
-                cells.append(f"{label} {1e6 * med:.0f} [{1e6 * min(ts):.0f}-{1e6 * max(ts):.0f}] us "
-                             f"{2 * m * k * n / med / 1e9:.0f} GF/s ({eager / med:.2f}x)")
-            print(f"{example:15} {name:15} M{m} K{k} N{n}: " + "; ".join(cells), flush=True)
-    print("\nstep level, g = the variant's FLOP-weighted GEMM speedup over eager, s = the GEMM share of an eager step"
-          f"{' (measured at 1 thread)' if args.threads > 1 else ''}: Amdahl 1 / ((1 - s) + s / g) with the rest as in "
-          "eager; ceiling g / s with the rest free")
+                table.row(example, name, f"{m} x {k} x {n}", label, t.time(label, 1e6), 2 * m * k * n / med / 1e9,
+                          t.ratio("eager", label))
+    report.print("\ng = the variant's FLOP-weighted GEMM speedup over eager (of the medians), s = the "
+                 f"GEMM share of an eager step{' (measured at 1 thread)' if args.threads > 1 else ''}: Amdahl "
+                 "1 / ((1 - s) + s / g) with the rest as in eager; ceiling g / s with the rest free")
+    steps = report.table("step level: estimate (Amdahl) and ceiling per variant", [("example", 15), ("GEMM share", 10, "{:.0%}"), ("variant", 12),
+                                         ("GEMMs g", 7, "{:.2f}"), ("step (Amdahl)", 13, "{:.2f}"),
+                                         ("ceiling", 7, "{:.2f}")])
     for (example, per_variant), share in zip(speedups.items(), args.gemm_share):
-        parts = []
         for label, items in per_variant.items():
             if label == "eager":
                 continue
             flops = sum(f for _, f in items)
             g = flops / sum(f / s for s, f in items)  # total eager time / total variant time
             amdahl = 1 / ((1 - share) + share / g)
-            parts.append(f"{label}: GEMMs {g:.2f}x -> step {amdahl:.2f}x, ceiling {g / share:.2f}x")
-        print(f"{example:15} (GEMM share {share:.0%}): " + "; ".join(parts))
+            steps.row(example, share, label, g, amdahl, g / share)
+            if label == "freezing+CPP":
+                report.finding(f"{example}: with the examples' setting (freezing + CPP GEMM) the GEMMs run "
+                               f"{g:.2f}x as fast as eager's on this host: a compiled step is estimated at "
+                               f"{amdahl:.2f}x eager's speed (ceiling {g / share:.2f}x)")
+    report.finish()
 
 
 if __name__ == "__main__":

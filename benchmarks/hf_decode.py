@@ -1,8 +1,9 @@
 """transformers decode step with kvops vs transformers' own path (StaticCache + sdpa), eager and compiled.
 
 A tiny random Llama or Qwen2 (built from a config, no download). Per context length C (a batch of 1 holding C
-tokens), one decode step is timed for four candidates, interleaved round by round (medians and spread of thread CPU
-time, ``time.thread_time``, so other processes on a shared machine do not count):
+tokens), one decode step is timed for four candidates, interleaved round by round (benchmarks/_harness.py, as every
+benchmark: rotated order, samples of >= ~2 ms, median [p25-p75] over the rounds; thread CPU time,
+``time.thread_time``, at 1 thread, so other processes on a shared machine do not count; wall time at more):
 
 - ``eager_kvops``:   ``attn_implementation="kvops"`` + ``KvopsStaticCache``, eager
 - ``eager_sdpa``:    ``attn_implementation="sdpa"`` + transformers' ``StaticCache``, eager
@@ -10,7 +11,8 @@ time, ``time.thread_time``, so other processes on a shared machine do not count)
 - ``compiled_sdpa``: sdpa + ``StaticCache`` compiled the same way
 
 Each step decodes at position C (the cursor is reset to C before every call, so the cache never fills).
-Ratios are kvops / baseline measured in the same run. ``measure(...)`` returns the rows for benchmarks/e2e.py.
+Ratios are kvops / sdpa of the same mode per round (measured in the same run). ``measure(...)`` returns the rows;
+benchmarks/e2e.py runs this script with ``--json``. No targets: the verdict block says what the run found.
 
     python benchmarks/hf_decode.py                      # contexts 128 and 1024, 1 and 2 threads
     python benchmarks/hf_decode.py --contexts 128 --threads 1 --no-compile
@@ -20,6 +22,11 @@ Ratios are kvops / baseline measured in the same run. ``measure(...)`` returns t
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 
 def parse_args(argv=None):
@@ -29,21 +36,23 @@ def parse_args(argv=None):
                              "attention: 9/3 heads x 64, hidden 576, MLP 1536; --layers of its 30)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024], help="tokens held when decoding")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra-op thread counts to run")
-    parser.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds per candidate")
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds per candidate (>= 2)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model and cache dtype")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny model")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidates")
     parser.add_argument("--processes", type=int, default=1,
                         help="repeat the measurement in N fresh processes; each row then reports the median over the "
-                             "processes and the spread of the ratio (one process's ratio depends on its memory "
-                             "layout: 0.93-1.06 at context 1024 in 8 processes of one machine)")
+                             "processes of each process's median, and the ratio's spread over the processes (one "
+                             "process's ratio depends on its memory layout: 0.93-1.06 at context 1024 in 8 processes "
+                             "of one machine)")
     parser.add_argument("--quick", action="store_true", help="context 128, 1 thread, 10 rounds, 1 process")
     parser.add_argument("--rows-json", action="store_true", help=argparse.SUPPRESS)  # a child of --processes
+    harness.add_json_arg(parser)
     args = parser.parse_args(argv)
     if args.processes < 1:
         parser.error(f"--processes {args.processes}: needs at least 1 process")
     if args.rounds < 2:
-        parser.error(f"--rounds {args.rounds}: needs at least 2 rounds (the p10-p90 spread)")
+        parser.error(f"--rounds {args.rounds}: needs at least 2 rounds (the p25-p75 spread)")
     if min(args.contexts) < 1:
         parser.error(f"--contexts {' '.join(map(str, args.contexts))}: a decode step needs at least 1 cached token")
     if min(args.threads) < 1:
@@ -109,11 +118,8 @@ def _candidates(model, context: int, compile_: bool):
 
 def measure(family: str = "llama", contexts=(128, 1024), threads=(1, 2), rounds: int = 30, dtype: str = "float32",
             layers: int = 4, compile_: bool = True) -> list[dict]:
-    """Rows ``{"family", "dtype", "threads", "context", "candidate", "median_ms", "p10_ms", "p90_ms",
-    "ratio_vs_sdpa"}`` (thread CPU ms per decode step; ratio: kvops / sdpa of the same mode, else 1.0)."""
-    import statistics
-    import time
-
+    """Rows ``{"family", "dtype", "threads", "context", "candidate", "ms": {"median", "p25", "p75", "rounds"},
+    "ratio_vs_sdpa": {...} or None}`` (CPU ms per decode step; ratio: kvops / sdpa of the same mode, per round)."""
     import torch
 
     rows = []
@@ -123,32 +129,21 @@ def measure(family: str = "llama", contexts=(128, 1024), threads=(1, 2), rounds:
         for context in contexts:
             model = _model(family, layers, context, torch_dtype)
             cands = _candidates(model, context, compile_)
-            times = {name: [] for name in cands}
             with torch.no_grad():
-                for fn in cands.values():  # warm-up (compiles)
-                    fn(), fn()
-                for _ in range(rounds):
-                    for name, fn in cands.items():
-                        t0 = time.thread_time()
-                        fn()
-                        times[name].append((time.thread_time() - t0) * 1e3)
-            med = {name: statistics.median(t) for name, t in times.items()}
-            for name, t in times.items():
-                q = statistics.quantiles(t, n=10)
+                t = harness.interleave(cands, rounds, clock=harness.pick_clock(n_threads)[0], warmup=2)
+            for name in cands:
                 base = name.replace("kvops", "sdpa")
                 rows.append(dict(family=family, dtype=dtype, threads=n_threads, context=context, candidate=name,
-                                 median_ms=med[name], p10_ms=q[0], p90_ms=q[-1],
-                                 ratio_vs_sdpa=med[name] / med[base] if base != name else 1.0))
+                                 ms=t.time(name, 1e3).json(),
+                                 ratio_vs_sdpa=t.ratio(name, base).json() if base != name else None))
     return rows
 
 
 def over_processes(argv: list[str], n: int) -> list[dict]:
-    """The rows of ``n`` fresh processes running ``argv``, combined: medians over the processes of each row's median,
-    p10, p90 and ratio, with the ratios' ``[min, max]`` as ``ratio_min``/``ratio_max``."""
+    """The rows of ``n`` fresh processes running ``argv``, combined: per row, the median over the processes of each
+    process's median time, and the spread (median [p25-p75]) of the processes' median ratios."""
     import json
-    import statistics
     import subprocess
-    import sys
 
     runs = []
     for _ in range(n):
@@ -160,35 +155,57 @@ def over_processes(argv: list[str], n: int) -> list[dict]:
     rows = []
     for same in zip(*runs):
         row = dict(same[0])
-        for key in ("median_ms", "p10_ms", "p90_ms", "ratio_vs_sdpa"):
-            row[key] = statistics.median(r[key] for r in same)
-        row["ratio_min"], row["ratio_max"] = (f(r["ratio_vs_sdpa"] for r in same) for f in (min, max))
+        row["ms"] = harness.Spread.of(r["ms"]["median"] for r in same).json()
+        if row["ratio_vs_sdpa"] is not None:
+            row["ratio_vs_sdpa"] = harness.Spread.of(r["ratio_vs_sdpa"]["median"] for r in same).json()
         rows.append(row)
     return rows
 
 
 def main(argv=None):
     import json
-    import sys
 
     args = parse_args(argv)
+    if args.rows_json:
+        print(json.dumps(measure(args.family, args.contexts, args.threads, args.rounds, args.dtype, args.layers,
+                                 not args.no_compile)))
+        return
+    report = harness.Report("hf_decode", args, argv)
+    report.start(threads=args.threads)
     if args.processes > 1:
-        rows = over_processes(list(sys.argv[1:] if argv is None else argv), args.processes)
+        rows = over_processes(_without_json(sys.argv[1:] if argv is None else argv), args.processes)
     else:
         rows = measure(args.family, args.contexts, args.threads, args.rounds, args.dtype, args.layers,
                        not args.no_compile)
-    if args.rows_json:
-        print(json.dumps(rows))
-        return
-    across = f" (median of {args.processes} processes; ratio spread over them)" if args.processes > 1 else ""
-    print(f"{args.family} {args.dtype}, {args.layers} layers, thread CPU time per decode step{across}")
-    print(f"{'threads':>7} {'context':>7} {'candidate':>15} {'median ms':>10} {'p10-p90 ms':>14} {'kvops/sdpa':>10}")
+    across = (f"; per row: median over {args.processes} processes, the ratio's spread over the processes"
+              if args.processes > 1 else "")
+    report.note(f"{args.family} {args.dtype}, {args.layers} layers, CPU time per decode step, median [p25-p75] of "
+                f"{args.rounds} interleaved rounds{across}; kvops/sdpa: per-round ratio to sdpa of the same mode")
+    table = report.table("transformers decode step: kvops vs sdpa + StaticCache",
+                         [("threads", 7, "{:d}"), ("context", 7, "{:d}"), ("candidate", 15), ("ms", 26, "{:.3f}"),
+                          ("kvops/sdpa", 17)])
+    spread = lambda d: d and harness.Spread(d["median"], d["p25"], d["p75"], d["rounds"])  # noqa: E731
     for r in rows:
-        ratio = f"{r['ratio_vs_sdpa']:.3f}" if "kvops" in r["candidate"] else ""
-        if ratio and "ratio_min" in r:
-            ratio += f" [{r['ratio_min']:.3f}-{r['ratio_max']:.3f}]"
-        print(f"{r['threads']:>7} {r['context']:>7} {r['candidate']:>15} {r['median_ms']:>10.3f} "
-              f"{r['p10_ms']:>6.3f}-{r['p90_ms']:<7.3f} {ratio:>10}")
+        ratio = spread(r["ratio_vs_sdpa"])
+        table.row(r["threads"], r["context"], r["candidate"], spread(r["ms"]), ratio,
+                  family=r["family"], dtype=r["dtype"])
+        if ratio is not None:
+            report.finding(f"{r['candidate']} at context {r['context']}, {r['threads']} thread(s): {ratio}x "
+                           "the time of sdpa + StaticCache")
+    report.finish()
+
+
+def _without_json(argv: list[str]) -> list[str]:
+    """``argv`` without ``--json [PATH]`` (the measuring children print their rows instead)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--json":
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        elif not a.startswith("--json="):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":

@@ -9,33 +9,38 @@ on the same tensors.
 
 Workload (synthetic: K/V, q ~ N(0, 1), a randomly permuted block table): decode (``q_len = 1``), Llama-3.1-8B
 attention geometry (32 query / 8 KV heads x 128), block_size 16, float32 caches, B in {1, 8, 32} x context in
-{256, 1024, 4096}. Candidates run interleaved (rounds of one sample each, alternating which goes first; a sample
-times back-to-back calls for ~2 ms of the thread's CPU time, ``time.thread_time``, one torch thread). Printed per
-case: median µs per call of kernel and check, and the median and [p25, p75] of the per-round ratio check / kernel.
-Only ratios mean anything; nothing is asserted.
+{256, 1024, 4096}. Candidates run interleaved (benchmarks/_harness.py, as every benchmark: rounds of one sample
+each, order rotated every round; a sample times back-to-back calls for ~2 ms of the thread's CPU time,
+``time.thread_time``, one torch thread). Printed per case: median us per call of kernel and check, and the median
+[p25-p75] of the per-round ratio check / kernel; the verdict block gives the largest ratio. Only ratios mean
+anything; nothing is asserted.
 
-    python benchmarks/native_index_check.py [--rounds 40]
+    python benchmarks/native_index_check.py [--rounds 40] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds per case")
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds per case (--quick: at most 5)")
+    parser.add_argument("--quick", action="store_true", help="B in {1, 8} x context in {256, 1024}, at most 5 rounds")
+    harness.add_json_arg(parser)
     return parser.parse_args(argv)
-
 
 if __name__ == "__main__":
     ARGS = parse_args()  # before torch is imported: --help answers at once
 
-import torch
+import torch  # noqa: E402
 
-import kvops.native as native
+import kvops.native as native  # noqa: E402
 
 H_Q, H_KV, D, BLOCK_SIZE = 32, 8, 128, 16
 
@@ -57,35 +62,28 @@ def case(batch: int, context: int):
     return kernel, check
 
 
-def sample(fn, reps: int) -> float:
-    t0 = time.thread_time()
-    for _ in range(reps):
-        fn()
-    return (time.thread_time() - t0) / reps
-
-
-def reps_for(fn) -> int:
-    t = sample(fn, 3)
-    return max(3, int(2e-3 / max(t, 1e-7)))
-
-
 def main(args) -> None:
     torch.set_num_threads(1)
     assert native.available(), "the native kernel could not be built"
-    print(f"{'B':>3} {'context':>7} {'kernel us':>10} {'check us':>9} {'check/kernel':>13} {'[p25, p75]':>18}")
-    for batch in (1, 8, 32):
-        for context in (256, 1024, 4096):
+    batches, contexts = ((1, 8), (256, 1024)) if args.quick else ((1, 8, 32), (256, 1024, 4096))
+    rounds = min(args.rounds, 5) if args.quick else args.rounds
+    report = harness.Report("native_index_check", args)
+    report.start(threads=1)
+    table = report.table(f"the native kernel's index check alone / one kernel call ({rounds} interleaved rounds, "
+                         "thread CPU time)", [("B", 3, "{:d}"), ("context", 7, "{:d}"), ("kernel us", 9, "{:.1f}"),
+                                              ("check us", 8, "{:.2f}"), ("check/kernel", 22, "{:.3%}")])
+    worst = None
+    for batch in batches:
+        for context in contexts:
             kernel, check = case(batch, context)
-            rk, rc = reps_for(kernel), reps_for(check)
-            tk, tc, ratios = [], [], []
-            for r in range(args.rounds):
-                pair = [(kernel, rk, tk), (check, rc, tc)]
-                for fn, reps, out in (pair if r % 2 else pair[::-1]):
-                    out.append(sample(fn, reps))
-                ratios.append(tc[-1] / tk[-1])
-            q = statistics.quantiles(ratios, n=4)
-            print(f"{batch:>3} {context:>7} {statistics.median(tk) * 1e6:>10.1f} {statistics.median(tc) * 1e6:>9.2f} "
-                  f"{statistics.median(ratios):>12.3%} [{q[0]:.3%}, {q[2]:.3%}]")
+            t = harness.interleave({"kernel": kernel, "check": check}, rounds, clock="thread")
+            r = t.ratio("check", "kernel")
+            table.row(batch, context, t.time("kernel", 1e6).median, t.time("check", 1e6).median, r)
+            if worst is None or r.median > worst[0].median:
+                worst = (r, batch, context)
+    report.finding(f"the index check costs at most {worst[0].format('{:.2%}').rstrip()} of a kernel call "
+                   f"(B={worst[1]}, context {worst[2]})")
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -16,10 +16,15 @@ Tables:
    frames) and LingBot-world (40 x 128, 45 frames) geometry, keep_recent_chunks 0 and 1, per layer and x layers;
 3. relative MSE and cosine of reconstructed K and V, and the attention output's error vs dense attention, for one
    window of 4 chunks with 3 packed (scaled: --tokens-per-frame, default 520, i.e. 1/3 of 480x832, 4 heads x 128);
-4. time per chunk update (append + 2 rewrites: the denoising steps) and per attention call, packed / dense
-   CausalKVCache, interleaved in one run: median and [min, max] of --reps runs; attention's peak transient bytes
-   (live tensors allocated during the call, tracked exactly with a dispatch mode). Scaled for a 2-core CPU:
-   Wan head geometry (12 x 128), --time-tokens-per-frame tokens per frame (default 130), window of 7 chunks.
+4. time per chunk update (append + 2 rewrites: the denoising steps) and per attention call (5), packed / dense
+   CausalKVCache, interleaved in one run (benchmarks/_harness.py, as every benchmark: --reps rounds in rotated order,
+   median [p25-p75] over the rounds; ratios per round); attention's peak transient bytes (live tensors allocated
+   during the call, from the profiler's allocator events). Scaled for a 2-core CPU: Wan head geometry (12 x 128),
+   --time-tokens-per-frame tokens per frame (default 130), window of 7 chunks.
+
+The byte targets of table 1 (int8/fp8 <= 0.53x bf16, int4 <= 0.30x, int2 <= 0.18x at D = 128; int2 with 2 stages is
+over by design, see the note under the table) are checked in the verdict block at the end; ``--json`` writes every
+table for tools.
 
     python benchmarks/packed_cache.py [--quick] [--threads N]
 """
@@ -28,30 +33,35 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("--quick", action="store_true", help="smaller accuracy/time cases, 3 runs")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller accuracy/time cases (130 and 40 tokens per frame), 3 rounds")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared CPU, OpenMP threads mostly wait on each other)")
     parser.add_argument("--tokens-per-frame", type=int, default=520, help="accuracy table (full scale: 1560)")
     parser.add_argument("--time-tokens-per-frame", type=int, default=130, help="time table")
-    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per case")
+    parser.add_argument("--reps", type=int, default=7, help="interleaved timing rounds per case (--quick: 3)")
+    harness.add_json_arg(parser)
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     ARGS = parse_args()  # before torch is imported: --help answers at once
 
-import torch
-import torch.nn.functional as F
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from kvops.cache import CausalKVCache, PackedCausalKVCache
-from kvops.packed import PackedKV, default_group_size, dequantize_kv, materialize, packed_attention, packed_layout
-from kvops.packed import quantize_kv, reference
+from kvops.cache import CausalKVCache, PackedCausalKVCache  # noqa: E402
+from kvops.packed import PackedKV, default_group_size, dequantize_kv, materialize, packed_attention  # noqa: E402
+from kvops.packed import packed_layout, quantize_kv, reference  # noqa: E402
 
 FRAME_TOKENS, CHUNK_FRAMES = 1560, 3  # 480x832 latents, 2x2 patches; Quant VideoGen's / LingBot's chunk
 FORMATS = [  # label, quant, format kwargs
@@ -106,41 +116,46 @@ def bytes_formula(quant, dim, chunk, group_size=None, stages=1, num_clusters=16)
             f"/{chunk} centroids")
 
 
-def table_bytes():
+BYTE_TARGETS = {"int8": 0.53, "fp8": 0.53, "int4": 0.30, "int2": 0.18}  # x bf16 per (token, head), at D = 128
+
+
+def table_bytes(report):
     chunk = CHUNK_FRAMES * FRAME_TOKENS
-    print(f"\n1. Bytes per quantized (token, head) of K or V vs bf16, chunk {CHUNK_FRAMES} x {FRAME_TOKENS} = {chunk}"
-          " tokens (targets: int8/fp8 <= 0.53, int4 <= 0.30, int2 <= 0.18); scales fp16 (fp8: fp32 per head), int4/int2"
-          " zero points int8 in eighths of a step")
-    print(f"{'format':<20}" + "".join(f"{'D=' + str(d) + ' bytes':>14}{'x bf16':>8}" for d in (64, 128))
-          + "   arithmetic at D=128")
+    table = report.table(
+        f"1. Bytes per quantized (token, head) of K or V vs bf16, chunk {CHUNK_FRAMES} x {FRAME_TOKENS} = {chunk} tokens"
+        " (targets: int8/fp8 <= 0.53, int4 <= 0.30, int2 <= 0.18); scales fp16 (fp8: fp32 per head), int4/int2 zero"
+        " points int8 in eighths of a step",
+        [("format", 17), ("D=64 bytes", 10, "{:.2f}"), ("x bf16", 6, "{:.3f}"), ("D=128 bytes", 11, "{:.2f}"),
+         ("x bf16", 6, "{:.3f}"), ("arithmetic at D=128", 30, None, "<")])
     for label, quant, fmt in FORMATS:
-        row = f"{label:<20}"
-        for d in (64, 128):
-            b = token_bytes(quant, d, chunk, **fmt)
-            row += f"{b:>14.2f}{b / (2 * d):>8.3f}"
-        print(row + "   " + bytes_formula(quant, 128, chunk, **fmt))
-    print("   int2: each stage costs D/4 + 3 D/group bytes (0.148x bf16 at D=128, group 64), so 2 stages (4 bits per "
-          "value) cannot be <= 0.25x; the default (1 stage, group 64, 16 centroids) meets <= 0.18x.")
+        b64, b128 = token_bytes(quant, 64, chunk, **fmt), token_bytes(quant, 128, chunk, **fmt)
+        table.row(label, b64, b64 / 128, b128, b128 / 256, bytes_formula(quant, 128, chunk, **fmt))
+        if label != "int2 PRQ 2 stages":  # over by design (the note below)
+            report.target("bytes per (token, head) at D=128 <= the format's target x bf16", label, b128 / 256,
+                          BYTE_TARGETS[quant], "<=", "the {value:.3f}x format stores more than its {bound}x bf16 "
+                          "budget: a cache of that format holds fewer tokens in the same memory than promised")
+    table.sub("int2: each stage costs D/4 + 3 D/group bytes (0.148x bf16 at D=128, group 64), so 2 stages (4 bits "
+              "per value) cannot be <= 0.25x; the default (1 stage, group 64, 16 centroids) meets <= 0.18x.")
 
 
-def table_resident():
+def table_resident(report):
     chunk = CHUNK_FRAMES * FRAME_TOKENS
-    print("\n2. Resident K+V bytes of one layer's cache over the full window vs dense bf16 (meta tensors: exact sizes "
-          "at full scale)")
-    print(f"{'model':<14}{'window':>8}{'format':>20}{'keep':>6}{'GiB/layer':>11}{'x dense':>9}{'GiB x layers':>14}")
+    table = report.table("2. Resident K+V bytes of one layer's cache over the full window vs dense bf16 (meta tensors: "
+                         "exact sizes at full scale)",
+                         [("model", 14), ("window", 6), ("format", 17), ("keep", 4, "{:d}"), ("GiB/layer", 9, "{:.3f}"),
+                          ("x dense", 7, "{:.3f}"), ("GiB x layers", 12, "{:.2f}")])
     for model, (heads, dim, frames, layers) in MODELS.items():
         size = frames * FRAME_TOKENS
         dense = 2 * size * heads * dim * 2
-        print(f"{model:<14}{frames:>7}f{'dense bf16':>20}{'-':>6}{dense / 2**30:>11.3f}{1:>9.3f}"
-              f"{dense * layers / 2**30:>14.2f}")
+        table.row(model, f"{frames}f", "dense bf16", None, dense / 2**30, 1.0, dense * layers / 2**30)
         for label, quant, fmt in FORMATS:
             if label.startswith("int4 g") and label != "int4 g64":
                 continue
             for keep in (0, 1):
                 c = PackedCausalKVCache.allocate(1, size, heads, dim, chunk_tokens=chunk, quant=quant,
                                                  keep_recent_chunks=keep, dtype=torch.bfloat16, device="meta", **fmt)
-                print(f"{'':<14}{'':>8}{label:>20}{keep:>6}{c.nbytes / 2**30:>11.3f}{c.nbytes / dense:>9.3f}"
-                      f"{c.nbytes * layers / 2**30:>14.2f}")
+                table.row("", "", label, keep, c.nbytes / 2**30, c.nbytes / dense, c.nbytes * layers / 2**30,
+                          model=model)
 
 
 def rel_mse(a, b):
@@ -155,7 +170,7 @@ def attention(q, k, v):
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
-def table_accuracy(frame_tokens: int, heads: int = 4, dim: int = 128):
+def table_accuracy(report, frame_tokens: int, heads: int = 4, dim: int = 128):
     chunk = CHUNK_FRAMES * frame_tokens
     k = synthetic_kv(4 * CHUNK_FRAMES + CHUNK_FRAMES, frame_tokens, heads, dim, seed=1)
     v = synthetic_kv(4 * CHUNK_FRAMES, frame_tokens, heads, dim, seed=2, outliers=False)
@@ -163,10 +178,12 @@ def table_accuracy(frame_tokens: int, heads: int = 4, dim: int = 128):
     k = k[:, : 4 * chunk].bfloat16()
     v, q = v.bfloat16(), q.bfloat16()
     ref = attention(q.float(), k.float(), v.float())
-    print(f"\n3. Reconstruction and attention error (window of 4 chunks of {chunk} tokens, 3 packed, keep 1 dense; "
-          f"{heads} x {dim}; bf16 data; scaled: {frame_tokens} tokens/frame). attn: the fused kvops.packed_attention "
-          "over the segments vs fp32 SDPA over the dense bf16 window")
-    print(f"{'format':<20}{'K rel MSE':>11}{'K cos':>9}{'V rel MSE':>11}{'V cos':>9}{'attn rel err':>14}{'attn cos':>10}")
+    table = report.table(
+        f"3. Reconstruction and attention error (window of 4 chunks of {chunk} tokens, 3 packed, keep 1 dense; "
+        f"{heads} x {dim}; bf16 data; scaled: {frame_tokens} tokens/frame). attn: the fused kvops.packed_attention "
+        "over the segments vs fp32 SDPA over the dense bf16 window",
+        [("format", 17), ("K rel MSE", 9, "{:.2e}"), ("K cos", 7, "{:.5f}"), ("V rel MSE", 9, "{:.2e}"),
+         ("V cos", 7, "{:.5f}"), ("attn rel err", 12, "{:.2e}"), ("attn cos", 8, "{:.5f}")])
     for label, quant, fmt in FORMATS:
         ks, vs = [], []
         for c in range(3):  # chunks 0..2 packed (chunk-wise, as the cache does), chunk 3 dense
@@ -178,8 +195,7 @@ def table_accuracy(frame_tokens: int, heads: int = 4, dim: int = 128):
         out = packed_attention(q, ks + [k[:, 3 * chunk :]], vs + [v[:, 3 * chunk :]]).float()
         err = ((out - ref).norm() / ref.norm()).item()
         kp, vp = k[:, : 3 * chunk].float(), v[:, : 3 * chunk].float()
-        print(f"{label:<20}{rel_mse(kr, kp):>11.2e}{cosine(kr, kp):>9.5f}{rel_mse(vr, vp):>11.2e}"
-              f"{cosine(vr, vp):>9.5f}{err:>14.2e}{cosine(out, ref):>10.5f}")
+        table.row(label, rel_mse(kr, kp), cosine(kr, kp), rel_mse(vr, vp), cosine(vr, vp), err, cosine(out, ref))
 
 
 def peak_bytes(fn) -> int:
@@ -196,37 +212,21 @@ def peak_bytes(fn) -> int:
     return peak
 
 
-def timed(fns: dict, reps: int) -> dict:
-    """Interleaved runs of each candidate: {name: [seconds, ...]}."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
+def timed(fns: dict, reps: int) -> harness.Timings:
+    """``reps`` interleaved rounds of the candidates (benchmarks/_harness.py)."""
+    return harness.interleave(fns, reps, clock=harness.pick_clock(torch.get_num_threads())[0])
 
 
-def cell(ts):
-    return f"{statistics.median(ts) * 1e3:.2f} [{min(ts) * 1e3:.2f}, {max(ts) * 1e3:.2f}]"
-
-
-def ratio(times, name, base="dense"):
-    return statistics.median(times[name]) / statistics.median(times[base])
-
-
-def table_update(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, window_chunks: int = 7):
+def table_update(report, frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, window_chunks: int = 7):
     chunk = CHUNK_FRAMES * frame_tokens
     size = window_chunks * chunk
     total = window_chunks + 3
     k = synthetic_kv(total * CHUNK_FRAMES, frame_tokens, heads, dim, seed=4).bfloat16()
     v = synthetic_kv(total * CHUNK_FRAMES, frame_tokens, heads, dim, seed=5, outliers=False).bfloat16()
-    print(f"\n4. Time per chunk update, packed / dense CausalKVCache (Wan heads {heads} x {dim}, chunk {chunk} tokens = "
-          f"{CHUNK_FRAMES} x {frame_tokens} (scaled), window {window_chunks} chunks, bf16, keep_recent_chunks 1, {reps} "
-          "interleaved runs; median [min, max] in ms)")
-    print(f"{'format':<20}{'update ms':>26}{'x dense':>9}{'(mat)':>9}")
+    table = report.table(
+        f"4. Time per chunk update, packed / dense CausalKVCache (Wan heads {heads} x {dim}, chunk {chunk} tokens = "
+        f"{CHUNK_FRAMES} x {frame_tokens} (scaled), window {window_chunks} chunks, bf16, keep_recent_chunks 1, {reps} "
+        "interleaved rounds)", [("format", 17), ("update ms", 22, "{:.2f}"), ("x dense", 17), ("(mat) x dense", 17)])
 
     def prime(cache, chunks):
         for c in range(chunks):
@@ -268,11 +268,11 @@ def table_update(frame_tokens: int, reps: int, heads: int = 12, dim: int = 128, 
         fns[name] = update(c, True)
         fns[name + " (mat)"] = update(c, False)
     up = timed(fns, reps)
-    print(f"{'dense bf16':<20}{cell(up['dense']):>26}{1:>9.2f}")
+    table.row("dense bf16", up.time("dense", 1e3), None, None)
     for name in caches:
-        print(f"{name:<20}{cell(up[name]):>26}{ratio(up, name):>9.2f}{ratio(up, name + ' (mat)'):>9.2f}")
-    print("   update: packed cache's update() (storage + visible-row counts, no dense copy) / dense; (mat): update_and_get_attention_kv, which "
-          "also materializes the window densely.")
+        table.row(name, up.time(name, 1e3), up.ratio(name, "dense"), up.ratio(name + " (mat)", "dense"))
+    table.sub("update: the packed cache's update() (storage + visible-row counts, no dense copy) / dense; (mat): "
+              "update_and_get_attention_kv, which also materializes the window densely.")
 
 
 def segment_bytes(segments) -> int:
@@ -286,7 +286,7 @@ def split(segments):
     return [x for x in segments if not isinstance(x, PackedKV)], packed
 
 
-def table_attention(model: str, heads: int, dim: int, frame_tokens: int, reps: int, window_chunks: int = 7):
+def table_attention(report, model: str, heads: int, dim: int, frame_tokens: int, reps: int, window_chunks: int = 7):
     """Attention of one chunk's queries to a full window (the oldest window_chunks - 2 chunks packed, 2 dense: the
     current one and keep_recent_chunks = 1), as the streaming cache runs it."""
     chunk = CHUNK_FRAMES * frame_tokens
@@ -295,11 +295,9 @@ def table_attention(model: str, heads: int, dim: int, frame_tokens: int, reps: i
     v = synthetic_kv(window_chunks * CHUNK_FRAMES, frame_tokens, heads, dim, seed=7, outliers=False).bfloat16()
     q = (k[:, -chunk:].float() + 0.5 * torch.randn(1, chunk, heads, dim)).bfloat16()
     packed_rows = (window_chunks - 2) * chunk
-    print(f"\n5. Attention per call, {model} heads {heads} x {dim} (scaled: chunk {chunk} = {CHUNK_FRAMES} x "
-          f"{frame_tokens} tokens of queries, window {window_chunks} chunks = {size} rows, {window_chunks - 2} packed + "
-          f"2 dense), bf16, {reps} interleaved runs, median [min, max] ms")
-    print(f"{'format':<20}{'fused ms':>26}{'x dense':>9}{'x deq+SDPA':>11}{'deq+SDPA ms':>26}{'(mat) ms':>10}"
-          f"{'KV MiB read':>12}{'x dense':>8}{'deq+SDPA':>9}{'peak MiB':>9}{'deq+SDPA':>9}{'(mat)':>8}")
+    title = (f"5. Attention per call, {model} heads {heads} x {dim} (scaled: chunk {chunk} = {CHUNK_FRAMES} x "
+             f"{frame_tokens} tokens of queries, window {window_chunks} chunks = {size} rows, {window_chunks - 2} packed "
+             f"+ 2 dense), bf16, {reps} interleaved rounds")
     dense_k, dense_v = [k], [v]
     windows = {}
     for label, quant, fmt in FORMATS:
@@ -318,40 +316,50 @@ def table_attention(model: str, heads: int, dim: int, frame_tokens: int, reps: i
         fns[label + " mat"] = lambda ks=ks, vs=vs: attention(q, materialize(ks, torch.bfloat16),
                                                              materialize(vs, torch.bfloat16))
     at = timed(fns, reps)
+    times = report.table(title + ": time", [("format", 17), ("fused ms", 20, "{:.2f}"), ("x dense", 17),
+                                            ("x deq+SDPA", 17), ("deq+SDPA ms", 20, "{:.2f}"),
+                                            ("(mat) ms", 8, "{:.2f}")])
     dense_read = segment_bytes(dense_k) + segment_bytes(dense_v)
     peak_dense = peak_bytes(fns["dense"])
-    print(f"{'dense bf16 SDPA':<20}{cell(at['dense']):>26}{1:>9.2f}{'':>11}{'':>26}{'':>10}"
-          f"{dense_read / 2**20:>12.2f}{1:>8.3f}{'':>9}{peak_dense / 2**20:>9.2f}")
+    times.row("dense bf16 SDPA", at.time("dense", 1e3), None, None, None, None)
+    rows = {}
     for label, (ks, vs) in windows.items():
         read = segment_bytes(ks) + segment_bytes(vs)
         dense_of_packed = 2 * packed_rows * heads * dim * 2  # the bf16 copy the composite writes and reads back
-        deq_read = read + 2 * dense_of_packed
         peaks = [peak_bytes(fns[n]) / 2**20 for n in (label, label + " deq", label + " mat")]
-        print(f"{label:<20}{cell(at[label]):>26}{ratio(at, label):>9.2f}{ratio(at, label, label + ' deq'):>11.2f}"
-              f"{cell(at[label + ' deq']):>26}{statistics.median(at[label + ' mat']) * 1e3:>10.2f}"
-              f"{read / 2**20:>12.2f}{read / dense_read:>8.3f}{deq_read / dense_read:>9.3f}"
-              f"{peaks[0]:>9.2f}{peaks[1]:>9.2f}{peaks[2]:>8.2f}")
-    print("   fused: kvops.packed_attention (native CPU kernel: packed tiles dequantized in registers, one online "
-          "softmax over all segments); deq+SDPA: the composite (each packed segment dequantized to bf16, torch flash "
-          "SDPA per segment, LSE merge); (mat): materialize the whole window densely, then SDPA.")
-    print("   KV MiB read: K+V bytes the call reads, from the formats (packed codes, scales, zero points, centroids, "
-          "cluster ids + the dense segments); deq+SDPA also writes and re-reads a bf16 copy of each packed chunk. "
-          "peak MiB: bytes allocated during the call and alive at once (fused: only out + LSE; dense: SDPA's output).")
+        rows[label] = (read, read + 2 * dense_of_packed, peaks)
+        times.row(label, at.time(label, 1e3), at.ratio(label, "dense"), at.ratio(label, label + " deq"),
+                  at.time(label + " deq", 1e3), at.time(label + " mat", 1e3).median)
+    times.sub("fused: kvops.packed_attention (native CPU kernel: packed tiles dequantized in registers, one online "
+              "softmax over all segments); deq+SDPA: the composite (each packed segment dequantized to bf16, torch "
+              "flash SDPA per segment, LSE merge); (mat): materialize the whole window densely, then SDPA.")
+    mem = report.table(title + ": bytes", [("format", 17), ("KV MiB read", 11, "{:.2f}"), ("x dense", 7, "{:.3f}"),
+                                           ("deq+SDPA x dense", 16, "{:.3f}"), ("peak MiB", 8, "{:.2f}"),
+                                           ("deq+SDPA", 8, "{:.2f}"), ("(mat)", 8, "{:.2f}")])
+    mem.row("dense bf16 SDPA", dense_read / 2**20, 1.0, None, peak_dense / 2**20, None, None)
+    for label, (read, deq_read, peaks) in rows.items():
+        mem.row(label, read / 2**20, read / dense_read, deq_read / dense_read, *peaks)
+    mem.sub("KV MiB read: K+V bytes the call reads, from the formats (packed codes, scales, zero points, centroids, "
+            "cluster ids + the dense segments); deq+SDPA also writes and re-reads a bf16 copy of each packed chunk. "
+            "peak MiB: bytes allocated during the call and alive at once (fused: only out + LSE; dense: SDPA's "
+            "output).")
 
 
 def main(args) -> None:
     torch.set_num_threads(args.threads)
     if args.quick:
         args.tokens_per_frame, args.time_tokens_per_frame, args.reps = 130, 40, 3
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
-    table_bytes()
-    table_resident()
-    table_accuracy(args.tokens_per_frame)
-    table_update(args.time_tokens_per_frame, args.reps)
+    report = harness.Report("packed_cache", args)
+    report.start(threads=args.threads)
+    table_bytes(report)
+    table_resident(report)
+    table_accuracy(report, args.tokens_per_frame)
+    table_update(report, args.time_tokens_per_frame, args.reps)
     for model, (heads, dim, _, _) in MODELS.items():
         # scaled for a 2-core CPU: LingBot's 40 heads get half Wan's tokens per frame
         tokens = args.time_tokens_per_frame if heads <= 12 else max(8, args.time_tokens_per_frame // 2)
-        table_attention(model, heads, dim, tokens, args.reps)
+        table_attention(report, model, heads, dim, tokens, args.reps)
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -20,18 +20,20 @@ Workloads: decode (every sequence decodes one token over ``context`` cached toke
 {256, 1024, 4096}) for Qwen2.5-0.5B (14/2 heads x 64, GQA 7:1) and Llama-3.1-8B (32/8 x 128, GQA 4:1); chunked
 prefill, 4 sequences x (512 cached + 128 new tokens) with the bottom-right causal mask; bfloat16 and float32.
 
-Timing: candidates run interleaved (alternating order each round), each sample a batch of calls lasting >= ~2 ms;
-a ratio is taken per round, and the table prints its median and spread (25th-75th percentile) over the rounds, so
-load from other processes hits both sides of a ratio. A row whose kvops spread is wider than 20% of its median is
-marked noisy: rerun it on an idle machine before believing it. With one thread the clock is the thread's CPU time
-(``time.thread_time``: time the process is preempted by other jobs is not counted); with more threads, and on CUDA,
-wall time (CUDA: synchronized). GB/s are the K/V bytes a call must read over its median time. Only ratios are
-meaningful; nothing is asserted. At B = 1 a second line gives eager kvops with the default value checks over the
-ideal, and compiled kvops over the compiled ideal (both pay torch.compile's per-call graph entry, printed in the
-table header).
+Timing (benchmarks/_harness.py, shared by every benchmark): candidates run interleaved (the order rotated every
+round), after a warm-up, each sample a batch of calls lasting >= ~2 ms; a ratio is taken per round, and a cell prints
+its median [p25-p75] over the rounds, so load from other processes hits both sides of a ratio; '~' marks a figure
+whose spread is wider than 20% of its median: rerun it on an idle machine before believing it. With one thread the
+clock is the thread's CPU time (``time.thread_time``: time the process is preempted by other jobs is not counted);
+with more threads, and on CUDA, wall time (CUDA: synchronized). GB/s are the K/V bytes a call must read over its
+median time. Only ratios are meaningful; nothing is asserted. At B = 1 a second line gives eager kvops with the
+default value checks over the ideal, and compiled kvops over the compiled ideal (both pay torch.compile's per-call
+graph entry, printed above each table).
 
-Targets: kvops decode <= 1.2x the ideal at B in {8, 32} x context in {1024, 4096}, <= 2x at B = 1 x context 256;
-prefill <= 1.3x. The target column says, per kvops mode, whether its median meets it. With matplotlib installed
+Targets (the ``TARGETS`` table below): kvops decode <= 1.2x the ideal at B in {8, 32} x context in {1024, 4096},
+<= 2x at B = 1 x context 256; prefill <= 1.3x. The target column gives, per kvops mode (eager/compiled), whether its
+median meets the row's target; the verdict block at the end says which targets hold on this host, the largest miss
+and what it means. ``--json`` writes every row and target for tools. With matplotlib installed
 (``pip install -e '.[bench]'``) a PNG of the ratios against context is written next to the table.
 
     python benchmarks/paged_decode.py [--quick] [--threads 1 2] [--peers gather flex] [--device cuda] [--out DIR]
@@ -41,9 +43,10 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
-import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 GEOMETRIES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.1-8b": (32, 8, 128)}  # (H_q, H_kv, D), models.md
 QUICK = dict(batches=[1, 8], contexts=[256, 1024], rounds=5, threads=[1], peers=["gather"])
@@ -82,6 +85,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"),
                         help="folder for the table (paged_decode.txt, or paged_decode_quick.txt with --quick) and "
                              "the plot (.png, with matplotlib)")
+    harness.add_json_arg(parser)
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -99,57 +103,50 @@ import torch.nn.functional as F  # noqa: E402
 
 import kvops  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from plots import save_ratio_plot  # noqa: E402
 
 BLOCK_SIZE = 16
 FLEX_PAGE = 128
-TARGETS = {"decode": {(8, 1024): 1.2, (8, 4096): 1.2, (32, 1024): 1.2, (32, 4096): 1.2, (1, 256): 2.0},
-           "prefill": 1.3}
-NOISY = 0.2  # a kvops ratio whose 25th-75th percentile spread exceeds this fraction of its median
-CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
-clock = time.perf_counter
+# The targets, one entry each (change or add targets here only): the rows a target applies to (kind "decode" or
+# "prefill"; batches, contexts: None = every one), the kvops modes held to it, the baseline candidate, and the bound
+# on the median of the per-round ratio kvops / baseline.
+TARGETS = {
+    "decode B in {8, 32} x ctx in {1024, 4096}: kvops <= 1.2x ideal":
+        dict(kind="decode", batches=(8, 32), contexts=(1024, 4096), modes=("eager", "compiled"), baseline="ideal",
+             bound=1.2),
+    "decode B=1 ctx=256: kvops <= 2.0x ideal":
+        dict(kind="decode", batches=(1,), contexts=(256,), modes=("eager", "compiled"), baseline="ideal", bound=2.0),
+    "chunked prefill: kvops <= 1.3x ideal":
+        dict(kind="prefill", batches=None, contexts=None, modes=("eager", "compiled"), baseline="ideal", bound=1.3),
+}
+MEANING = {  # what a miss means for a user, per kind of row ({baseline}: BASELINES' words for the target's baseline)
+    "decode": "on this host, decode attention over kvops' paged cache takes {value:.2f}x the time of {baseline} "
+              "({over:.0%} past the target): the attention part of every decode step costs that much more; the whole "
+              "step slows by less, in proportion to attention's share of it (small at short contexts)",
+    "prefill": "on this host, chunked-prefill attention over kvops' paged cache takes {value:.2f}x the time of "
+               "{baseline} ({over:.0%} past the target): prompt processing (time to the first token) pays that on its "
+               "attention",
+}
+BASELINES = {"ideal": "SDPA over the same K/V stored contiguously", "gather": "gathering the blocks and calling SDPA",
+             "flex": "compiled FlexAttention with torch's PagedAttention"}
 sync = lambda: None  # noqa: E731  (torch.cuda.synchronize on CUDA)
 
 
-def _sample(fn, reps: int) -> float:
-    sync()
-    t0 = clock()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (clock() - t0) / reps
+def targets_for(kind: str, batch: int, context: int) -> dict:
+    """The TARGETS entries that apply to a row."""
+    return {name: t for name, t in TARGETS.items() if t["kind"] == kind
+            and (t["batches"] is None or batch in t["batches"]) and (t["contexts"] is None or context in t["contexts"])}
 
 
-def interleaved(cands: dict, rounds: int, min_sample_s: float = 2e-3) -> dict:
-    """Per-call seconds of every candidate per round: ``{name: [t_round0, ...]}`` (candidates alternate order)."""
-    reps = {}
-    for name, fn in cands.items():
-        fn()  # warm-up (and compile)
-        t = _sample(fn, 1)
-        reps[name] = max(1, min(200, int(min_sample_s / max(t, 1e-7))))
-    out = {name: [] for name in cands}
-    names = list(cands)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            out[name].append(_sample(cands[name], reps[name]))
-    return out
+def interleaved(cands: dict, rounds: int, clock: str) -> harness.Timings:
+    """Every candidate's per-call seconds per round (benchmarks/_harness.py: warm-up, ~2 ms samples, rotated order)."""
+    return harness.interleave(cands, rounds, clock=clock, sync=sync, max_reps=200)
 
 
-def spread(xs):
-    """(median, 25th percentile, 75th percentile)."""
-    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
-    return statistics.median(xs), q[0], q[2]
-
-
-def noisy(r) -> bool:
-    return (r[2] - r[1]) > NOISY * r[0]
-
-
-def copy_bandwidth_gbs(device, nbytes: int = 256 << 20) -> float:
+def copy_bandwidth_gbs(device, clock: str, nbytes: int = 256 << 20) -> float:
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    t = statistics.median(interleaved({"copy": lambda: dst.copy_(src)}, rounds=5)["copy"])
+    t = interleaved({"copy": lambda: dst.copy_(src)}, 5, clock).time("copy").median
     return 2 * nbytes / t / 1e9
 
 
@@ -242,14 +239,14 @@ def run_checked(c):
         return run_kvops(c)
 
 
-def graph_entry_us(device, rounds: int = 5) -> float:
+def graph_entry_us(device, clock: str, rounds: int = 5) -> float:
     """Per-call cost of entering a compiled graph (guards, wrappers): a compiled one-multiply over a decode's
     inputs minus the eager multiply, in microseconds. Every compiled B = 1 call pays it once."""
     c = make_case("qwen2.5-0.5b", 1, 1, 256, torch.float32, device, flex=False)
     mul = lambda c: c["q"] * 2  # noqa: E731
     cmul = torch.compile(mul, fullgraph=True, dynamic=True)
-    t = interleaved({"eager": lambda: mul(c), "compiled": lambda: cmul(c)}, rounds)
-    return (statistics.median(t["compiled"]) - statistics.median(t["eager"])) * 1e6
+    t = interleaved({"eager": lambda: mul(c), "compiled": lambda: cmul(c)}, rounds, clock)
+    return (t.time("compiled").median - t.time("eager").median) * 1e6
 
 
 def unfold(c, out_f):
@@ -258,10 +255,10 @@ def unfold(c, out_f):
     return out_f.view(b, h_kv, c["q_len"], c["group"], d).permute(0, 2, 1, 3, 4).reshape(-1, h_kv * c["group"], d)
 
 
-def measure(c, cands_wanted, rounds, extras=False):
-    """Ratios of every candidate to the ideal, and the largest difference of any candidate's output from the
-    ideal's. With ``extras`` (B = 1: per-call overheads matter) also compiled kvops vs the compiled ideal (both pay
-    the graph entry) and eager kvops with the default value checks."""
+def measure(c, cands_wanted, rounds, clock, extras=False):
+    """Ratios (Spreads) of every candidate to the ideal, and the largest difference of any candidate's output from
+    the ideal's. With ``extras`` (B = 1: per-call overheads matter) also compiled kvops vs the compiled ideal (both
+    pay the graph entry) and eager kvops with the default value checks."""
     fns = {"eager": run_kvops, "compiled": run_compiled, "gather": lambda c: unfold(c, run_gather(c)),
            "flex": lambda c: run_flex(c).transpose(1, 2).flatten(0, 1)}  # [B, H_q, 1, D] -> [B, H_q, D]
     ref = unfold(c, run_ideal(c)).float()
@@ -273,41 +270,39 @@ def measure(c, cands_wanted, rounds, extras=False):
     if extras:
         cands["ideal_compiled"] = lambda: run_ideal_compiled(c)
         cands["checked"] = lambda: run_checked(c)
-    times = interleaved(cands, rounds)
-    res = {"err": err, "ms": {n: statistics.median(ts) * 1e3 for n, ts in times.items()}}
-    for n in cands:
-        if n != "ideal":
-            res[n] = spread([a / b for a, b in zip(times[n], times["ideal"])])
+    t = interleaved(cands, rounds, clock)
+    res = {"err": err, "ms": {n: t.time(n, 1e3).median for n in cands}}
+    res.update({n: t.ratio(n, "ideal") for n in cands if n != "ideal"})
     if extras and "compiled" in cands:
-        res["compiled_vs_compiled"] = spread([a / b for a, b in zip(times["compiled"], times["ideal_compiled"])])
+        res["compiled_vs_compiled"] = t.ratio("compiled", "ideal_compiled")
+    # kvops over each peer measured in the same rounds, for targets against a peer (TARGETS' baseline)
+    res["vs"] = {(m, b): t.ratio(m, b) for m in ("eager", "compiled") if m in cands
+                 for b in ("gather", "flex") if b in cands}
     kv_bytes = c["k_dense"].numel() * 2 * c["k_dense"].element_size()
     res["gbs"] = {n: kv_bytes / (ms * 1e-3) / 1e9 for n, ms in res["ms"].items()}
     return res
 
 
-def fmt_ratio(r):
-    return f"{r[0]:.2f} [{r[1]:.2f}-{r[2]:.2f}]"
+def ratio_to(r, mode: str, baseline: str):
+    """kvops ``mode`` over ``baseline`` (the ideal, or a peer measured in the same rounds); None if not measured."""
+    return r.get(mode) if baseline == "ideal" else r["vs"].get((mode, baseline))
 
 
-RATIO_W = 19  # "12.34 [10.00-15.00]"
-
-
-def verdict(r, modes, target) -> str:
-    """Per kvops mode: does its median ratio meet the target; "noisy" where the spread says the row is unreliable."""
-    if target is None:
-        return "-"
-    parts = [f"{'eager' if m == 'eager' else 'comp'} {'met' if r[m][0] <= target else 'MISSED'}" for m in modes]
-    return f"<= {target:.1f}: " + ", ".join(parts)
+def target_cell(r, row_targets: dict, modes) -> str:
+    """Per target of the row: its bound (and baseline, if not the ideal) and, per kvops mode (eager/compiled), ok or
+    MISS by the median ("-": the mode is not held to it, or its baseline was not measured)."""
+    parts = []
+    for t in row_targets.values():
+        cells = []
+        for m in modes:
+            value = ratio_to(r, m, t["baseline"]) if m in t["modes"] else None
+            cells.append("-" if value is None else "ok" if value.median <= t["bound"] else "MISS")
+        parts.append(f"{t['bound']:g}{'' if t['baseline'] == 'ideal' else ' ' + t['baseline']}: {'/'.join(cells)}")
+    return " ".join(parts) or "-"
 
 
 def main(args) -> None:
-    global clock, sync
-    lines = []
-
-    def emit(s=""):
-        print(s, flush=True)
-        lines.append(s)
-
+    global sync
     device = torch.device(args.device)
     if device.type == "cuda":
         sync = torch.cuda.synchronize
@@ -315,71 +310,81 @@ def main(args) -> None:
     kernel = ("Triton" if device.type == "cuda" else
               "native C++" if kvops.native.available() else "composite torch (no native build)")
     peers = list(args.peers)
-    emit(f"torch {torch.__version__}; device {args.device}; kvops kernel: {kernel}; block_size {BLOCK_SIZE}; "
-         f"value checks {args.value_checks}; {args.rounds} interleaved rounds per row" + (" (--quick)" if args.quick else ""))
-    emit("ideal = SDPA over the same K/V stored contiguously (query heads folded, K/V read once, no block table): the "
-         "attention without paging. It is a bar, not a bound: kvops' decode kernel (context split across threads, "
-         "vectorized bf16 loads, prefetch) can beat torch's general SDPA kernel, so ratios < 1 are possible.")
-    emit("cells: candidate time / ideal time per round, median [25th-75th percentile]; eager, compiled = "
-         "kvops.paged_attention eagerly and under torch.compile; gather = gather-then-SDPA; flex = compiled "
-         f"FlexAttention + PagedAttention (decode rows); 'noisy': a kvops spread wider than {NOISY:.0%} of its median "
-         "(rerun on an idle machine)")
+    report = harness.Report("paged_decode", args)
+    report.start(threads=args.threads, device=args.device, kvops_kernel=kernel)
+    report.note(f"block_size {BLOCK_SIZE}; value checks {args.value_checks}; {args.rounds} interleaved rounds per row"
+                + (" (--quick)" if args.quick else ""))
+    report.note("ideal = SDPA over the same K/V stored contiguously (query heads folded, K/V read once, no block "
+                "table): the attention without paging. It is a bar, not a bound: kvops' decode kernel (context split "
+                "across threads, vectorized bf16 loads, prefetch) can beat torch's general SDPA kernel, so ratios < 1 "
+                "are possible.")
+    report.note("cells: candidate time / ideal time per round, median [p25-p75]; eager, compiled = "
+                "kvops.paged_attention eagerly and under torch.compile; gather = gather-then-SDPA; flex = compiled "
+                "FlexAttention + PagedAttention (decode rows); GB/s: K/V bytes read per second by eager kvops (or "
+                "the first mode); target: the row's bound on kvops/ideal and, per mode (eager/compiled), ok or MISS "
+                "by the median (the verdict at the end names each target); prefill = 4 x (512 cached + 128 new).")
     panels = {}
     cand_cols = [*args.modes, *peers]
     col_names = {"eager": "eager/ideal", "compiled": "compiled/ideal", "gather": "gather/ideal", "flex": "flex/ideal"}
-    names = [f"{g} {dt} " + tail for g in args.geometries for dt in args.dtypes
-             for tail in [f"B={b} ctx={s}" for b in args.batches for s in args.contexts] + ["prefill 4x(512+128)"]]
-    name_w = max(len(n) for n in names)  # every case name fits: columns stay aligned
+    max_err = 0.0
     for threads in args.threads:
         torch.set_num_threads(threads)
-        clock_name = args.clock if args.clock != "auto" else ("cpu" if threads == 1 and device.type == "cpu"
-                                                              else "wall")
-        clock = CLOCK[clock_name]
+        clock_name = harness.pick_clock(threads, device.type, args.clock)[0]
         where = f"{threads} CPU thread(s)" if device.type == "cpu" else torch.cuda.get_device_name(device)
-        emit(f"\n=== {where}, {clock_name} clock: copy bandwidth (read + write) {copy_bandwidth_gbs(device):.1f} GB/s; "
-             f"torch.compile graph entry {graph_entry_us(device):.1f} us per call ===")
-        header = (f"{'case':<{name_w}} | {'ideal ms':>9} | " + " ".join(f"{col_names[n]:>{RATIO_W}}"
-                                                                         for n in cand_cols)
-                  + f" | {'GB/s ideal':>10} {'kvops':>6} | {'noisy':<5} | {'max err':>7} | target (kvops median)")
-        emit(header)
-        emit("-" * len(header))
+        report.print(f"\n=== {where}, {clock_name} clock ===")
+        report.print(f"copy bandwidth (read + write) {copy_bandwidth_gbs(device, clock_name):.1f} GB/s; "
+                     f"torch.compile graph entry {graph_entry_us(device, clock_name):.1f} us per call")
         for geometry in args.geometries:
+            h_q, h_kv, d = GEOMETRIES[geometry]
             for dtype_name in args.dtypes:
                 dtype = getattr(torch, dtype_name)
+                table = report.table(
+                    f"{geometry} ({h_q}/{h_kv} heads x {d}), {dtype_name}, {where}",
+                    [("case", 13), ("ideal ms", 8, "{:.3f}"), *((col_names[n], 17) for n in cand_cols),
+                     ("GB/s", 6, "{:.2f}"), ("target", 13)])
                 shapes = [("decode", b, 1, s) for b in args.batches for s in args.contexts]
                 if not args.no_prefill:
                     shapes.append(("prefill", 4, 128, 640))
                 for kind, batch, q_len, context in shapes:
                     row_cands = [n for n in cand_cols if not (n == "flex" and kind == "prefill")]
                     c = make_case(geometry, batch, q_len, context, dtype, device, flex="flex" in row_cands)
-                    r = measure(c, row_cands, args.rounds, extras=batch == 1)
+                    r = measure(c, row_cands, args.rounds, clock_name, extras=batch == 1)
                     del c
-                    target = TARGETS["prefill"] if kind == "prefill" else TARGETS["decode"].get((batch, context))
-                    name = (f"{geometry} {dtype_name} " + (f"B={batch} ctx={context}" if kind == "decode"
-                                                           else "prefill 4x(512+128)"))
+                    max_err = max(max_err, r["err"])
+                    case = f"B={batch} ctx={context}" if kind == "decode" else "prefill"
+                    row_targets = targets_for(kind, batch, context)
                     kv = args.modes[0] if args.modes else None
-                    is_noisy = any(noisy(r[m]) for m in args.modes)
-                    cells = " ".join(f"{fmt_ratio(r[n]) if n in r else '-':>{RATIO_W}}" for n in cand_cols)
-                    emit(f"{name:<{name_w}} | {r['ms']['ideal']:>9.3f} | {cells} | {r['gbs']['ideal']:>10.2f} "
-                         f"{r['gbs'][kv] if kv else 0:>6.2f} | {'noisy' if is_noisy else '':<5} | "
-                         f"{r['err']:>7.1e} | {verdict(r, args.modes, target)}")
+                    table.row(case, r["ms"]["ideal"], *(r.get(n) for n in cand_cols),
+                              r["gbs"][kv] if kv else None, target_cell(r, row_targets, args.modes),
+                              geometry=geometry, dtype=dtype_name, threads=threads, kind=kind, batch=batch,
+                              context=context, ms=r["ms"], gbs=r["gbs"], max_err=r["err"],
+                              **{f"{m}/{b}": v for (m, b), v in r["vs"].items()})
                     if "checked" in r:
-                        emit(f"{'':<{name_w}} |   B = 1: eager kvops with value checks (default mode) / ideal "
-                             f"{fmt_ratio(r['checked'])}"
-                             + (f"; compiled kvops / compiled ideal {fmt_ratio(r['compiled_vs_compiled'])}"
-                                if "compiled_vs_compiled" in r else ""))
+                        table.sub(f"B = 1: eager kvops with value checks (default mode) / ideal {r['checked']}"
+                                  + (f"; compiled kvops / compiled ideal {r['compiled_vs_compiled']}"
+                                     if "compiled_vs_compiled" in r else ""))
+                    name = f"{geometry} {dtype_name} {case}" + (f", {threads} threads" if len(args.threads) > 1
+                                                                 else "")
+                    for target, t in row_targets.items():
+                        for mode in t["modes"]:
+                            value = ratio_to(r, mode, t["baseline"])
+                            if value is not None:
+                                report.target(target, f"{name}, {mode}", value, t["bound"], "<=",
+                                              MEANING[kind].replace("{baseline}", BASELINES[t["baseline"]]))
                     if kind == "decode":
                         for mode in cand_cols:
                             panel = f"{geometry} {dtype_name} {mode}"
                             series = panels.setdefault(panel, {}).setdefault(f"B={batch}, {threads}T", [])
-                            series.append((context, *r[mode]))
+                            series.append((context, r[mode].median, r[mode].p25, r[mode].p75))
+    report.print(f"\nlargest |candidate - ideal| over every row: {max_err:.1e} (outputs agree; only the times differ)")
+    report.finish()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "paged_decode_quick" if args.quick else "paged_decode"
-    (out / f"{stem}.txt").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.txt").write_text("\n".join(report.lines) + "\n")
     png = save_ratio_plot(out / f"{stem}.png", panels, "context (tokens)", "candidate / ideal",
                           targets={p: 1.2 for p in panels})
-    print(f"\ntable: {out / (stem + '.txt')}" + (f"; plot: {png}" if png else " (no matplotlib: no plot)"))
+    report.print(f"\ntable: {out / (stem + '.txt')}" + (f"; plot: {png}" if png else " (no matplotlib: no plot)"))
 
 
 if __name__ == "__main__":

@@ -7,21 +7,24 @@ the same keys as none), **window** (``window_left = C / 2``: half the keys) and 
 the same window), plus the **ideal** (SDPA over a contiguous cache, as in benchmarks/paged_decode.py). Value checks
 are off while timing (the kernels alone).
 
-Timing: 1 CPU thread by default, clock = the thread's CPU time (``time.thread_time``: time the process is preempted
-by other jobs is not counted); candidates run interleaved (order reversed every round), each sample a batch of calls
-lasting >= ~20 ms; the table gives each candidate's median time and its ratio over none (median and 25th-75th
-percentile of the per-round ratios). Only ratios are meaningful; nothing is asserted. Target: alibi, rope and leftpad
-within 1.15x of none; window and sink+window below 0.7x (they read half the keys).
+Timing (benchmarks/_harness.py, as every benchmark): 1 CPU thread by default, clock = the thread's CPU time
+(``time.thread_time``: time the process is preempted by other jobs is not counted); candidates run interleaved (order
+rotated every round), each sample a batch of calls lasting >= ~20 ms; the table gives each candidate's median time
+and its ratio over none (median [p25-p75] of the per-round ratios). Only ratios are meaningful; nothing is asserted.
+Targets (``TARGETS``): alibi, rope and leftpad within 1.15x of none; window and sink+window at most 0.7x (they read
+half the keys); the verdict block at the end says which hold on this host.
 
-    python benchmarks/paged_features.py [--rounds 7] [--threads 1] [--geometries qwen2.5-0.5b llama-3.1-8b]
+    python benchmarks/paged_features.py [--rounds 7] [--threads 1] [--geometries qwen2.5-0.5b llama-3.1-8b] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import pathlib
 import sys
-import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 GEOMETRIES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.1-8b": (32, 8, 128)}  # (H_q, H_kv, D), as paged_decode.py
 
@@ -37,7 +40,19 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per row")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: thread CPU time; more: wall time)")
-    return parser.parse_args(argv)
+    parser.add_argument("--quick", action="store_true",
+                        help="qwen2.5-0.5b, float32, B=1, context 256, 3 rounds (options given explicitly still "
+                             "apply to what they name)")
+    harness.add_json_arg(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        given = set(argv if argv is not None else sys.argv[1:])
+        for flag, key, value in (("--geometries", "geometries", ["qwen2.5-0.5b"]), ("--dtypes", "dtypes", ["float32"]),
+                                 ("--batches", "batches", [1]), ("--contexts", "contexts", [256]),
+                                 ("--rounds", "rounds", 3)):
+            if flag not in given:
+                setattr(args, key, value)
+    return args
 
 
 if __name__ == "__main__":
@@ -74,36 +89,45 @@ def candidates(geometry, dtype, batch, context):
     return out
 
 
+TARGETS = {  # feature: (op, bound on the median of feature / none)
+    "alibi": ("<=", 1.15), "rope": ("<=", 1.15), "leftpad": ("<=", 1.15), "window": ("<=", 0.7),
+    "sink+window": ("<=", 0.7),
+}
+MEANING = {
+    "<=1.15": "on this host, decode with {feature} takes {value:.2f}x the time of the same call without it "
+              "({over:.0%} past the target): a model using that feature pays that much more per attention call",
+    "<=0.7": "on this host, decode with {feature} (half the keys visible) takes {value:.2f}x the full call's time "
+             "({over:.0%} past the target): the window saves less time than the keys it skips",
+}
+
+
 def main(args) -> None:
     torch.set_num_threads(args.threads)
-    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    clock = harness.pick_clock(args.threads)[0]
     kvops.set_value_checks("off")
-    print(f"=== {args.threads} CPU thread(s), {'thread CPU' if args.threads == 1 else 'wall'} clock; ratios over "
-          f"'none' (median [25th-75th percentile] of per-round ratios) ===")
+    report = harness.Report("paged_features", args)
+    report.start(threads=args.threads)
+    report.note(f"{clock} clock, {args.rounds} interleaved rounds; value checks off; us: median time per call; "
+                "/none: per-round ratio to the same call without features; ideal: SDPA over a contiguous cache")
     for geometry in args.geometries:
+        h_q, h_kv, d = GEOMETRIES[geometry]
         for dtype in args.dtypes:
+            table = report.table(f"{geometry} ({h_q}/{h_kv} heads x {d}), {dtype}",
+                                 [("case", 13), ("feature", 11), ("us", 8, "{:.0f}"), ("/none", 17), ("target", 8)])
             for batch in args.batches:
                 for context in args.contexts:
                     fns = candidates(geometry, dtype, batch, context)
-                    for fn in fns.values():
-                        fn()
-                    t0 = clock()
-                    fns["none"]()
-                    reps = max(3, int(0.02 / max(clock() - t0, 1e-6)))
-                    times = {name: [] for name in fns}
-                    for r in range(args.rounds):
-                        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                            t0 = clock()
-                            for _ in range(reps):
-                                fns[name]()
-                            times[name].append((clock() - t0) / reps * 1e6)
-                    cells = []
-                    for name, ts in times.items():
-                        ratios = [t / n for t, n in zip(ts, times["none"])]
-                        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios * 3)
-                        cells.append(f"{name} {statistics.median(ts):.0f} us {statistics.median(ratios):.2f} "
-                                     f"[{q1:.2f}-{q3:.2f}]")
-                    print(f"{geometry} {dtype} B={batch} ctx={context}: " + " | ".join(cells), flush=True)
+                    t = harness.interleave(fns, args.rounds, clock=clock, min_sample_s=0.02)
+                    case = f"B={batch} ctx={context}"
+                    for name in fns:
+                        r = t.ratio(name, "none")
+                        op, bound = TARGETS.get(name, (None, None))
+                        target = "-" if op is None else f"{op}{bound:g} {'ok' if r.median <= bound else 'MISS'}"
+                        table.row(case, name, t.time(name, 1e6).median, r if name != "none" else None, target)
+                        if op is not None:
+                            report.target(f"{name} / none {op} {bound:g}", f"{geometry} {dtype} {case}, {name}", r,
+                                          bound, op, MEANING[f"{op}{bound:g}"].replace("{feature}", name))
+    report.finish()
 
 
 if __name__ == "__main__":

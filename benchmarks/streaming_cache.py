@@ -3,8 +3,10 @@
 Eager ``update_and_get_attention_kv`` of ``CausalKVCache`` (roll layout: rows after the sink move down on eviction)
 and of ``RingCausalKVCache`` (ring layout: rows after the sink form a ring, an evicting append writes the chunk only)
 against the minimum data movement: copying the chunk's K and V into preallocated rows (``copy_``, same dtype, same
-buffers' geometry). All three are measured in the same run, interleaved (the order rotates every rep), one thread by
-default; ratios are per-rep ``candidate / minimum`` (and ``ring / roll``) with median and interquartile range.
+buffers' geometry). All three are measured in the same run, interleaved (benchmarks/_harness.py's rotated order: each
+rep is a round of one call per candidate; a call changes the cache, so no batching of calls), one thread by default,
+wall time; ratios are per-rep ``candidate / minimum`` (and ``ring / roll``), printed median [p25-p75] as every
+benchmark's figures. No targets: the verdict block says what the run found.
 
 Geometry (docs/models.md): Wan-2.1 1.3B (12 KV heads x 128) and LingBot-world (40 x 128), scaled for CPU: 64 tokens per
 frame (1560 at 480x832), chunks of 3 frames, a window of 21 frames (the cache size), sink 0 (Wan) / 3 frames
@@ -16,13 +18,18 @@ the ring layout's writes the chunk only (checked here by diffing the ring buffer
 writes the chunk in both.
 
     python benchmarks/streaming_cache.py --threads 1 --reps 30
+    python benchmarks/streaming_cache.py --quick       # 8 tokens per frame, 5 reps
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import pathlib
+import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 
 def parse_args(argv=None):
@@ -31,25 +38,25 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=30, help="interleaved repetitions per case")
     p.add_argument("--tokens-per-frame", type=int, default=64, help="tokens per video frame (1560 at 480x832)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="cache dtype")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="8 tokens per frame and 5 reps")
+    harness.add_json_arg(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tokens_per_frame, args.reps = 8, 5
+    return args
 
 
 if __name__ == "__main__":
     ARGS = parse_args()  # before torch is imported: --help answers at once
 
-import torch
+import torch  # noqa: E402
 
-from kvops import CausalKVCache, RingCausalKVCache
+from kvops import CausalKVCache, RingCausalKVCache  # noqa: E402
 
 GEOMETRIES = {  # name: (KV heads, head_dim, sink frames)
     "wan2.1-1.3b": (12, 128, 0),
     "lingbot-world": (40, 128, 3),
 }
-
-
-def quartiles(xs):
-    q = statistics.quantiles(xs, n=4)
-    return q[0], statistics.median(xs), q[2]
 
 
 def changed_rows(before: torch.Tensor, after: torch.Tensor) -> int:
@@ -91,9 +98,7 @@ def bench(heads, dim, sink_frames, tpf, chunk_frames, window_frames, reps, dtype
         for i in range(reps):
             key, value = probe if i == 0 else chunks[i % len(chunks)]
             start = s if kind == "evicting append" else s - n
-            names = list(candidates)
-            names = names[i % 3 :] + names[: i % 3]  # rotate the order: interleaved, no fixed first/last
-            for name in names:
+            for name in harness.rotation(list(candidates), i):  # interleaved, no fixed first/last
                 before = ring_kv.clone() if name == "ring" and i == 0 else None
                 t0 = time.perf_counter()
                 candidates[name](key, value, start)
@@ -107,10 +112,10 @@ def bench(heads, dim, sink_frames, tpf, chunk_frames, window_frames, reps, dtype
         res = {
             "bytes roll": 2 * (n + 2 * moved) * row_bytes / chunk_bytes,
             "bytes ring": 2 * max(ring_rows) * row_bytes / chunk_bytes,  # measured: rows that changed (<= n)
-            "roll/min": quartiles([a / b for a, b in zip(times["roll"], times["min"])]),
-            "ring/min": quartiles([a / b for a, b in zip(times["ring"], times["min"])]),
-            "ring/roll": quartiles([a / b for a, b in zip(times["ring"], times["roll"])]),
-            "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
+            "roll/min": harness.ratio(times["roll"], times["min"]),
+            "ring/min": harness.ratio(times["ring"], times["min"]),
+            "ring/roll": harness.ratio(times["ring"], times["roll"]),
+            "ms": {name: harness.Spread.of(t).scaled(1e3).median for name, t in times.items()},
         }
         out[kind] = res
     return out
@@ -119,19 +124,23 @@ def bench(heads, dim, sink_frames, tpf, chunk_frames, window_frames, reps, dtype
 def main(args) -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}, {args.tokens_per_frame} tokens/frame, "
-          f"chunk 3 frames, window 21 frames, {args.reps} interleaved reps (roll, ring, minimum)")
-    print("bytes: K+V bytes written per call / the chunk's K+V bytes; time: per-rep ratio, median [q1, q3]")
-    print(f"{'geometry':<14} {'call':<16} {'B roll':>6} {'B ring':>6} {'roll/min':>20} {'ring/min':>20} "
-          f"{'ring/roll':>20} {'roll ms':>8} {'ring ms':>8} {'min ms':>7}")
-    fmt = lambda q: f"{q[1]:.2f} [{q[0]:.2f}, {q[2]:.2f}]"  # noqa: E731
+    report = harness.Report("streaming_cache", args)
+    report.start(threads=args.threads)
+    report.note(f"{args.dtype}, {args.tokens_per_frame} tokens/frame, chunk 3 frames, window 21 frames, {args.reps} "
+                "interleaved reps (roll, ring, minimum), wall clock; bytes: K+V bytes written per call / the chunk's "
+                "K+V bytes; ratios: per rep")
+    table = report.table("streaming-cache writes: roll (CausalKVCache) and ring (RingCausalKVCache) vs the minimum copy",
+                         [("geometry", 13), ("call", 15), ("B roll", 6, "{:.2f}"), ("B ring", 6, "{:.2f}"),
+                          ("roll/min", 17), ("ring/min", 17), ("ring/roll", 17), ("min ms", 6, "{:.3f}")])
     for name, (heads, dim, sink_f) in GEOMETRIES.items():
         res = bench(heads, dim, sink_f, args.tokens_per_frame, 3, 21, args.reps, dtype)
         for kind, r in res.items():
-            ms = r["ms"]
-            print(f"{name:<14} {kind:<16} {r['bytes roll']:>6.2f} {r['bytes ring']:>6.2f} {fmt(r['roll/min']):>20} "
-                  f"{fmt(r['ring/min']):>20} {fmt(r['ring/roll']):>20} {ms['roll']:>8.3f} {ms['ring']:>8.3f} "
-                  f"{ms['min']:>7.3f}")
+            table.row(name, kind, r["bytes roll"], r["bytes ring"], r["roll/min"], r["ring/min"], r["ring/roll"],
+                      r["ms"]["min"], ms=r["ms"])
+            if kind == "evicting append":
+                report.finding(f"{name}: an evicting append on the ring layout writes {r['bytes ring']:.2f}x the "
+                               f"chunk's bytes (roll: {r['bytes roll']:.2f}x); time ring/roll {r['ring/roll']}")
+    report.finish()
 
 
 if __name__ == "__main__":

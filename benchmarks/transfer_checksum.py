@@ -2,9 +2,10 @@
 
 Geometry: one prefill/decode rank pair of Llama-3.2-1B (8 KV heads x head_dim 64, models.md) served at TP 4 -> TP 4
 (2 KV heads per rank, one writer per decode rank), 16 layers, bfloat16, block_size 16, one request of ``--tokens``
-tokens split at a staging grid of ``--chunk`` tokens. Synthetic ``randn`` KV. Two tables, each cell the median of
-per-round ratios (a candidate over its baseline *in the same round*; rounds interleave the candidates, so machine
-noise hits all alike) with the 25th-75th percentile spread. Nothing is asserted.
+tokens split at a staging grid of ``--chunk`` tokens. Synthetic ``randn`` KV. Two tables, each ratio the median
+[p25-p75] of per-round ratios (a candidate over its baseline *in the same round*; rounds interleave the candidates in
+rotated order, so machine noise hits all alike: benchmarks/_harness.py, as every benchmark). Nothing is asserted; the
+verdict block at the end says what the run found.
 
 * **local** (one process, one thread, ``time.thread_time``): per message, ``wire.checksum`` (the CRC-32 of the
   payload, computed once by the sender and once by the receiver; with the optional ``isal`` package its folding CRC,
@@ -16,7 +17,7 @@ noise hits all alike) with the 25th-75th percentile spread. Nothing is asserted.
   request with ``checksum=True`` vs the same with ``checksum=False`` (both with the per-request metadata step and end
   markers), and the plain transfer vs one raw gloo message of the same bytes.
 
-    python benchmarks/transfer_checksum.py [--rounds 15] [--tokens 2048] [--chunk 512]
+    python benchmarks/transfer_checksum.py [--rounds 15] [--tokens 2048] [--chunk 512] [--quick]
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import pathlib
 import socket
-import statistics
+import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
 
 def parse_args(argv=None):
@@ -35,7 +40,16 @@ def parse_args(argv=None):
     p.add_argument("--inner", type=int, default=5, help="calls per candidate per round (local table)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the one request transferred")
     p.add_argument("--chunk", type=int, default=512, help="staging grid in tokens (the request is split at it)")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="5 rounds, 256 tokens, grid 128 (options given explicitly "
+                                                        "still apply)")
+    harness.add_json_arg(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        given = set(argv if argv is not None else sys.argv[1:])
+        for flag, key, value in (("--rounds", "rounds", 5), ("--tokens", "tokens", 256), ("--chunk", "chunk", 128)):
+            if flag not in given:
+                setattr(args, key, value)
+    return args
 
 
 if __name__ == "__main__":
@@ -46,18 +60,13 @@ import torch  # noqa: E402
 LAYERS, H_LOCAL, HEAD_DIM, BLOCK, DTYPE = 16, 2, 64, 16, torch.bfloat16
 
 
-def spread(ratios):
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return f"{statistics.median(ratios):.3f}x (p25 {q[0]:.3f}, p75 {q[2]:.3f})"
-
-
 def caches(num_blocks, seed=0):
     g = torch.Generator().manual_seed(seed)
     make = lambda: torch.randn(num_blocks, BLOCK, H_LOCAL, HEAD_DIM, generator=g).to(DTYPE)  # noqa: E731
     return [make() for _ in range(LAYERS)], [make() for _ in range(LAYERS)]
 
 
-def local(args):
+def local(report, args):
     import kvops
     from kvops.ops.transfer import staging_shape
     from kvops.transfer import wire
@@ -78,25 +87,20 @@ def local(args):
                   "copy": lambda: other.copy_(msg),
                   "checksum": lambda: wire.checksum(msg, payload),
                   "zlib.crc32": lambda: zlib.crc32(view)}
-    times = {k: [] for k in candidates}
-    for _ in range(args.rounds):
-        for name, fn in candidates.items():
-            t0 = time.thread_time()
-            for _ in range(args.inner):
-                fn()
-            times[name].append((time.thread_time() - t0) / args.inner)
-    ck = times["checksum"]
+    t = harness.interleave(candidates, args.rounds, clock="thread", reps=args.inner)
     impl = "zlib.crc32" if wire._crc32 is zlib.crc32 else f"{wire._crc32.__module__}.crc32"
-    print(f"local, one message of {n} tokens x {LAYERS} layers x {H_LOCAL} heads x {HEAD_DIM} ({payload / 1e6:.2f} "
-          f"MB), {args.rounds} rounds x {args.inner} calls, 1 thread, thread CPU time; {isa()}:")
+    report.print(f"local: one message of {n} tokens x {LAYERS} layers x {H_LOCAL} heads x {HEAD_DIM} "
+                 f"({payload / 1e6:.2f} MB), {args.rounds} rounds x {args.inner} calls, 1 thread, thread CPU time; "
+                 f"{isa()}")
+    table = report.table("local: per message", [("candidate", 32), ("GB/s", 6, "{:.2f}"), ("ms per GB", 9, "{:.1f}"),
+                                                ("/ copy", 17), ("/ gather", 17)])
     for name in ("copy", "gather", "checksum", "zlib.crc32"):
         label = f"checksum ({impl})" if name == "checksum" else name
-        med = statistics.median(times[name])
-        print(f"  {label:<34} {payload / med / 1e9:6.2f} GB/s = {med / payload * 1e9 * 1e3:6.1f} ms per GB")
-    for name in ("checksum", "zlib.crc32"):
-        label = f"checksum ({impl})" if name == "checksum" else name
-        print(f"  {label} / copy:   {spread([c / g for c, g in zip(times[name], times['copy'])])}")
-        print(f"  {label} / gather: {spread([c / g for c, g in zip(times[name], times['gather'])])}")
+        med = t.time(name).median
+        table.row(label, payload / med / 1e9, med / payload * 1e9 * 1e3, t.ratio(name, "copy") if name != "copy"
+                  else None, t.ratio(name, "gather") if name not in ("copy", "gather") else None)
+    report.finding(f"the checksum ({impl}) costs {t.ratio('checksum', 'copy')} x a copy of the message, "
+                   f"{t.ratio('checksum', 'gather')} x the gather the transfer does anyway")
 
 
 def isa() -> str:
@@ -134,7 +138,7 @@ def worker(rank, port, args, out):
         end.connect()
     times = {"plain": [], "checksum": [], "raw": []}
     for r in range(args.rounds + 1):  # round 0 warms up
-        for name in times:
+        for name in harness.rotation(list(times), r):  # the same order on both ranks
             dist.barrier()
             t0 = time.perf_counter()
             if name == "raw":
@@ -151,7 +155,7 @@ def worker(rank, port, args, out):
     dist.destroy_process_group()
 
 
-def transfer(args):
+def transfer(report, args):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
@@ -167,19 +171,27 @@ def transfer(args):
     for p in procs:
         p.join(60)
     plain, ck, raw = times["plain"], times["checksum"], times["raw"]
-    print(f"transfer of one request: {args.tokens} tokens ({nbytes / 1e6:.2f} MB), grid {args.chunk} tokens, 1 -> 1 "
-          f"rank, gloo loopback, {args.rounds} rounds, wall clock (decode side, after a barrier):")
-    print(f"  plain: median {statistics.median(plain) * 1e3:.2f} ms ({nbytes / statistics.median(plain) / 1e9:.2f} "
-          f"GB/s); checksum: median {statistics.median(ck) * 1e3:.2f} ms; raw message: median "
-          f"{statistics.median(raw) * 1e3:.2f} ms")
-    print(f"  checksum / plain: {spread([c / p for c, p in zip(ck, plain)])}")
-    print(f"  plain / raw:      {spread([p / r for p, r in zip(plain, raw)])}")
+    report.print(f"\ntransfer of one request: {args.tokens} tokens ({nbytes / 1e6:.2f} MB), grid {args.chunk} tokens, "
+                 f"1 -> 1 rank, gloo loopback, {args.rounds} rounds, wall clock (decode side, after a barrier)")
+    table = report.table("transfer: send + receive of the request", [("candidate", 14), ("ms", 20, "{:.2f}"),
+                                                                     ("GB/s", 6, "{:.2f}"), ("ratio", 17),
+                                                                     ("ratio of", 16, None, "<")])
+    ms = {name: harness.Spread.of(ts).scaled(1e3) for name, ts in times.items()}
+    table.row("plain", ms["plain"], nbytes / (ms["plain"].median * 1e-3) / 1e9, harness.ratio(plain, raw),
+              "plain / raw")
+    table.row("checksum", ms["checksum"], nbytes / (ms["checksum"].median * 1e-3) / 1e9, harness.ratio(ck, plain),
+              "checksum / plain")
+    table.row("raw message", ms["raw"], nbytes / (ms["raw"].median * 1e-3) / 1e9, None, "-")
+    report.finding(f"checksum=True makes a transfer take {harness.ratio(ck, plain)} x the time without it")
 
 
 def main(args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    local(args)
-    transfer(args)
+    report = harness.Report("transfer_checksum", args)
+    report.start(threads=1)
+    local(report, args)
+    transfer(report, args)
+    report.finish()
 
 
 if __name__ == "__main__":

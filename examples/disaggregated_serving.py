@@ -23,10 +23,11 @@ KV, each followed by a baseline: the same bytes as one plain send per writer), a
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
+import pathlib
 import socket
+import sys
 import time
 
 import torch
@@ -37,19 +38,12 @@ from kvops.cache import PagedKVCache
 from kvops.transfer import (KVReceiver, KVSender, TransferGroups, compute_head_slice_params, rank_head_range,
                             staging_grid_tokens, writer_bytes)
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/_common.py, from any working directory
+from _common import parser, rope  # noqa: E402
+
 # Llama-3.2-1B (models.md / its config.json)
 HIDDEN, H_Q, H_KV, HEAD_DIM, ROPE_THETA = 2048, 32, 8, 64, 500_000.0
 FULL = {"layers": 16, "ffn": 8192, "vocab": 128256}
-
-
-def rope(x, positions):
-    """Rotary embedding (half-split, as Llama) of ``x [N, H, D]`` at ``positions [N]``."""
-    d = x.shape[-1] // 2
-    inv_freq = ROPE_THETA ** (-torch.arange(d, device=x.device, dtype=torch.float32) / d)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x[..., :d].float(), x[..., d:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def full_weights(args, dtype, device):
@@ -93,7 +87,8 @@ class TPModel:
         for layer, w in enumerate(self.layers):
             h = F.rms_norm(x, (HIDDEN,), eps=1e-5)
             q, k, v = F.linear(h, w["qkv"]).split([self.hq * HEAD_DIM, self.hkv * HEAD_DIM, self.hkv * HEAD_DIM], -1)
-            q, k = rope(q.view(n, self.hq, HEAD_DIM), positions), rope(k.view(n, self.hkv, HEAD_DIM), positions)
+            q = rope(q.view(n, self.hq, HEAD_DIM), positions, ROPE_THETA)
+            k = rope(k.view(n, self.hkv, HEAD_DIM), positions, ROPE_THETA)
             cache.write(layer, k, v.reshape(n, self.hkv, HEAD_DIM), step)
             attn = cache.attention(layer, q, step)
             x = x + self._reduce(F.linear(attn.reshape(n, -1), w["o"]))
@@ -252,18 +247,21 @@ def print_report(args, reports, dtype) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--prefill-tp", type=int, default=4)
-    p.add_argument("--decode-tp", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--lengths", type=int, nargs="+", default=[37, 64, 100, 19])
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=64)
+    p = parser(__doc__)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo, one process per rank; cuda: NCCL, one GPU per rank")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV caches")
+    p.add_argument("--prefill-tp", type=int, default=4, help="tensor-parallel ranks of the prefill side")
+    p.add_argument("--decode-tp", type=int, default=2, help="tensor-parallel ranks of the decode side")
+    p.add_argument("--layers", type=int, default=2, help=f"decoder layers ({FULL['layers']} in Llama-3.2-1B)")
+    p.add_argument("--ffn", type=int, default=2048, help=f"MLP width ({FULL['ffn']} in Llama-3.2-1B)")
+    p.add_argument("--vocab", type=int, default=1024, help=f"vocabulary size ({FULL['vocab']} in Llama-3.2-1B)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[37, 64, 100, 19],
+                   help="prompt lengths in tokens, one request each")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens each request generates on the decode side")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per paged-cache block")
+    p.add_argument("--num-blocks", type=int, default=64, help="blocks per layer of each rank's paged cache")
     p.add_argument("--chunk", type=int, default=64, help="chunked_prefill_size: the staging grid in tokens")
     p.add_argument("--rounds", type=int, default=5, help="transfers of the same KV (timed; the last one decodes)")
     args = p.parse_args(argv)

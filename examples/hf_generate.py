@@ -14,12 +14,16 @@ and prints the number of graphs.
 
 from __future__ import annotations
 
-import argparse
+import pathlib
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 import kvops.integrations.transformers as kvops_hf  # registers attn_implementation="kvops"
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/_common.py, from any working directory
+from _common import parser as example_parser  # noqa: E402
 
 COMMON = dict(vocab_size=96, num_hidden_layers=2, max_position_embeddings=128, intermediate_size=128)
 SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -67,10 +71,11 @@ def compiled_graphs(model, ids, mask, cache, steps=20):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--family", default="llama", choices=[*FAMILIES, "all"])
+    parser = example_parser(__doc__)
+    parser.add_argument("--family", default="llama", choices=[*FAMILIES, "all"],
+                        help="model family (a tiny random config of it), or all of them")
     parser.add_argument("--compile", action="store_true", help="also compile a decode loop (Inductor)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("scaled down for a CPU: 2 layers, hidden 64-112, vocab 96, random weights; batch of 2 left-padded prompts")

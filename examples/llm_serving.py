@@ -22,13 +22,9 @@ and the blocks in use.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
-import os
 import pathlib
-import statistics
-import tempfile
+import sys
 import time
 from collections import deque
 
@@ -41,18 +37,13 @@ from torch import nn
 import kvops
 from kvops.cache import PagedKVCache
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/_common.py, from any working directory
+from _common import (AOTPackage, add_run_options, check_package, configure_cpu_inference_compile,  # noqa: E402,F401
+                     cpu_seconds, digest_path, file_digest, input_signature, package_path, parse_run_args, parser,
+                     rope, spread)
+
 # Qwen2.5-0.5B (models.md / its config.json)
 HIDDEN, H_Q, H_KV, HEAD_DIM, FFN, ROPE_THETA = 896, 14, 2, 64, 4864, 1_000_000.0
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (half-split, as Qwen2/Llama) of ``x [N, H, D]`` at ``positions [N]``."""
-    d = x.shape[-1] // 2
-    inv_freq = ROPE_THETA ** (-torch.arange(d, device=x.device, dtype=torch.float32) / d)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x[..., :d].float(), x[..., d:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def aten_cache_write(k, v, k_cache, v_cache, slot_mapping):
@@ -95,8 +86,8 @@ class Layer(nn.Module):
     def forward(self, x, positions, k_cache, v_cache, meta):
         n = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).split([H_Q * HEAD_DIM, H_KV * HEAD_DIM, H_KV * HEAD_DIM], dim=-1)
-        q = rope(q.view(n, H_Q, HEAD_DIM), positions)
-        k = rope(k.view(n, H_KV, HEAD_DIM), positions)
+        q = rope(q.view(n, H_Q, HEAD_DIM), positions, ROPE_THETA)
+        k = rope(k.view(n, H_KV, HEAD_DIM), positions, ROPE_THETA)
         if self.impl == "aten":
             aten_cache_write(k, v.view(n, H_KV, HEAD_DIM), k_cache, v_cache, meta["slot_mapping"])
             attn = sdpa_paged_attention(q, k_cache, v_cache, meta["cu_seqlens_q"], meta["seq_lens"],
@@ -194,83 +185,6 @@ def serve(model, cache: PagedKVCache, requests: list[Request], args, device, syn
     return out, generated, time.perf_counter() - t0, stats
 
 
-def configure_cpu_inference_compile(device: torch.device) -> str:
-    """Inductor settings for the compiled CPU path (set in ``main`` only; returned as a line to print).
-
-    Both examples are GEMM-bound at their CPU scale (``aten::addmm``/``mm`` are ~90% of an eager step, measured with
-    torch.profiler), and by default Inductor calls the same GEMM as eager. Under ``torch.no_grad``, ``freezing``
-    turns the weights into constants (constant folding, weight prepacking) and ``max_autotune`` with the ``CPP``
-    GEMM backend only (one candidate, so nothing is benchmarked at compile time) generates a GEMM over the prepacked
-    weights with the bias/activation fused in. Only parameters are frozen: the KV caches are arguments of the
-    compiled function (mutated graph inputs), never constants. Weight updates after the first compiled call are not
-    seen by the compiled model (freezing's contract). Cost: torch 2.13 caches no frozen graph on disk (AOTAutograd
-    and FX graph caches bypass it), so every process traces and generates code again (docs/compile.md).
-    """
-    if device.type != "cpu":
-        return "inductor: defaults"
-    torch._inductor.config.freezing = True
-    torch._inductor.config.max_autotune = True
-    torch._inductor.config.max_autotune_gemm_backends = "CPP"
-    return "inductor: freezing, max_autotune with the CPP GEMM backend (weights prepacked; caches are inputs)"
-
-
-def kvops_sources() -> str:
-    """sha256 of kvops' version and installed sources (``.py``, ``.cpp``, ``.h``), for ``--package`` file names: a
-    package bakes in kvops code (lowerings, the ops' schemas, ``streaming_update``), so a changed kvops builds anew."""
-    root = pathlib.Path(kvops.__file__).parent
-    digest = hashlib.sha256(kvops.__version__.encode())
-    for f in sorted(root.rglob("*")):
-        if f.suffix in (".py", ".cpp", ".h"):
-            digest.update(f.relative_to(root).as_posix().encode() + f.read_bytes())
-    return digest.hexdigest()
-
-
-def input_signature(named) -> dict:
-    """``{name: [shape, dtype, device]}`` of ``(name, tensor)`` pairs: what a ``--package`` records in its metadata
-    (as JSON) and checks every call against."""
-    return {name: [list(t.shape), str(t.dtype), str(t.device)] for name, t in named}
-
-
-def digest_path(path: pathlib.Path) -> pathlib.Path:
-    """Where a package's sha256 is recorded when it is built: ``<package>.sha256`` beside it."""
-    return path.with_name(path.name + ".sha256")
-
-
-def file_digest(path: pathlib.Path) -> str:
-    """sha256 of a file's bytes, read in 1 MiB chunks (about 1-2 s per GB, once per process)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def check_package(path: pathlib.Path) -> None:
-    """SystemExit naming the file and the cure unless ``path`` has the bytes whose sha256 was recorded when it was
-    built: AOTInductor loads a package whose weights were changed (even with a stale zip CRC) and runs it."""
-    record = digest_path(path)
-    try:
-        recorded = record.read_text().strip()
-    except OSError as e:
-        raise SystemExit(f"--package: {path} has no readable digest record {record.name} (written beside it when it is "
-                         f"built; {e.strerror}); delete {path.name} to rebuild it") from e
-    if file_digest(path) != recorded:
-        raise SystemExit(f"--package: {path} does not match the sha256 recorded in {record.name} when it was built: "
-                         f"the file was changed or corrupted; delete {path.name} and {record.name} to rebuild it")
-
-
-def writable_package_dir(path: pathlib.Path) -> None:
-    """Make sure a package that is not there yet can be built in its folder (else SystemExit naming the folder)."""
-    if path.exists():
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"--package: cannot create {path.parent} to build {path.name} ({e})") from e
-    if not os.access(path.parent, os.W_OK):
-        raise SystemExit(f"--package: cannot build {path.name} in {path.parent}: the folder is not writable")
-
-
 class StepWithTensors(nn.Module):
     """``Model`` with the step's metadata as tensor arguments (what ``--package`` exports): ``max_seqlen_q`` is
     fixed at ``token_budget``, an upper bound of every padded step's query lengths (FlashAttention's varlen
@@ -286,7 +200,7 @@ class StepWithTensors(nn.Module):
         return self.model(input_ids, positions, k_caches, v_caches, meta)
 
 
-class PackagedStep:
+class PackagedStep(AOTPackage):
     """``--package DIR``: the compiled step as an AOTInductor package instead of ``torch.compile``, called as the model.
 
     On the first call the step is exported (``StepWithTensors``; static shapes: ``serve`` pads every step to the same
@@ -295,23 +209,17 @@ class PackagedStep:
     DIR; a later process finds the file and only loads it, after checking its bytes against the sha256 recorded
     beside it at build time (``check_package``: a changed or corrupted package is refused, naming the file and the
     cure). This is the warm start that torch.compile's on-disk caches do not give a frozen graph in torch 2.13
-    (docs/compile.md). The package holds the weights as constants (freezing),
-    so its file name hashes everything baked in: the arguments that shape the model and the step, dtype, device,
-    threads, the CPU's vector ISA, the Inductor settings, kvops' lowering tag and this file's source.
+    (docs/compile.md). The package holds the weights as constants (freezing), so its file name hashes everything
+    baked in (``_common.package_path``): the arguments that shape the model and the step, dtype, device, threads,
+    the CPU's vector ISA, the Inductor settings, kvops' lowering tag and the examples' source. Every call is checked
+    against the inputs the package was built for (``_check_inputs``).
     """
 
     def __init__(self, model: nn.Module, args, directory: str):
-        self.model, self.budget, self.package, self.status, self.signature = model, args.token_budget, None, None, {}
+        self.model, self.budget = model, args.token_budget
         key = {name: getattr(args, name) for name in ("device", "dtype", "layers", "vocab", "max_batch",
                                                         "token_budget", "max_prompt", "max_new", "block_size", "impl")}
-        key.update(threads=torch.get_num_threads(), isa=torch.backends.cpu.get_cpu_capability(),
-                   torch=torch.__version__, tag=torch.compiler.config.cache_key_tag,
-                   inductor=[torch._inductor.config.freezing, torch._inductor.config.max_autotune,
-                             torch._inductor.config.max_autotune_gemm_backends],
-                   source=hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest(), kvops=kvops_sources())
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = pathlib.Path(directory) / f"llm_serving-{digest}.pt2"
-        writable_package_dir(self.path)
+        super().__init__(package_path(directory, "llm_serving", key, __file__))
 
     def __call__(self, input_ids, positions, k_caches, v_caches, meta):
         tensors = (input_ids, positions, list(k_caches), list(v_caches), meta["slot_mapping"], meta["cu_seqlens_q"],
@@ -321,60 +229,16 @@ class PackagedStep:
                                      *((f"v_caches[{i}]", t) for i, t in enumerate(v_caches)),
                                      *((key, meta[key]) for key in ("slot_mapping", "cu_seqlens_q", "seq_lens",
                                                                     "block_table"))])
-        if self.package is None:
-            from torch._inductor import aoti_compile_and_package, aoti_load_package
-
-            if input_ids.device.type == "cpu":
-                kvops.native.available()  # the native kernel the package calls (built or loaded once per process)
-            if self.path.exists():
-                self.status = f"loaded {self.path}"
-            else:  # (writable_package_dir made the folder)
-                exported = torch.export.export(StepWithTensors(self.model, self.budget), tensors)
-                metadata = {"aot_inductor.metadata": {"kvops_inputs": json.dumps(signature)}}  # checked on load
-                with tempfile.TemporaryDirectory(prefix=".building-", dir=self.path.parent) as tmp:  # no half file
-                    with kvops.native.native_in_aoti_packages():
-                        built = pathlib.Path(aoti_compile_and_package(
-                            exported, package_path=os.path.join(tmp, self.path.name), inductor_configs=metadata))
-                    digest_path(built).write_text(file_digest(built) + "\n")  # checked at every load
-                    os.replace(digest_path(built), digest_path(self.path))  # (a record without its package: rebuilt)
-                    os.replace(built, self.path)
-                self.status = f"built {self.path}"
-            check_package(self.path)
-            try:
-                self.package = aoti_load_package(str(self.path))
-                self.signature = json.loads(self.package.get_metadata()["kvops_inputs"])
-            except (RuntimeError, KeyError) as e:
-                raise SystemExit(f"--package: {self.path} could not be loaded ({e!r}); delete it to rebuild it") from e
-        self._check_inputs(signature)
-        return self.package(*tensors)
-
-    def _check_inputs(self, signature: dict) -> None:
-        """Refuse (ValueError, before the package runs) inputs whose shape, dtype or device differ from those the
-        package was built for (its metadata records them): its generated code indexes with the built shapes, and
-        AOTInductor checks none at run time unless ``AOTI_RUNTIME_CHECK_INPUTS=1``, so other inputs would be read and
-        written out of bounds."""
-        if signature != self.signature:
-            name = next(n for n in {**signature, **self.signature} if signature.get(n) != self.signature.get(n))
-            raise ValueError(f"{type(self).__name__}: {name} is {signature.get(name)} (shape, dtype, device), but "
-                             f"{self.path.name} was built for {self.signature.get(name)}: pass inputs of those "
-                             f"shapes, or build another package (other arguments)")
-
-
-def spread(values, fmt="{:.1f}") -> str:
-    """``median [min-max] (n runs)`` of a list of measurements."""
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
-
-
-def cpu_seconds() -> float:
-    """CPU seconds of this process and its finished children (Inductor's C++ compiler runs): a compile-cost measure
-    that other load on the machine does not inflate as it does wall time."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+        if self.package is None and input_ids.device.type == "cpu":
+            kvops.native.available()  # the native kernel the package calls (built or loaded once per process)
+        return self.run(tensors, signature,
+                        export=lambda: torch.export.export(StepWithTensors(self.model, self.budget), tensors),
+                        context=kvops.native.native_in_aoti_packages)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p = parser(__doc__)
+    p.add_argument("--device", default="cpu", help="where the model and caches live: cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model and cache dtype")
     p.add_argument("--layers", type=int, default=2, help="transformer layers (24 in Qwen2.5-0.5B)")
@@ -388,21 +252,8 @@ def main() -> None:
     p.add_argument("--impl", default="kvops", choices=["kvops", "aten"],
                    help="kvops: paged_cache_write + paged_attention; aten: the baseline of plain index_put_ writes "
                         "and SDPA over the gathered blocks")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed eager/compiled run pairs after warm-up, interleaved (median and spread printed)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
-    p.add_argument("--package", default=None, metavar="DIR",
-                   help="compiled = an AOTInductor package of the step (same Inductor settings) instead of "
-                        "torch.compile: built and saved in DIR on the first run, loaded from DIR by later runs with "
-                        "the same arguments (the second run's first step: about 1.5 s here, load included)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements to this JSON file")
-    args = p.parse_args()
-    if args.package and os.path.exists(args.package) and not os.path.isdir(args.package):
-        p.error(f"--package {args.package}: not a directory (give a folder for the packages)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but CUDA is not available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    add_run_options(p, "run", "the step", "the second run's first step: about 1.5 s here, load included")
+    args = parse_run_args(p)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)

@@ -25,14 +25,11 @@ in DIR by the first run and loaded by later ones (torch.compile re-traces a froz
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import math
-import os
 import pathlib
 import statistics
-import tempfile
+import sys
 import time
 from typing import NamedTuple
 
@@ -46,6 +43,11 @@ import kvops
 from kvops.cache import CausalKVCache, PackedCausalKVCache, RingCausalKVCache
 from kvops.export import init_cursors, streaming_update
 from kvops.packed import packed_attention
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/_common.py, from any working directory
+from _common import (AOTPackage, add_run_options, check_package, configure_cpu_inference_compile,  # noqa: E402,F401
+                     cpu_seconds, input_signature, parse_run_args, parser, spread)
+from _common import package_path as _package_path  # noqa: E402
 
 # Wan-2.1 1.3B (models.md): 12 heads x 128 = dim 1536, FFN 8960, 30 layers; chunk 3 frames, window 21 frames.
 HEADS, HEAD_DIM = 12, 128
@@ -205,78 +207,16 @@ class TensorCursorCache(NamedTuple):
         self.cursors.zero_()  # a new stream (the rows hold finite values: streaming_update's contract)
 
 
-def kvops_sources() -> str:
-    """sha256 of kvops' version and installed sources (``.py``, ``.cpp``, ``.h``), for ``--package`` file names: a
-    package bakes in kvops code (lowerings, the ops' schemas, ``streaming_update``), so a changed kvops builds anew."""
-    root = pathlib.Path(kvops.__file__).parent
-    digest = hashlib.sha256(kvops.__version__.encode())
-    for f in sorted(root.rglob("*")):
-        if f.suffix in (".py", ".cpp", ".h"):
-            digest.update(f.relative_to(root).as_posix().encode() + f.read_bytes())
-    return digest.hexdigest()
-
-
-def input_signature(named) -> dict:
-    """``{name: [shape, dtype, device]}`` of ``(name, tensor)`` pairs: what a ``--package`` records in its metadata
-    (as JSON) and checks every call against."""
-    return {name: [list(t.shape), str(t.dtype), str(t.device)] for name, t in named}
-
-
-def digest_path(path: pathlib.Path) -> pathlib.Path:
-    """Where a package's sha256 is recorded when it is built: ``<package>.sha256`` beside it."""
-    return path.with_name(path.name + ".sha256")
-
-
-def file_digest(path: pathlib.Path) -> str:
-    """sha256 of a file's bytes, read in 1 MiB chunks (about 1-2 s per GB, once per process)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def check_package(path: pathlib.Path) -> None:
-    """SystemExit naming the file and the cure unless ``path`` has the bytes whose sha256 was recorded when it was
-    built: AOTInductor loads a package whose weights were changed (even with a stale zip CRC) and runs it."""
-    record = digest_path(path)
-    try:
-        recorded = record.read_text().strip()
-    except OSError as e:
-        raise SystemExit(f"--package: {path} has no readable digest record {record.name} (written beside it when it is "
-                         f"built; {e.strerror}); delete {path.name} to rebuild it") from e
-    if file_digest(path) != recorded:
-        raise SystemExit(f"--package: {path} does not match the sha256 recorded in {record.name} when it was built: "
-                         f"the file was changed or corrupted; delete {path.name} and {record.name} to rebuild it")
-
-
-def writable_package_dir(path: pathlib.Path) -> None:
-    """Make sure a package that is not there yet can be built in its folder (else SystemExit naming the folder)."""
-    if path.exists():
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"--package: cannot create {path.parent} to build {path.name} ({e})") from e
-    if not os.access(path.parent, os.W_OK):
-        raise SystemExit(f"--package: cannot build {path.name} in {path.parent}: the folder is not writable")
-
-
 def package_path(args, config: tuple[int, int, int], directory: str) -> pathlib.Path:
     """The package file of a cache configuration ``(sink, chunk, window frames)``: its name hashes everything baked
     in (the weights are constants: freezing): the arguments that shape the model and the pass, the configuration,
-    threads, the CPU's vector ISA, torch, the Inductor settings, kvops' lowering tag and this file's source."""
+    threads, the CPU's vector ISA, torch, the Inductor settings, kvops' lowering tag and the examples' source
+    (``_common.package_path``)."""
     key = {name: getattr(args, name) for name in ("device", "dtype", "layers", "tokens_per_frame", "ffn", "impl")}
-    key.update(config=list(config), threads=torch.get_num_threads(), isa=torch.backends.cpu.get_cpu_capability(),
-               torch=torch.__version__, tag=torch.compiler.config.cache_key_tag,
-               inductor=[torch._inductor.config.freezing, torch._inductor.config.max_autotune,
-                         torch._inductor.config.max_autotune_gemm_backends],
-               source=hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest(), kvops=kvops_sources())
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return pathlib.Path(directory) / f"streaming_video-{digest}.pt2"
+    return _package_path(directory, "streaming_video", {**key, "config": list(config)}, __file__)
 
 
-class PackagedStep:
+class PackagedStep(AOTPackage):
     """``--package DIR``: a configuration's compiled pass as an AOTInductor package of ``StreamStep``, called by
     ``stream()`` as the model, on ``TensorCursorCache`` layers.
 
@@ -291,51 +231,16 @@ class PackagedStep:
     def __init__(self, model: StreamingModel, args, config: tuple[int, int, int], directory: str):
         update = aten_streaming_update if args.impl == "aten" else streaming_update
         self.step = StreamStep(model, config[0] * args.tokens_per_frame, update)
-        self.path, self.package, self.status = package_path(args, config, directory), None, None
-        self.signature = {}
-        writable_package_dir(self.path)
+        super().__init__(package_path(args, config, directory))
 
     def __call__(self, x: torch.Tensor, caches: list[TensorCursorCache], start: int) -> torch.Tensor:
         cursors = caches[0].cursors
         tensors = (x, [c.k for c in caches], [c.v for c in caches], cursors, torch.tensor(start, device=x.device))
         signature = input_signature([("x", x), *((f"caches[{i}].{kv}", getattr(c, kv)) for i, c in enumerate(caches)
                                                  for kv in "kv"), ("cursors", cursors)])
-        if self.package is None:
-            from torch._inductor import aoti_compile_and_package, aoti_load_package
-
-            if self.path.exists():
-                self.status = f"loaded {self.path}"
-            else:  # (writable_package_dir made the folder)
-                exported = torch.export.export(self.step, tensors)
-                metadata = {"aot_inductor.metadata": {"kvops_inputs": json.dumps(signature)}}  # checked on load
-                with tempfile.TemporaryDirectory(prefix=".building-", dir=self.path.parent) as tmp:  # no half file
-                    built = pathlib.Path(aoti_compile_and_package(
-                        exported, package_path=os.path.join(tmp, self.path.name), inductor_configs=metadata))
-                    digest_path(built).write_text(file_digest(built) + "\n")  # checked at every load
-                    os.replace(digest_path(built), digest_path(self.path))  # (a record without its package: rebuilt)
-                    os.replace(built, self.path)
-                self.status = f"built {self.path}"
-            check_package(self.path)
-            try:
-                self.package = aoti_load_package(str(self.path))
-                self.signature = json.loads(self.package.get_metadata()["kvops_inputs"])
-            except (RuntimeError, KeyError) as e:
-                raise SystemExit(f"--package: {self.path} could not be loaded ({e!r}); delete it to rebuild it") from e
-        self._check_inputs(signature)
-        out = self.package(*tensors)
+        out = self.run(tensors, signature, export=lambda: torch.export.export(self.step, tensors))
         cursors.copy_(out[1])
         return out[0]
-
-    def _check_inputs(self, signature: dict) -> None:
-        """Refuse (ValueError, before the package runs) inputs whose shape, dtype or device differ from those the
-        package was built for (its metadata records them): its generated code indexes with the built shapes, and
-        AOTInductor checks none at run time unless ``AOTI_RUNTIME_CHECK_INPUTS=1``, so other inputs would be read and
-        written out of bounds."""
-        if signature != self.signature:
-            name = next(n for n in {**signature, **self.signature} if signature.get(n) != self.signature.get(n))
-            raise ValueError(f"{type(self).__name__}: {name} is {signature.get(name)} (shape, dtype, device), but "
-                             f"{self.path.name} was built for {self.signature.get(name)}: pass inputs of those "
-                             f"shapes, or build another package (other arguments)")
 
 
 def stream(model, caches, latents: torch.Tensor, chunk_tokens: int, steps: int, sync):
@@ -355,47 +260,13 @@ def stream(model, caches, latents: torch.Tensor, chunk_tokens: int, steps: int, 
     return torch.cat(outputs, dim=1), times
 
 
-def configure_cpu_inference_compile(device: torch.device) -> str:
-    """Inductor settings for the compiled CPU path (set in ``main`` only; returned as a line to print).
-
-    Both examples are GEMM-bound at their CPU scale (``aten::addmm``/``mm`` are ~90% of an eager step, measured with
-    torch.profiler), and by default Inductor calls the same GEMM as eager. Under ``torch.no_grad``, ``freezing``
-    turns the weights into constants (constant folding, weight prepacking) and ``max_autotune`` with the ``CPP``
-    GEMM backend only (one candidate, so nothing is benchmarked at compile time) generates a GEMM over the prepacked
-    weights with the bias/activation fused in. Only parameters are frozen: the KV caches are arguments of the
-    compiled function (mutated graph inputs), never constants. Weight updates after the first compiled call are not
-    seen by the compiled model (freezing's contract). torch 2.13's freezing fails to compile a graph whose mutated
-    inputs are views of one tensor (reproduced without kvops: a module writing ``k[:, :4] = h; v[:, :4] = 2 * h``
-    with ``k, v = kv[:, :, 0], kv[:, :, 1]`` raises IndexError under freezing and compiles without it), so with
-    freezing on, this example allocates K and V separately. Cost: torch 2.13 caches no frozen graph on disk, so
-    every process traces and generates code again (docs/compile.md).
-    """
-    if device.type != "cpu":
-        return "inductor: defaults"
-    torch._inductor.config.freezing = True
-    torch._inductor.config.max_autotune = True
-    torch._inductor.config.max_autotune_gemm_backends = "CPP"
-    return "inductor: freezing, max_autotune with the CPP GEMM backend (weights prepacked; caches are inputs)"
-
-
-def spread(values, fmt="{:.1f}") -> str:
-    """``median [min-max]`` of a list of measurements."""
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
-
-
-def cpu_seconds() -> float:
-    """CPU seconds of this process and its finished children (Inductor's C++ compiler runs)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p = parser(__doc__)
+    p.add_argument("--device", default="cpu", help="where the model and caches live: cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model and cache dtype")
-    p.add_argument("--layers", type=int, default=2, help="30 in Wan-2.1 1.3B")
-    p.add_argument("--tokens-per-frame", type=int, default=8, help="1560 at 480x832")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (30 in Wan-2.1 1.3B)")
+    p.add_argument("--tokens-per-frame", type=int, default=8, help="latent tokens per frame (1560 at 480x832)")
     p.add_argument("--ffn", type=int, default=2240, help="FFN width (8960 in Wan-2.1 1.3B)")
     p.add_argument("--chunks", type=int, default=10, help="chunks per stream (must pass the window to evict)")
     p.add_argument("--steps", type=int, default=3, help="denoising steps per chunk (DMD: 3-4)")
@@ -408,28 +279,15 @@ def main() -> None:
     p.add_argument("--impl", default="kvops", choices=["kvops", "aten"],
                    help="kvops: CausalKVCache (kvops.cache_write / cache_roll); aten: the baseline of plain slice "
                         "copies with the same semantics (roll layout, dense runs only)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed eager/compiled stream pairs after warm-up, interleaved (median and spread printed)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
-    p.add_argument("--package", default=None, metavar="DIR",
-                   help="compiled = an AOTInductor package of each configuration's pass (StreamStep, same Inductor "
-                        "settings) instead of torch.compile: built and saved in DIR on the first run, loaded from DIR "
-                        "by later runs with the same arguments (dense roll-layout caches only; --kv-cache-quant "
-                        "runs stay eager)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements to this JSON file")
-    args = p.parse_args()
-    if args.package and os.path.exists(args.package) and not os.path.isdir(args.package):
-        p.error(f"--package {args.package}: not a directory (give a folder for the packages)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but CUDA is not available")
+    add_run_options(p, "stream", "each configuration's pass (StreamStep)",
+                    "dense roll-layout caches only; --kv-cache-quant runs stay eager")
+    args = parse_run_args(p)
     if args.impl == "aten" and (args.layout != "roll" or args.kv_cache_quant != ["off"]):
         raise SystemExit("--impl aten is the dense roll-layout baseline: use it without --layout ring and "
                          "--kv-cache-quant")
     if args.package and args.layout != "roll":
         raise SystemExit("--package exports the dense roll-layout pass (kvops.export.streaming_update): use it "
                          "without --layout ring (with --impl kvops or --impl aten)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
