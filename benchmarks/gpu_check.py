@@ -16,8 +16,8 @@ Stages, each guarded (a failing stage is reported and the next one runs) and tim
    resources the loaded kernel handle reports (``n_regs``, ``n_spills``, ``metadata.shared``) next to what the
    cubin says (``cuobjdump``), as the ahead-of-time check reads them.
 
-``--aot`` needs no GPU: it compiles every kernel and specialization the launchers plan (``kvops/triton/aot.py``,
-cases in ``kvops/triton/aot_cases.py``) to cubins for sm_80, sm_86, sm_89, sm_90 and sm_100, and prints one table per
+``--aot`` needs no GPU: it compiles every kernel and specialization the launchers plan (``tools/aot.py``,
+cases in ``tools/aot_cases.py``) to cubins for sm_80, sm_86, sm_89, sm_90 and sm_100, and prints one table per
 target (kernel, specialization, status, registers, spills, shared memory, num_warps, estimated occupancy); exit 1 if
 anything fails to compile, spills or exceeds the target's shared memory. ``--subset`` runs the CI subset.
 
@@ -190,7 +190,7 @@ def aot_main(args) -> None:
     sys.path.insert(0, str(ROOT))
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("gpu_check --aot: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
-    from kvops.triton import aot
+    from tools import aot
 
     t0 = time.perf_counter()
     targets = args.targets.split(",") if args.targets else list(aot.TARGETS)
@@ -210,7 +210,7 @@ def device_resources():
     import torch
     import triton
 
-    from kvops.triton import aot, aot_cases
+    from tools import aot, aot_cases
 
     cap = torch.cuda.get_device_capability()
     target = next((t for t in aot.TARGETS.values() if t.capability == cap), None)

@@ -3,7 +3,7 @@
 Every launcher in ``kvops/triton/`` and ``kvops/packed/triton_*.py`` is split in two: a ``plan_*`` function that
 computes the grid, ``num_warps``, ``num_stages`` and the ``BLOCK_*`` constexprs from the arguments' shapes, dtypes and
 the target's compute capability and returns :class:`Launch` records, and the launcher proper, which runs them. The
-ahead-of-time check (``kvops/triton/aot.py``, ``python benchmarks/gpu_check.py --aot``) calls the same ``plan_*``
+ahead-of-time check (``tools/aot.py``, ``python benchmarks/gpu_check.py --aot``) calls the same ``plan_*``
 functions on ``meta`` tensors and compiles each record for real CUDA targets, so what it checks is what a launch runs.
 """
 

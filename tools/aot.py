@@ -1,7 +1,7 @@
 """Ahead-of-time compile check of every Triton kernel kvops launches, for real NVIDIA targets, without a GPU.
 
 The launchers' own ``plan_*`` functions (``kvops/triton/launch.py``) are called on ``meta`` tensors (shapes, dtypes and
-strides only; nothing is allocated) for each case of :mod:`kvops.triton.aot_cases` and each target; every planned
+strides only; nothing is allocated) for each case of :mod:`tools.aot_cases` and each target; every planned
 :class:`~kvops.triton.launch.Launch` is bound with Triton's own argument binder (the signature, the ``== 1`` and
 ``% 16`` specializations and the constexprs a real launch would get; tensors are taken as 16-byte aligned, as the
 CUDA caching allocator returns them) and compiled by ``triton.compile`` to a cubin for that target. Resources come
