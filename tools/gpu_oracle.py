@@ -119,14 +119,17 @@ def _randn(shape, gen, dtype=torch.float32, device="cpu"):
     return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
 
 
-def paged_inputs(device, dtype: str, d: int, group: int, bs: int, layout: str, mode: str, seed: int, h_kv: int = 2):
+def paged_inputs(device, dtype: str, d: int, group: int, bs: int, layout: str, mode: str, seed: int, h_kv: int = 2,
+                 lens: tuple[list, list] | None = None):
     """Ragged paged inputs (a padding row, chunked prefill, sequences over several blocks), permuted block tables,
-    NaN in every slot no sequence holds. fp8: e4m3 caches with per-KV-head scales and bf16 queries."""
+    NaN in every slot no sequence holds. fp8: e4m3 caches with per-KV-head scales and bf16 queries. ``lens``:
+    ``(seq_lens, q_lens)`` instead of the mode's."""
     gen = _gen(seed)
     fp8 = dtype == "fp8"
     q_dtype, cache_dtype = (torch.bfloat16, FP8) if fp8 else (FLOATS[dtype], FLOATS[dtype])
     seq_lens = [1, 0, 37, 130, 300] if mode == "decode" else [5, 0, 40, 129, 300]
     q_lens = [1, 0, 1, 1, 1] if mode == "decode" else [5, 0, 16, 1, 64]
+    seq_lens, q_lens = lens or (seq_lens, q_lens)
     need = [-(-n // bs) for n in seq_lens]
     pages = sum(need) + 3
     perm = torch.randperm(pages, generator=gen).tolist()
@@ -362,19 +365,20 @@ def attention_cases():
 
 
 def movement_cases():
-    i = itertools.count()
-    for dtype, d in itertools.product((*FLOATS, "fp8"), HEAD_DIMS):
-        k = next(i)
-        yield ("paged_write", dtype, d, BLOCK_SIZES[k % 3], ("NHD", "HND")[k % 2])
-        yield ("rotary_write", dtype, d, BLOCK_SIZES[(k + 1) % 3], ("neox", "gptj", "partial")[k % 3])
-        yield ("transfer", dtype, d, BLOCK_SIZES[k % 3])
+    """The data-movement and packed families, round-robin (each family's first case comes early)."""
+    writes, rotary, transfer, contiguous = [], [], [], []
+    for k, (dtype, d) in enumerate(itertools.product((*FLOATS, "fp8"), HEAD_DIMS)):
+        writes.append(("paged_write", dtype, d, BLOCK_SIZES[k % 3], ("NHD", "HND")[k % 2]))
+        rotary.append(("rotary_write", dtype, d, BLOCK_SIZES[(k + 1) % 3], ("neox", "gptj", "partial")[k % 3]))
+        transfer.append(("transfer", dtype, d, BLOCK_SIZES[k % 3]))
         if dtype != "fp8":
-            yield ("cache_write", dtype, d)
-    for fmt, dtype, d, group in zip(itertools.cycle(("int8", "fp8", "int4", "int2")),
-                                    itertools.cycle(FLOATS), itertools.cycle(HEAD_DIMS), itertools.cycle((1, 4, 8))):
-        yield ("packed", fmt, dtype, d, group, (1, 16)[group % 2])
-        if next(i) > 35:  # 12 distinct (format, dtype, head dim) triples, each with a group and query length
-            return
+            contiguous.append(("cache_write", dtype, d))
+    # 12 distinct (format, dtype, head dim) triples, each with a GQA group and a query length
+    packed = [("packed", fmt, dtype, d, group, (1, 16)[group % 2]) for _, fmt, dtype, d, group in zip(
+        range(24), itertools.cycle(("int8", "fp8", "int4", "int2")), itertools.cycle(FLOATS),
+        itertools.cycle(HEAD_DIMS), itertools.cycle((1, 4, 8)))]
+    for group in itertools.zip_longest(writes, rotary, transfer, contiguous, packed):
+        yield from (c for c in group if c is not None)
 
 
 def cases():
