@@ -164,7 +164,8 @@ def cudagraph_decode(out_dir: pathlib.Path | None, device: str = "cuda", steps: 
                       f"graphs: {counters['stats']['unique_graphs']}", f"cache storage moved: {moved}"])
     if out_dir is not None:
         (out_dir / "cudagraphs.txt").write_text(text + "\n")
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    # compiled vs eager numerics (bf16: fused RoPE and norms round differently; two layers) on values of order 1
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
     problems = ([f"{skips} cudagraph skip(s): {skipped[:1]}"] if skips or skipped else []) + \
         (["a cache was reallocated"] if moved else []) + ([f"cache rows differ from eager by {worst:.3g}"]
                                                           if worst > tol else [])
@@ -214,8 +215,9 @@ def fusion_code(out_dir: pathlib.Path | None, device: str = "cuda") -> str:
         (out_dir / "fusion_code.txt").write_text(code)
     kernels = re.findall(r"^(\w+) = async_compile\.(?:triton|cpp_pybinding|cpp)\(", code, re.M)
     calls = re.findall(r"(?<!')torch\.ops\.kvops\.\w+\.default\(", code)
-    same = torch.equal(k_cache.view(torch.uint8) if dtype.itemsize == 1 else k_cache, ref_k) and \
-        torch.equal(v_cache, ref_v)
+    # eager RoPE vs the fused kernel's (which may contract to fma): within one rounding of the cache dtype
+    rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
+    same = all(torch.allclose(a.float(), b.float(), rtol=rtol, atol=rtol) for a, b in ((k_cache, ref_k), (v_cache, ref_v)))
     detail = f"{len(kernels)} generated kernel(s) {kernels}, {len(calls)} kvops call(s), cache == eager: {same}"
     if len(kernels) != 1 or calls or not same:
         raise AssertionError(detail + " (want 1 fused kernel, no kvops call, equal caches; code in fusion_code.txt)")
