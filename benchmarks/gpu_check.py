@@ -49,8 +49,9 @@ T0 = time.monotonic()
 GPU, CPU = True, False  # a stage needs CUDA / runs anywhere
 
 
-class Deadline(Exception):
-    """Raised in the main thread when a stage's time is up."""
+class Deadline(BaseException):
+    """Raised in the main thread when a stage's time is up (or on SIGTERM). A BaseException, so that no ``except
+    Exception`` on the way (Dynamo's error wrapping, the oracle's per-case guard) turns it into a failure."""
 
 
 class Tee:
@@ -114,8 +115,8 @@ class Run:
     def summary(self) -> str:
         lines = [f"gpu_check: {time.monotonic() - T0:.0f} s, " + ", ".join(
             f"{k} {self.facts[k]}" for k in ("python", "torch", "triton", "device") if k in self.facts),
-            f"{'stage':<40} {'status':<8} {'s':>6}  detail"]
-        lines += [f"{r['stage']:<40} {r['status']:<8} {r['seconds']:>6.1f}  {r['detail']}" for r in self.rows]
+            f"{'stage':<42} {'status':<8} {'s':>6}  detail"]
+        lines += [f"{r['stage']:<42} {r['status']:<8} {r['seconds']:>6.1f}  {r['detail']}" for r in self.rows]
         if self.oracle:
             bad = [r for r in self.oracle if r["status"] != "ok"]
             lines.append(f"\noracle: {len(self.oracle)} cases, {len(bad)} not ok")
@@ -206,31 +207,35 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _sigterm)
     from tools import gpu_oracle, gpu_stages
 
-    run.stage("environment", CPU, gpu_stages.environment, run.facts)
-    run.stage("oracle self-check (CPU)", CPU, gpu_stages.oracle_self_check, cap_s=90)
+    try:
+        run.stage("environment", CPU, gpu_stages.environment, run.facts)
+        run.stage("oracle self-check (CPU)", CPU, gpu_stages.oracle_self_check, cap_s=90)
 
-    def oracle():
-        end = time.monotonic() + 0.45 * run.left()
-        rows = gpu_oracle.sweep("cuda", end, on_row=run.oracle_row, limit=args.oracle_limit)
-        total = sum(1 for _ in gpu_oracle.cases()) if args.oracle_limit is None else args.oracle_limit
-        bad = [r for r in rows if r["status"] != "ok"]
-        if bad:
-            raise AssertionError(f"{len(bad)} of {len(rows)} cases not ok, e.g. {bad[0]['case']}: {bad[0]['detail']}")
-        return f"{len(rows)} of {total} cases ok" + ("" if len(rows) == total else " (deadline: the rest not run)")
+        def oracle():
+            end = time.monotonic() + 0.45 * run.left()
+            rows = gpu_oracle.sweep("cuda", end, on_row=run.oracle_row, limit=args.oracle_limit)
+            total = sum(1 for _ in gpu_oracle.cases()) if args.oracle_limit is None else args.oracle_limit
+            bad = [r for r in rows if r["status"] != "ok"]
+            if bad:
+                first = f"{bad[0]['case']}: {bad[0]['detail']}"
+                raise AssertionError(f"{len(bad)} of {len(rows)} cases not ok, e.g. {first}")
+            return f"{len(rows)} of {total} cases ok" + ("" if len(rows) == total else " (deadline: the rest not run)")
 
-    run.stage("oracle: Triton kernels vs fp64 (CUDA)", GPU, oracle)
-    run.stage("CUDA graphs: compiled decode step", GPU, gpu_stages.cudagraph_decode, run.out, cap_s=120)
-    run.stage("fusion: projection->RoPE->paged write", GPU, gpu_stages.fusion_code, run.out, cap_s=60)
-    run.stage("HBM bandwidth (copy_ 1 GiB)", GPU, gpu_stages.copy_bandwidth, run.timings, cap_s=30)
-    run.stage("timings: attention vs SDPA", GPU, lambda: gpu_stages.attention_timings(
-        run.timings, time.monotonic() + min(90, run.left() - 10)), cap_s=100)
-    run.stage("timings: cache writes", GPU, gpu_stages.write_timings, run.timings, cap_s=30)
-    run.stage("kernel resources: device vs cubin", GPU, gpu_stages.device_resources, run.out, cap_s=90)
-    run.stage("Triton tests on CUDA (pytest)", GPU, pytest_triton, run)
-    for name in ("llm_serving", "streaming_video"):
-        run.stage(f"examples/{name}.py --device cuda", GPU, lambda n=name: run_cmd(
-            [sys.executable, f"examples/{n}.py", "--device", "cuda", "--dtype", "bfloat16", "--repeats", "1"],
-            run.left() - 5))
+        run.stage("oracle: Triton kernels vs fp64 (CUDA)", GPU, oracle)
+        run.stage("CUDA graphs: compiled decode step", GPU, gpu_stages.cudagraph_decode, run.out, cap_s=120)
+        run.stage("fusion: projection->RoPE->paged write", GPU, gpu_stages.fusion_code, run.out, cap_s=60)
+        run.stage("HBM bandwidth (copy_ 1 GiB)", GPU, gpu_stages.copy_bandwidth, run.timings, cap_s=30)
+        run.stage("timings: attention vs SDPA", GPU, lambda: gpu_stages.attention_timings(
+            run.timings, time.monotonic() + min(90, run.left() - 10)), cap_s=100)
+        run.stage("timings: cache writes", GPU, gpu_stages.write_timings, run.timings, cap_s=30)
+        run.stage("kernel resources: device vs cubin", GPU, gpu_stages.device_resources, run.out, cap_s=90)
+        run.stage("Triton tests on CUDA (pytest)", GPU, pytest_triton, run)
+        for name in ("llm_serving", "streaming_video"):
+            run.stage(f"examples/{name}.py --device cuda", GPU, lambda n=name: run_cmd(
+                [sys.executable, f"examples/{n}.py", "--device", "cuda", "--dtype", "bfloat16", "--repeats", "1"],
+                run.left() - 5))
+    except Deadline:  # a SIGTERM between stages: the finished stages are already written
+        run.rows.append(dict(stage="(stopped from outside)", status="timeout", seconds=0.0, detail="SIGTERM"))
     print("\n=== gpu_check summary ===\n" + run.summary(), flush=True)
     run.write()
     sys.exit(1 if any(r["status"] == "FAIL" for r in run.rows) else 0)

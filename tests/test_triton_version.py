@@ -1,5 +1,5 @@
-"""A Triton kernel that needs a newer Triton than the installed one says so when it is launched (kvops/triton/launch.py):
-the oldest Triton every kernel compiles with is torch 2.11's 3.6 (docs/gpu.md)."""
+"""A Triton kernel that needs a newer Triton than the installed one says so when it is launched
+(kvops/triton/launch.py): the oldest Triton every kernel compiles with is torch 2.11's 3.6 (docs/gpu.md)."""
 
 import unittest
 

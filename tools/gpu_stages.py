@@ -217,7 +217,8 @@ def fusion_code(out_dir: pathlib.Path | None, device: str = "cuda") -> str:
     calls = re.findall(r"(?<!')torch\.ops\.kvops\.\w+\.default\(", code)
     # eager RoPE vs the fused kernel's (which may contract to fma): within one rounding of the cache dtype
     rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
-    same = all(torch.allclose(a.float(), b.float(), rtol=rtol, atol=rtol) for a, b in ((k_cache, ref_k), (v_cache, ref_v)))
+    same = all(torch.allclose(a.float(), b.float(), rtol=rtol, atol=rtol)
+               for a, b in ((k_cache, ref_k), (v_cache, ref_v)))
     detail = f"{len(kernels)} generated kernel(s) {kernels}, {len(calls)} kvops call(s), cache == eager: {same}"
     if len(kernels) != 1 or calls or not same:
         raise AssertionError(detail + " (want 1 fused kernel, no kvops call, equal caches; code in fusion_code.txt)")
