@@ -1,288 +1,244 @@
-"""One-shot GPU check for kvops' Triton kernels: on a CUDA machine (< 10 minutes), or ``--aot`` without a GPU.
+"""One-shot GPU check of kvops on a CUDA machine as it is (no install step), or ``--aot`` without a GPU.
 
-Stages, each guarded (a failing stage is reported and the next one runs) and time-limited:
+Run from the repository root, with the machine's own torch and Triton (torch 2.11 with Triton 3.6 and up):
 
-1. every Triton test (``tests/test_*triton*.py``) on CUDA (the tests use CUDA tensors when CUDA is available);
-2. both examples with ``--device cuda`` (``examples/llm_serving.py``, ``examples/streaming_video.py``), bf16;
-3. timings with CUDA events (median of repeated launches after warm-up) of
-   * paged decode (B = 32 x context 4096, Qwen2.5-0.5B 14/2 x 64 and Llama-3.1-8B 32/8 x 128, bf16) and chunked
-     prefill (4 x (512 cached + 128 new)) through ``kvops.paged_attention``, vs SDPA over a contiguous cache with
-     query heads folded (the unpaged ideal),
-   * ``kvops.paged_cache_write`` (8192 tokens into a paged cache) and ``kvops.cache_write`` (contiguous cache),
-   against the device's measured copy bandwidth (``copy_`` of 1 GiB, read + write);
-4. one summary table: stage, status, seconds, and for kernels time, GB/s of the bytes they must move, and the
-   fraction of copy bandwidth (and the ratio to the ideal for attention);
-5. on the device: the launchers' plans for a few production shapes compiled by Triton for this device, with the
-   resources the loaded kernel handle reports (``n_regs``, ``n_spills``, ``metadata.shared``) next to what the
-   cubin says (``cuobjdump``), as the ahead-of-time check reads them.
-
-``--aot`` needs no GPU: it compiles every kernel and specialization the launchers plan (``kvops/triton/aot.py``,
-cases in ``kvops/triton/aot_cases.py``) to cubins for sm_80, sm_86, sm_89, sm_90 and sm_100, and prints one table per
-target (kernel, specialization, status, registers, spills, shared memory, num_warps, estimated occupancy); exit 1 if
-anything fails to compile, spills or exceeds the target's shared memory. ``--subset`` runs the CI subset.
-
-    python benchmarks/gpu_check.py [--skip-tests] [--skip-examples] [--budget-s 540]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --out OUT [--deadline-s 500] [--only oracle,timings]
     python benchmarks/gpu_check.py --aot [--subset] [--targets sm_80,sm_90] [--kernels REGEX] [--progress]
+
+Stages, printed as each finishes, each guarded (a failing stage is reported and the next one runs) and cut at the
+global deadline (the rest then reads "skipped (deadline)"); the results are rewritten under ``--out`` after every
+stage, so a run stopped from outside still leaves them (at most 7 files: log.txt, summary.txt, results.json,
+oracle.jsonl, cudagraphs.txt, fusion_code.txt, resources.txt):
+
+1. environment: Python, torch, Triton, kvops, the device; kvops must import without its native CPU build;
+2. oracle self-check (no GPU needed): the sweep's fp64 attention oracle against tests/attention_reference.py with every
+   attention feature, and one case of each kernel family on kvops' CPU kernels;
+3. oracle (CUDA): every Triton kernel through the public ops against the fp64 oracle or the CPU kernels, over dtypes
+   (fp16/bf16/fp32, fp8 caches), head dims 64/128/256, GQA groups 1/4/7/8, block sizes 1/16/64, NHD/HND, the
+   flags and attention features, decode and prefill (tools/gpu_oracle.py; one line per case in oracle.jsonl);
+4. CUDA graphs: a decode step of examples/llm_serving.py compiled with ``mode="reduce-overhead"``: no "skipping
+   cudagraphs", the caches updated in place and equal to eager's;
+5. fusion: Inductor's CUDA code for projection -> RoPE -> ``paged_cache_write`` is one generated kernel;
+6. bandwidth and timings: HBM bandwidth (copy of 1 GiB), paged decode and prefill against SDPA over a contiguous
+   cache, the cache writes; each as GB/s and as a fraction of the measured bandwidth;
+7. kernel resources: the Triton compiles of the CI subset for this device, device-reported vs cubin;
+8. the Triton tests on CUDA (pytest, when pytest and expecttest are installed) and the two examples with
+   ``--device cuda``, in the time left.
+
+Without CUDA the stages that need it are reported as skipped. Exit status 1 when a stage failed (a stage cut by the
+deadline reads "timeout" and does not fail the run). ``--aot`` needs no GPU:
+it compiles every kernel and specialization the launchers plan (tools/aot.py, cases in tools/aot_cases.py) to cubins
+for sm_80, sm_86, sm_89, sm_90 and sm_100 and prints one table per target; exit 1 if anything fails to compile,
+spills or exceeds the target's shared memory. ``--subset`` runs the CI subset (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
-import statistics
+import signal
 import subprocess
 import sys
 import time
 import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-rows: list[tuple] = []  # (stage, status, seconds, detail)
+T0 = time.monotonic()
+GPU, CPU = True, False  # a stage needs CUDA / runs anywhere
 
 
-def stage(name: str, fn, *args):
-    t0 = time.perf_counter()
-    try:
-        detail = fn(*args)
-        status = "ok"
-    except Exception as e:  # report and continue with the next stage
-        detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        status = "FAIL"
-        traceback.print_exc()
-    rows.append((name, status, time.perf_counter() - t0, detail or ""))
-    print(f"[{status}] {name} ({rows[-1][2]:.1f} s) {detail or ''}", flush=True)
+class Deadline(BaseException):
+    """Raised in the main thread when a stage's time is up (or on SIGTERM). A BaseException, so that no ``except
+    Exception`` on the way (Dynamo's error wrapping, the oracle's per-case guard) turns it into a failure."""
+
+
+class Tee:
+    """Every write to stdout/stderr also goes to ``log.txt``, flushed as it comes."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.stream.write(text)
+        self.stream.flush()
+        self.log.write(text)
+        self.log.flush()
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+        self.log.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+class Run:
+    def __init__(self, args):
+        self.args, self.rows, self.facts, self.timings, self.oracle = args, [], {}, {}, []
+        self.deadline = T0 + args.deadline_s
+        self.out = pathlib.Path(args.out) if args.out else None
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def stage(self, name: str, needs_gpu: bool, fn, *args, cap_s: float | None = None):
+        import torch  # noqa: F401  (imported once by the first stage; --help stays light)
+
+        if self.args.only and not any(w in name for w in self.args.only.split(",")):
+            return
+        status, detail, t0 = "ok", "", time.monotonic()
+        if needs_gpu and not torch.cuda.is_available():
+            status, detail = "skipped", "needs CUDA (none on this machine)"
+        elif self.left() < 5:
+            status, detail = "skipped", "deadline"
+        else:
+            budget = min(self.left() - 3, cap_s or 1e9)
+            signal.signal(signal.SIGALRM, _alarm)
+            signal.setitimer(signal.ITIMER_REAL, max(budget, 1))
+            try:
+                detail = fn(*args) or ""
+            except Deadline:
+                status, detail = "timeout", f"cut after {budget:.0f} s"
+            except Exception as e:  # report and continue with the next stage
+                status = "FAIL"
+                detail = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+                traceback.print_exc()
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        self.rows.append(dict(stage=name, status=status, seconds=round(time.monotonic() - t0, 1), detail=detail))
+        print(f"[{status}] {name} ({self.rows[-1]['seconds']:.1f} s) {detail}", flush=True)
+        self.write()
+
+    def summary(self) -> str:
+        lines = [f"gpu_check: {time.monotonic() - T0:.0f} s, " + ", ".join(
+            f"{k} {self.facts[k]}" for k in ("python", "torch", "triton", "device") if k in self.facts),
+            f"{'stage':<42} {'status':<8} {'s':>6}  detail"]
+        lines += [f"{r['stage']:<42} {r['status']:<8} {r['seconds']:>6.1f}  {r['detail']}" for r in self.rows]
+        if self.oracle:
+            bad = [r for r in self.oracle if r["status"] != "ok"]
+            lines.append(f"\noracle: {len(self.oracle)} cases, {len(bad)} not ok")
+            lines += [f"  {r['status']} {r['case']}: {r['detail']}" for r in bad[:20]]
+        if self.timings:
+            copy_bw = self.timings.get("copy_ 1 GiB", (0, 0, None))[1]
+            lines.append(f"\n{'kernel':<40} {'ms':>8} {'GB/s':>8} {'of HBM':>7} {'/SDPA':>6}")
+            for name, (ms, bw, ratio) in self.timings.items():
+                frac = f"{bw / copy_bw:.0%}" if copy_bw else "-"
+                lines.append(f"{name:<40} {ms:>8.3f} {bw:>8.0f} {frac:>7} {f'{ratio:.2f}' if ratio else '-':>6}")
+        return "\n".join(lines)
+
+    def write(self):
+        if self.out is None:
+            return
+        (self.out / "summary.txt").write_text(self.summary() + "\n")
+        (self.out / "results.json").write_text(json.dumps(dict(facts=self.facts, stages=self.rows, timings={
+            k: dict(ms=v[0], gb_s=v[1], vs_sdpa=v[2]) for k, v in self.timings.items()},
+            oracle=self.oracle), indent=1))
+
+    def oracle_row(self, row):
+        self.oracle.append(row)
+        print(f"  [{row['status']}] {row['case']} ({row['seconds']:.1f} s) {row['detail']}", flush=True)
+        if self.out is not None:
+            with open(self.out / "oracle.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def _alarm(signum, frame):
+    raise Deadline()
+
+
+def _sigterm(signum, frame):  # `timeout` sends SIGTERM: unwind through the stage, which records and writes
+    raise Deadline()
 
 
 def run_cmd(cmd: list[str], timeout_s: float) -> str:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("TRITON_INTERPRET", None)  # real GPU launches
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 1))
     tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
     if p.returncode != 0:
         print(p.stdout[-4000:], p.stderr[-4000:], sep="\n")
         raise RuntimeError(f"exit {p.returncode}: {tail[0]}")
-    return tail[0][:100]
+    return tail[0][:160]
 
 
-def cuda_time_ms(fn, reps: int = 20) -> float:
-    """Median milliseconds of ``fn()`` between CUDA events (after 3 warm-up calls)."""
-    import torch
+def pytest_triton(run: Run) -> str:
+    import importlib.util
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth():
-    import torch
-
-    src = torch.ones(1 << 28, device="cuda")  # 1 GiB fp32
-    dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src))
-    bw = 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
-    timings["copy_ 1 GiB"] = (ms, bw, None)
-    return f"{bw:.0f} GB/s (read + write)"
-
-
-timings: dict = {}  # name -> (ms, GB/s, ratio to ideal or None)
-
-
-def attention_timings():
-    import torch
-    import torch.nn.functional as F
-
-    import kvops
-
-    dev, dtype, bs = "cuda", torch.bfloat16, 16
-    for name, (h_q, h_kv, d) in {"qwen2.5-0.5b": (14, 2, 64), "llama-3.1-8b": (32, 8, 128)}.items():
-        for kind, batch, q_len, ctx in (("decode B=32 ctx=4096", 32, 1, 4096), ("prefill 4x(512+128)", 4, 128, 640)):
-            g = h_q // h_kv
-            nblk = batch * ctx // bs
-            k_cache = torch.randn(nblk + 8, bs, h_kv, d, device=dev, dtype=dtype)
-            v_cache = torch.randn_like(k_cache)
-            table = torch.randperm(nblk + 8, device=dev)[:nblk].view(batch, -1).int()
-            q = torch.randn(batch * q_len, h_q, d, device=dev, dtype=dtype)
-            seq_lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-            cu = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=torch.int32)
-            kd = k_cache[table.long()].flatten(1, 2).transpose(1, 2).contiguous()
-            vd = v_cache[table.long()].flatten(1, 2).transpose(1, 2).contiguous()
-            qf = q.view(batch, q_len, h_kv, g, d).permute(0, 2, 1, 3, 4).reshape(batch, h_kv, q_len * g, d)
-            mask = None
-            if q_len > 1:
-                pos = ctx - q_len + torch.arange(q_len, device=dev).repeat_interleave(g)
-                mask = torch.arange(ctx, device=dev)[None, :] <= pos[:, None]
-            ideal = cuda_time_ms(lambda: F.scaled_dot_product_attention(qf, kd, vd, attn_mask=mask))
-            ours = cuda_time_ms(lambda: kvops.paged_attention(q, k_cache, v_cache, cu, seq_lens, table, q_len))
-            kv_bytes = kd.numel() * 2 * kd.element_size()
-            timings[f"attn {name} {kind}"] = (ours, kv_bytes / (ours * 1e-3) / 1e9, ours / ideal)
-            del k_cache, v_cache, kd, vd
-    return f"{len(timings) - 1} kernels timed"
-
-
-def write_timings():
-    import torch
-
-    import kvops
-
-    dev, dtype = "cuda", torch.bfloat16
-    n, h_kv, d, bs = 8192, 8, 128, 16
-    k_cache = torch.zeros(n // bs + 8, bs, h_kv, d, device=dev, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    key, value = torch.randn(n, h_kv, d, device=dev, dtype=dtype), torch.randn(n, h_kv, d, device=dev, dtype=dtype)
-    slots = torch.randperm(k_cache.shape[0] * bs, device=dev)[:n]
-    ms = cuda_time_ms(lambda: kvops.paged_cache_write(key, value, k_cache, v_cache, slots))
-    moved = 2 * 2 * key.numel() * key.element_size()  # read K/V + write K/V
-    timings["paged_cache_write 8192 tok 8x128"] = (ms, moved / (ms * 1e-3) / 1e9, None)
-    kc = torch.zeros(4, 4096, h_kv, d, device=dev, dtype=dtype)
-    vc = torch.zeros_like(kc)
-    k4, v4 = key.view(4, 2048, h_kv, d), value.view(4, 2048, h_kv, d)
-    ms = cuda_time_ms(lambda: kvops.cache_write(k4, v4, kc, vc, start=1024))
-    timings["cache_write 4x2048 tok 8x128"] = (ms, moved / (ms * 1e-3) / 1e9, None)
-    return "2 writes timed"
-
-
-def aot_tables(rows, refusals, verbose: bool) -> int:
-    """Print one table per target (every row with ``verbose``, else the failures and each kernel's worst case) and a
-    per-kernel summary; returns the number of failures."""
-    fails = [r for r in rows if r["status"] != "ok"]
-    fmt = "{:<22} {:<6} {:>4} {:>6} {:>7} {:>5} {:>5}  {}"
-    for target in dict.fromkeys(r["target"] for r in rows):
-        mine = [r for r in rows if r["target"] == target]
-        print(f"\n=== {target}: {len(mine)} compiles, {sum(r['status'] != 'ok' for r in mine)} failed ===")
-        shown = [r for r in mine if verbose or r["status"] != "ok"]
-        if not shown:
-            print("(no failures; --verbose lists every compile)")
-            continue
-        print(fmt.format("kernel", "status", "regs", "spills", "shared", "warps", "occ", "specialization / cause"))
-        for r in mine:
-            if verbose or r["status"] != "ok":
-                print(fmt.format(r["kernel"], r["status"], r["regs"] if r["regs"] is not None else "-",
-                                 r["spills"] if r["spills"] is not None else "-",
-                                 r["shared"] if r["shared"] is not None else "-", r["num_warps"],
-                                 f"{r['occupancy']:.2f}" if r["occupancy"] is not None else "-",
-                                 r["spec"] + (f"  [{r['error']}]" if r["error"] else "")))
-    print("\n=== worst case per kernel and target (max registers / spills / shared, min occupancy) ===")
-    print(f"{'target':<7} {'kernel':<22} {'n':>4} {'fail':>4} {'regs':>5} {'spills':>6} {'shared':>7} {'occ':>5}")
-    for target in dict.fromkeys(r["target"] for r in rows):
-        for kernel in sorted({r["kernel"] for r in rows if r["target"] == target}):
-            ks = [r for r in rows if r["target"] == target and r["kernel"] == kernel]
-            ok = [r for r in ks if r["regs"] is not None]
-            worst = lambda key: max((r[key] for r in ok), default="-")  # noqa: E731
-            occ = min((r["occupancy"] for r in ok), default=None)
-            print(f"{target:<7} {kernel:<22} {len(ks):>4} {sum(r['status'] != 'ok' for r in ks):>4} "
-                  f"{worst('regs'):>5} {worst('spills'):>6} {worst('shared'):>7} "
-                  f"{f'{occ:.2f}' if occ is not None else '-':>5}")
-    for label, target, msg in refusals:
-        print(f"refused by design on {target}: {label}: {msg}")
-    return len(fails)
-
-
-def aot_main(args) -> None:
-    sys.path.insert(0, str(ROOT))
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("gpu_check --aot: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
-    from kvops.triton import aot
-
-    t0 = time.perf_counter()
-    targets = args.targets.split(",") if args.targets else list(aot.TARGETS)
-    def progress(row):  # one line per compile as it ends: a run stopped by a timeout still leaves its results
-        print(f"[{row['status']}] {row['target']} {row['kernel']} regs={row['regs']} spills={row['spills']} "
-              f"shared={row['shared']} warps={row['num_warps']} {row['spec']} {row['error']}", flush=True)
-
-    rows, refusals = aot.check(targets, subset=args.subset, workers=args.workers, kernels=args.kernels,
-                               on_row=progress if args.progress else None)
-    failed = aot_tables(rows, refusals, args.verbose)
-    print(f"\n{len(rows)} compiles for {', '.join(targets)} in {time.perf_counter() - t0:.0f} s: {failed} failed")
-    sys.exit(1 if failed else 0)
-
-
-def device_resources():
-    """Compile the launchers' plans for this device and compare the kernel handle's resources with the cubin's."""
-    import torch
-    import triton
-
-    from kvops.triton import aot, aot_cases
-
-    cap = torch.cuda.get_device_capability()
-    target = next((t for t in aot.TARGETS.values() if t.capability == cap), None)
-    lines, mismatches = [], 0
-    for label, make in aot_cases.cases(subset=True):
-        for launch in make(cap):
-            spec = aot.bind(launch, cap)
-            src = triton.compiler.ASTSource(launch.kernel, dict(spec.signature), dict(spec.constexprs),
-                                            {k: [list(a) for a in v] for k, v in spec.attrs})
-            ck = triton.compile(src, options=dict(spec.options))  # this device's target
-            ck._init_handles()  # loads the module: the driver reports registers, spills, shared memory
-            res = aot.cubin_resources(ck.asm["cubin"])
-            spills = res.get("LOCAL", 0) + res.get("STACK", 0)
-            same = ck.n_regs == res.get("REG") and (ck.n_spills > 0) == (spills > 0)
-            mismatches += not same
-            lines.append(f"{aot.kernel_name(launch.kernel):<22} device regs {ck.n_regs:>3} spills {ck.n_spills:>4} "
-                         f"shared {ck.metadata.shared:>6} | cubin regs {res.get('REG'):>3} stack+local "
-                         f"{spills:>4} {'' if same else 'MISMATCH '}{label}")
-    print("\n".join(lines))
-    if mismatches:
-        raise RuntimeError(f"{mismatches} kernels: device-reported resources differ from the cubin's")
-    return f"{len(lines)} kernels, device = cubin ({target.name if target else cap})"
+    missing = [m for m in ("pytest", "expecttest", "hypothesis") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"not run: {', '.join(missing)} not installed here (the oracle stage covers the kernels)"
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*triton*.py"))
+    return run_cmd([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], run.left() - 5)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--aot", action="store_true", help="no GPU needed: compile every kernel the launchers plan for sm_80, sm_86, sm_89, "
-                             "sm_90 and sm_100 and report registers, spills and shared memory")
+    parser.add_argument("--out", default="", help="folder for the results (created; rewritten after every stage)")
+    parser.add_argument("--deadline-s", type=float, default=500,
+                        help="the whole run ends within this many seconds of its start (default 500: under 9 min)")
+    parser.add_argument("--only", default="", help="comma-separated words: run only the stages whose name has one")
+    parser.add_argument("--oracle-limit", type=int, default=None, help="run only the first N oracle cases")
+    parser.add_argument("--aot", action="store_true", help="no GPU needed: compile every kernel the launchers plan for "
+                        "sm_80, sm_86, sm_89, sm_90 and sm_100 and report registers, spills and shared memory")
     parser.add_argument("--subset", action="store_true", help="--aot: the CI subset only")
     parser.add_argument("--targets", default="", help="--aot: comma-separated, e.g. sm_80,sm_90 (default: all)")
     parser.add_argument("--workers", type=int, default=2, help="--aot: compile processes (at most 2)")
     parser.add_argument("--verbose", action="store_true", help="--aot: print every compile, not only failures")
     parser.add_argument("--kernels", default="", help="--aot: only kernels whose name matches this regex")
     parser.add_argument("--progress", action="store_true", help="--aot: one line per compile as it ends")
-    parser.add_argument("--skip-tests", action="store_true", help="skip stage 1 (the Triton tests on CUDA)")
-    parser.add_argument("--skip-examples", action="store_true", help="skip stage 2 (the examples with --device cuda)")
-    parser.add_argument("--budget-s", type=float, default=540, help="overall time budget for the test/example stages")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
     if args.aot:
         os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (as the test does)
-        aot_main(args)
-    import torch
+        from tools import aot
 
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_check: CUDA is not available on this machine (this script is for GPU machines)")
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    t_start = time.perf_counter()
-    left = lambda: max(30.0, args.budget_s - (time.perf_counter() - t_start))  # noqa: E731
-    if not args.skip_tests:
-        tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*triton*.py"))
-        stage("triton tests on CUDA", run_cmd, [sys.executable, "-m", "pytest", "-q", "-x", *tests], 0.5 * left())
-    if not args.skip_examples:
-        stage("examples/llm_serving.py --device cuda", run_cmd,
-              [sys.executable, "examples/llm_serving.py", "--device", "cuda", "--dtype", "bfloat16"], 0.3 * left())
-        stage("examples/streaming_video.py --device cuda", run_cmd,
-              [sys.executable, "examples/streaming_video.py", "--device", "cuda", "--dtype", "bfloat16"], 0.5 * left())
-    stage("copy bandwidth", copy_bandwidth)
-    stage("attention kernels (Triton)", attention_timings)
-    stage("cache writes (Triton)", write_timings)
-    stage("kernel resources: device vs cubin", device_resources)
+        sys.exit(aot.main(args))
+    os.environ.setdefault("KVOPS_NATIVE", "0")  # the native CPU kernel is never needed here (nor built)
+    run = Run(args)
+    if run.out is not None:
+        run.out.mkdir(parents=True, exist_ok=True)
+        for name in ("oracle.jsonl", "log.txt"):
+            (run.out / name).unlink(missing_ok=True)
+        log = open(run.out / "log.txt", "a")
+        sys.stdout, sys.stderr = Tee(sys.__stdout__, log), Tee(sys.__stderr__, log)
+    signal.signal(signal.SIGTERM, _sigterm)
+    from tools import gpu_oracle, gpu_stages
 
-    print("\n=== gpu_check summary ===")
-    print(f"{'stage':<44} {'status':<6} {'s':>7}  detail")
-    for name, status, secs, detail in rows:
-        print(f"{name:<44} {status:<6} {secs:>7.1f}  {detail}")
-    if timings:
-        copy_bw = timings.get("copy_ 1 GiB", (0, 0, None))[1]
-        print(f"\n{'kernel':<44} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'/ideal':>7}")
-        for name, (ms, bw, ratio) in timings.items():
-            frac = f"{bw / copy_bw:.0%}" if copy_bw else "-"
-            print(f"{name:<44} {ms:>8.3f} {bw:>8.0f} {frac:>8} {f'{ratio:.2f}' if ratio else '-':>7}")
-    sys.exit(1 if any(r[1] != "ok" for r in rows) else 0)
+    try:
+        run.stage("environment", CPU, gpu_stages.environment, run.facts)
+        run.stage("oracle self-check (CPU)", CPU, gpu_stages.oracle_self_check, cap_s=90)
+
+        def oracle():
+            end = time.monotonic() + 0.45 * run.left()
+            rows = gpu_oracle.sweep("cuda", end, on_row=run.oracle_row, limit=args.oracle_limit)
+            total = sum(1 for _ in gpu_oracle.cases()) if args.oracle_limit is None else args.oracle_limit
+            bad = [r for r in rows if r["status"] != "ok"]
+            if bad:
+                first = f"{bad[0]['case']}: {bad[0]['detail']}"
+                raise AssertionError(f"{len(bad)} of {len(rows)} cases not ok, e.g. {first}")
+            return f"{len(rows)} of {total} cases ok" + ("" if len(rows) == total else " (deadline: the rest not run)")
+
+        run.stage("oracle: Triton kernels vs fp64 (CUDA)", GPU, oracle)
+        run.stage("CUDA graphs: compiled decode step", GPU, gpu_stages.cudagraph_decode, run.out, cap_s=120)
+        run.stage("fusion: projection->RoPE->paged write", GPU, gpu_stages.fusion_code, run.out, cap_s=60)
+        run.stage("HBM bandwidth (copy_ 1 GiB)", GPU, gpu_stages.copy_bandwidth, run.timings, cap_s=30)
+        run.stage("timings: attention vs SDPA", GPU, lambda: gpu_stages.attention_timings(
+            run.timings, time.monotonic() + min(90, run.left() - 10)), cap_s=100)
+        run.stage("timings: cache writes", GPU, gpu_stages.write_timings, run.timings, cap_s=30)
+        run.stage("kernel resources: device vs cubin", GPU, gpu_stages.device_resources, run.out, cap_s=90)
+        run.stage("Triton tests on CUDA (pytest)", GPU, pytest_triton, run)
+        for name in ("llm_serving", "streaming_video"):
+            run.stage(f"examples/{name}.py --device cuda", GPU, lambda n=name: run_cmd(
+                [sys.executable, f"examples/{n}.py", "--device", "cuda", "--dtype", "bfloat16", "--repeats", "1"],
+                run.left() - 5))
+    except Deadline:  # a SIGTERM between stages: the finished stages are already written
+        run.rows.append(dict(stage="(stopped from outside)", status="timeout", seconds=0.0, detail="SIGTERM"))
+    print("\n=== gpu_check summary ===\n" + run.summary(), flush=True)
+    run.write()
+    sys.exit(1 if any(r["status"] == "FAIL" for r in run.rows) else 0)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,17 @@ QUICK_MODULES = {
 }
 
 
+# `-m aot`: the ahead-of-time Triton compile check, which CI also runs with torch 2.11's Triton 3.6 (.ci/run).
+AOT_MODULES = {"test_gpu_aot"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in QUICK_MODULES:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        if module in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
+        if module in AOT_MODULES:
+            item.add_marker(pytest.mark.aot)
 
 
 def _plain(value):

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _SCRIPT = r"""
 import json, sys
-from kvops.triton import aot, aot_cases
+from tools import aot, aot_cases
 rows, refusals = aot.check(sys.argv[1].split(","), subset=True, workers=2)
 print(json.dumps(dict(rows=rows, refusals=refusals, uncovered=aot_cases.flag_coverage(subset=True))))
 """
@@ -74,7 +74,7 @@ class AotCompileTest(unittest.TestCase):
                 self.assertEqual([r["error"] for r in specs if r["status"] != "ok"], [])
 
     def test_every_boolean_flag_is_compiled_both_ways(self):
-        # a flag added to a kernel without a case in kvops/triton/aot_cases.py shows up here
+        # a flag added to a kernel without a case in tools/aot_cases.py shows up here
         self.assertEqual(self.result["uncovered"], [])
 
 

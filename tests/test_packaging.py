@@ -1,5 +1,6 @@
 """Packaging: ``lowering/`` installs as ``kvops.lowering`` (no top-level ``lowering``), every package is listed,
-``import kvops`` works without triton, and the runtime dependencies stay minimal."""
+``import kvops`` works without triton, the runtime dependencies stay minimal, and the developer tools (``tools/``) are
+neither installed nor imported by kvops."""
 
 import os
 import pathlib
@@ -31,6 +32,18 @@ class TestPackaging(unittest.TestCase):
             for p in (ROOT / "lowering").rglob("__init__.py")
         }
         self.assertEqual(sorted(PYPROJECT["tool"]["setuptools"]["packages"]), sorted(folders))
+
+    def test_runtime_never_imports_the_developer_tools(self):
+        # tools/ (the ahead-of-time compile check) reaches into kvops' launchers; the runtime must not reach back
+        import re
+
+        sources = [*(ROOT / "kvops").rglob("*.py"), *(ROOT / "lowering").rglob("*.py")]
+        self.assertGreater(len(sources), 50)
+        upward = [str(p.relative_to(ROOT)) for p in sources
+                  if re.search(r"^\s*(from\s+tools[\s.]|import\s+tools\b)", p.read_text(), re.M)]
+        self.assertEqual(upward, [])
+        self.assertTrue((ROOT / "tools" / "aot.py").exists())
+        self.assertFalse(list((ROOT / "kvops").rglob("aot*.py")))
 
     def test_runtime_dependencies(self):
         deps = PYPROJECT["project"]["dependencies"]
@@ -89,7 +102,7 @@ class TestPackaging(unittest.TestCase):
             (wheel,) = pathlib.Path(d).glob("kvops-*.whl")
             names = zipfile.ZipFile(wheel).namelist()
         self.assertIn("kvops/lowering/__init__.py", names)
-        self.assertFalse([n for n in names if n.startswith("lowering/")])
+        self.assertFalse([n for n in names if n.startswith(("lowering/", "tools/"))])
 
 
 if __name__ == "__main__":

@@ -134,6 +134,19 @@ class TestRotaryWrite(expecttest.TestCase):
             untouched[self.slots[keep]] = False
             self.assertEqual(int(flat_k[untouched].abs().sum()), 0)
 
+    def test_key_and_value_longer_than_slot_mapping(self):
+        """Rows ``>= N`` of key and value are ignored (the documented ``[N', H_in, D]``): only the first 5 tokens are
+        written. The CPU kernel cut the rotated key to N rows but not the value (IndexError from index_copy_)."""
+        cos, sin = tables(12, 20, torch.float32)
+        k_cache, v_cache = self.caches()
+        kvops.rotary_paged_cache_write(self.key, self.value, k_cache, v_cache, self.slots[:5], self.pos, cos, sin)
+        keep = self.slots[:5] >= 0
+        want = rope_ref(self.key[:5], cos, sin, self.pos[:5].long(), False)
+        torch.testing.assert_close(k_cache.view(16, 3, 20)[self.slots[:5][keep]].double(), want[keep], atol=1e-6,
+                                   rtol=1e-6)
+        self.assertTrue(torch.equal(v_cache.view(16, 3, 12)[self.slots[:5][keep]], self.value[:5][keep]))
+        self.assertEqual(int((v_cache != 0).any(-1).any(-1).sum()), int(keep.sum()))
+
     def test_head_slice_and_joint_cache(self):
         kv = torch.zeros(4, 4, 2, 5, 20)
         cos, sin = tables(12, 20, torch.float32)

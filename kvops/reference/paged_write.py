@@ -107,8 +107,7 @@ def paged_cache_write(
     if n == 0:
         return
     slots = slot_mapping.to(torch.int64)
-    if key.shape[0] != n:
-        key, value = key[:n], value[:n]
+    key, value = key[:n], value[:n]  # rows >= N are ignored (each cut on its own: the rotary write passes N keys)
     key, value = unaliased(key, k_cache, v_cache), unaliased(value, k_cache, v_cache)  # read before any write
     low, top = torch.aminmax(slots)  # the CPU kernel may read the slots: one pass for both checks
     low, top = int(low), int(top)

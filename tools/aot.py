@@ -1,7 +1,7 @@
 """Ahead-of-time compile check of every Triton kernel kvops launches, for real NVIDIA targets, without a GPU.
 
 The launchers' own ``plan_*`` functions (``kvops/triton/launch.py``) are called on ``meta`` tensors (shapes, dtypes and
-strides only; nothing is allocated) for each case of :mod:`kvops.triton.aot_cases` and each target; every planned
+strides only; nothing is allocated) for each case of :mod:`tools.aot_cases` and each target; every planned
 :class:`~kvops.triton.launch.Launch` is bound with Triton's own argument binder (the signature, the ``== 1`` and
 ``% 16`` specializations and the constexprs a real launch would get; tensors are taken as 16-byte aligned, as the
 CUDA caching allocator returns them) and compiled by ``triton.compile`` to a cubin for that target. Resources come
@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -220,3 +221,57 @@ def check(targets=tuple(TARGETS), subset: bool = False, workers: int = 2, kernel
     else:
         rows = [row_of(k, _compile_job(k)) for k in keys]
     return rows, refusals
+
+
+def tables(rows, refusals, verbose: bool) -> int:
+    """Print one table per target (every row with ``verbose``, else the failures and each kernel's worst case) and a
+    per-kernel summary; returns the number of failures."""
+    fails = [r for r in rows if r["status"] != "ok"]
+    fmt = "{:<22} {:<6} {:>4} {:>6} {:>7} {:>5} {:>5}  {}"
+    for target in dict.fromkeys(r["target"] for r in rows):
+        mine = [r for r in rows if r["target"] == target]
+        print(f"\n=== {target}: {len(mine)} compiles, {sum(r['status'] != 'ok' for r in mine)} failed ===")
+        shown = [r for r in mine if verbose or r["status"] != "ok"]
+        if not shown:
+            print("(no failures; --verbose lists every compile)")
+            continue
+        print(fmt.format("kernel", "status", "regs", "spills", "shared", "warps", "occ", "specialization / cause"))
+        for r in mine:
+            if verbose or r["status"] != "ok":
+                print(fmt.format(r["kernel"], r["status"], r["regs"] if r["regs"] is not None else "-",
+                                 r["spills"] if r["spills"] is not None else "-",
+                                 r["shared"] if r["shared"] is not None else "-", r["num_warps"],
+                                 f"{r['occupancy']:.2f}" if r["occupancy"] is not None else "-",
+                                 r["spec"] + (f"  [{r['error']}]" if r["error"] else "")))
+    print("\n=== worst case per kernel and target (max registers / spills / shared, min occupancy) ===")
+    print(f"{'target':<7} {'kernel':<22} {'n':>4} {'fail':>4} {'regs':>5} {'spills':>6} {'shared':>7} {'occ':>5}")
+    for target in dict.fromkeys(r["target"] for r in rows):
+        for kernel in sorted({r["kernel"] for r in rows if r["target"] == target}):
+            ks = [r for r in rows if r["target"] == target and r["kernel"] == kernel]
+            ok = [r for r in ks if r["regs"] is not None]
+            worst = lambda key: max((r[key] for r in ok), default="-")  # noqa: E731
+            occ = min((r["occupancy"] for r in ok), default=None)
+            print(f"{target:<7} {kernel:<22} {len(ks):>4} {sum(r['status'] != 'ok' for r in ks):>4} "
+                  f"{worst('regs'):>5} {worst('spills'):>6} {worst('shared'):>7} "
+                  f"{f'{occ:.2f}' if occ is not None else '-':>5}")
+    for label, target, msg in refusals:
+        print(f"refused by design on {target}: {label}: {msg}")
+    return len(fails)
+
+
+def main(args) -> int:
+    """``benchmarks/gpu_check.py --aot``: compile, print the tables; returns the exit status (1 if anything failed)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("gpu_check --aot: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
+    t0 = time.perf_counter()
+    targets = args.targets.split(",") if args.targets else list(TARGETS)
+
+    def progress(row):  # one line per compile as it ends: a run stopped by a timeout still leaves its results
+        print(f"[{row['status']}] {row['target']} {row['kernel']} regs={row['regs']} spills={row['spills']} "
+              f"shared={row['shared']} warps={row['num_warps']} {row['spec']} {row['error']}", flush=True)
+
+    rows, refusals = check(targets, subset=args.subset, workers=args.workers, kernels=args.kernels,
+                               on_row=progress if args.progress else None)
+    failed = tables(rows, refusals, args.verbose)
+    print(f"\n{len(rows)} compiles for {', '.join(targets)} in {time.perf_counter() - t0:.0f} s: {failed} failed")
+    return 1 if failed else 0

@@ -1,4 +1,4 @@
-"""The cases of the ahead-of-time check (``kvops/triton/aot.py``): shapes a serving engine launches, on ``meta``
+"""The cases of the ahead-of-time check (``tools/aot.py``): shapes a serving engine launches, on ``meta``
 tensors, passed to the launchers' own ``plan_*`` functions, which choose the grid, tiles and options.
 
 Axes (issue 19): dtypes fp16/bf16/fp32 and fp8 e4m3 caches; head_dim 64, 80, 96, 128, 256; block_size 1, 16, 32,
@@ -33,7 +33,7 @@ def _cache(pages: int, block_size: int, heads: int, d: int, dtype, layout: str) 
 
 def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, flags: dict, mode: str,
                batch: int = 32, ctx: int = 4096, h_kv: int = H_KV):
-    from .paged_attention import plan_paged_attention
+    from kvops.triton.paged_attention import plan_paged_attention
 
     fp8 = dtype == "fp8"
     q_dtype = torch.bfloat16 if fp8 else FLOATS[dtype]
@@ -122,8 +122,8 @@ def attention_cases(subset: bool):
 
 
 def _write(dtype: str, d: int, heads: int, block_size: int, layout: str, rotary: str | None, n: int = 8192):
-    from .paged_write import plan_scatter_tokens
-    from .rotary import plan_rotary_write
+    from kvops.triton.paged_write import plan_scatter_tokens
+    from kvops.triton.rotary import plan_rotary_write
 
     fp8 = dtype == "fp8"
     src_dtype = torch.bfloat16 if fp8 else FLOATS[dtype]
@@ -158,7 +158,7 @@ def write_cases(subset: bool):
 
 
 def _copy(dtype: str, d: int, heads: int):
-    from .contiguous import plan_copy_rows
+    from kvops.triton.contiguous import plan_copy_rows
 
     def make(cap):
         src = meta((4, 2048, heads, d), FLOATS[dtype])
@@ -169,7 +169,7 @@ def _copy(dtype: str, d: int, heads: int):
 
 
 def _transfer(dtype, d: int, heads: int, to_staging: bool):
-    from .transfer import plan_staging
+    from kvops.triton.transfer import plan_staging
 
     def make(cap):
         layers = 32
@@ -191,8 +191,8 @@ def data_movement_cases(subset: bool):
 
 def _packed_attention(fmt: str | None, dtype: str, d: int, group: int, t: int, n: int, counts: bool,
                       group_size: int = 64, stages: int = 1):
-    from ..packed._checks import packed_layout
-    from ..packed.triton_attention import plan_packed_attention
+    from kvops.packed._checks import packed_layout
+    from kvops.packed.triton_attention import plan_packed_attention
 
     def make(cap):
         b, h_kv = 2, 8
@@ -214,8 +214,8 @@ def _packed_attention(fmt: str | None, dtype: str, d: int, group: int, t: int, n
 
 
 def _quant(fmt: str, dtype: str, d: int, group_size: int = 64, stages: int = 1, direction: str = "quantize"):
-    from ..packed._checks import packed_layout
-    from ..packed.triton_quant import plan_dequantize, plan_quantize
+    from kvops.packed._checks import packed_layout
+    from kvops.packed.triton_quant import plan_dequantize, plan_quantize
 
     def make(cap):
         b, t, h = 2, 4096, 8
