@@ -46,7 +46,7 @@ class TestWrongKVHeads(expecttest.TestCase):
         cache, step = self.paged(4)
         msg = raises_everywhere(self, ValueError, lambda k, v, kc, vc, s: kvops.paged_cache_write(k, v, kc, vc, s),
                                 (self.k, self.v, cache.k_caches[0], cache.v_caches[0], step.slot_mapping))
-        self.assertExpectedInline(msg, """kvops.paged_cache_write requires cache_head_start when cache heads (4) differ from input heads (2). If the model has 2 KV heads, allocate the cache with 2 heads (num_kv_heads=2). A head slice is for several writers filling one cache (tensor-parallel writers): then pass cache_head_start (0 <= cache_head_start <= 2) to write the input heads as heads [cache_head_start, cache_head_start + 2), and have the other writers fill the other heads before attention. Or pass key/value with all 4 heads.""")  # noqa: B950
+        self.assertExpectedInline(msg, """kvops.paged_cache_write requires cache_head_start when cache heads (4) differ from input heads (2). If the model has 2 KV heads, allocate the cache with 2 KV heads (num_kv_heads=2). A head slice is for several writers filling one cache (tensor-parallel writers): then pass cache_head_start (0 <= cache_head_start <= 2) to write the input heads as heads [cache_head_start, cache_head_start + 2), and have the other writers fill the other heads before attention. Or pass key/value with all 4 heads.""")  # noqa: B950
         self.assertLess(msg.index("num_kv_heads=2"), msg.index("pass cache_head_start"))
 
     def test_paged_kv_cache_write_leads_with_num_kv_heads(self):

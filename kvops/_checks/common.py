@@ -98,7 +98,8 @@ def head_slice_fix(cache_heads, in_heads) -> str:
     The likely mistake is the cache's head count (allocated for another model), so that fix comes first: a head slice
     written into a cache whose other heads nobody writes gives attention that reads never-written heads, silently."""
     top, n = cache_heads - in_heads, as_int(in_heads)
-    return (f" If the model has {n} KV heads, allocate the cache with {n} heads (num_kv_heads={n}). A head slice is "
+    heads = f"{n} KV head{'s' if n != 1 else ''}"
+    return (f" If the model has {heads}, allocate the cache with {heads} (num_kv_heads={n}). A head slice is "
             f"for several writers filling one cache (tensor-parallel writers): then pass cache_head_start (0 <= "
             f"cache_head_start <= {as_int(top)}) to write the input heads as heads [cache_head_start, cache_head_start"
             f" + {n}), and have the other writers fill the other heads before attention. Or pass key/value with all "
@@ -113,11 +114,12 @@ def gqa_fix(num_heads, num_kv_heads, cache: str = "allocate it") -> str:
             f"heads.")
 
 
-def index_fix(name: str, t, ndim: int | None, dtypes: tuple, layout: str) -> str:
+def index_fix(name: str, t, ndim: int | None, dtypes: tuple, layout: str, want: torch.dtype | None = None) -> str:
     """The fix sentence for an index tensor ``t`` (``slot_mapping``, ``block_table``, ``seq_lens``, positions, ...)
     whose dtype is not one of ``dtypes`` or whose rank is not ``ndim`` (None: any), in the op's ``layout`` terms:
-    ``Pass slot_mapping.to(torch.int64).`` for a float one, ``Reshape ... to [num_tokens].`` for a wrong rank."""
-    want = "torch.int64" if torch.int64 in dtypes else "torch.int32"
+    ``Pass slot_mapping.to(torch.int64).`` for a float one, ``Reshape ... to [num_tokens].`` for a wrong rank.
+    ``want``: the dtype the fix names (default int64 when allowed, else int32)."""
+    want = str(want) if want is not None else "torch.int64" if torch.int64 in dtypes else "torch.int32"
     if not isinstance(t, torch.Tensor):
         return f"Pass {name} as a {want} tensor {layout}."
     fixes = []

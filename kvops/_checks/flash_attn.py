@@ -192,7 +192,8 @@ def _heads_fix(cache, name, t) -> str:
     if t.shape[2] == cache.shape[2]:
         return ""
     return (layout_hint(cache, "NHD", f"{t.shape[2]} heads of {name}", lambda h: h == t.shape[2], OP)
-            or f" If the model has {t.shape[2]} KV heads, allocate k_cache and v_cache with {t.shape[2]} heads.")
+            or f" If the model has {t.shape[2]} KV head{'s' if t.shape[2] != 1 else ''}, allocate k_cache and v_cache "
+               f"with {t.shape[2]} head{'s' if t.shape[2] != 1 else ''}.")
 
 
 def check_rotary_tables(q, k, rotary_cos, rotary_sin, capacity) -> None:

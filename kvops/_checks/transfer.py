@@ -67,7 +67,7 @@ def check_paged_kv_transfer(
             f"{op}: block_table must be the request's 1-D int32 or int64 row [num_blocks_of_request], got shape "
             f"{tuple(block_table.shape)} and dtype {block_table.dtype}. "
             + index_fix("block_table", block_table, 1, (torch.int32, torch.int64),
-                        "[num_blocks_of_request] (one request's row, e.g. block_table[b])")
+                        "[num_blocks_of_request] (one request's row, e.g. block_table[b])", torch.int32)
         )
     require_same_device(op, "block_table", block_table, "caches[0]", first)
 

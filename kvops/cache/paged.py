@@ -514,7 +514,7 @@ class PagedKVCache:
         raise ValueError(
             f"PagedKVCache.attention: layer {layer}'s cache has num_kv_heads={num_kv_heads}, but its writes filled only "
             f"heads {spans} (PagedKVCache.write with cache_head_start), so q's {q.shape[1]} heads would read heads "
-            f"that were never written. If the model has {len(heads)} KV heads, build PagedKVCache with "
+            f"that were never written. If the model has {_kv_heads(len(heads))}, build PagedKVCache with "
             f"num_kv_heads={len(heads)} and write without cache_head_start; with head-sliced writers, write every "
             f"head slice before attention."
         )
@@ -553,7 +553,7 @@ def _check_heads(where: str, name: str, x: torch.Tensor, num_kv_heads: int) -> N
                 f"head count, build PagedKVCache with it (a divisor of {heads}); else pass q with a multiple of "
                 f"{num_kv_heads} heads.")
     elif heads < num_kv_heads:  # the likely mistake is the cache's head count: that fix first
-        need = (f"differ from the cache's num_kv_heads={num_kv_heads}. If the model has {heads} KV heads, build "
+        need = (f"differ from the cache's num_kv_heads={num_kv_heads}. If the model has {_kv_heads(heads)}, build "
                 f"PagedKVCache with num_kv_heads={heads}. A head slice is for several writers filling one cache "
                 f"(tensor-parallel writers): then pass cache_head_start (0 <= cache_head_start <= "
                 f"{num_kv_heads - heads}), and have the other writers fill the other heads before attention.")
@@ -561,3 +561,7 @@ def _check_heads(where: str, name: str, x: torch.Tensor, num_kv_heads: int) -> N
         need = (f"exceed the cache's num_kv_heads={num_kv_heads}. Pass {name} with {num_kv_heads} heads, or build "
                 f"PagedKVCache with num_kv_heads={heads}.")
     raise ValueError(f"{where}: {name} of shape {tuple(x.shape)} has {heads} heads, which {need}")
+
+
+def _kv_heads(n: int) -> str:
+    return f"{n} KV head{'s' if n != 1 else ''}"

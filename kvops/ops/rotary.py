@@ -92,10 +92,8 @@ def apply_rotary(x: torch.Tensor, rotary_cos: torch.Tensor, rotary_sin: torch.Te
     """
     if tuple(positions.shape) != tuple(x.shape[:-2]):
         want = list(x.shape[:-2])
-        try:
-            expands = torch.broadcast_shapes(tuple(positions.shape), tuple(want)) == torch.Size(want)
-        except RuntimeError:
-            expands = False
+        have = list(positions.shape)
+        expands = len(have) <= len(want) and all(a in (1, b) for a, b in zip(have[::-1], want[::-1]))
         fix = (f"Pass positions.expand({want}) (the same positions for every sequence)." if expands else
                f"Pass one position per token of x: a tensor of shape {want}.")
         raise ValueError(
