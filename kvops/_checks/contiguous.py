@@ -88,8 +88,8 @@ def write_range_message(op: str, s: int, n: int, cache_len: int) -> str:
         fix = "Pass start >= 0 (the first cache row written)."
     else:
         fix = (f"Pass start <= {cache_len - n} (kv_cache_size - num_new_tokens), write at most {cache_len - s} "
-               f"token{'s' if cache_len - s != 1 else ''} at start={s}, or allocate a cache of at least {s + n} rows (kvops.CausalKVCache evicts old rows "
-               f"when its cache is full).")
+               f"token{'s' if cache_len - s != 1 else ''} at start={s}, or allocate a cache of at least {s + n} rows "
+               f"(kvops.CausalKVCache evicts old rows when its cache is full).")
     return (f"Invalid {op} write range: local=[{s}, {s + n}), kv_cache_size={cache_len}, num_new_tokens={n}. Rows "
             f"must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size. {fix}")
 

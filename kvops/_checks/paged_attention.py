@@ -149,7 +149,8 @@ def check_features(op, q, batch, alibi_slopes, window_right, cache_leftpad, sink
             raise ValueError(
                 f"{op}: cache_leftpad must be an int32 tensor of shape [{as_int(batch)}] (the first KV row of each "
                 f"sequence), got shape {tuple(cache_leftpad.shape)} and dtype {cache_leftpad.dtype}. "
-                + index_fix("cache_leftpad", cache_leftpad, 1, (torch.int32,), f"[{as_int(batch)}] (one row per sequence)")
+                + index_fix("cache_leftpad", cache_leftpad, 1, (torch.int32,),
+                            f"[{as_int(batch)}] (one row per sequence)")
             )
         require_same_device(op, "cache_leftpad", cache_leftpad, "q", q)
     if sink_tokens < 0:

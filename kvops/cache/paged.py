@@ -512,8 +512,8 @@ class PagedKVCache:
         spans = (f"[{heads[0]}, {heads[-1] + 1})" if heads[-1] - heads[0] + 1 == len(heads)
                  else "{" + ", ".join(map(str, heads)) + "}")
         raise ValueError(
-            f"PagedKVCache.attention: layer {layer}'s cache has num_kv_heads={num_kv_heads}, but its writes filled only "
-            f"heads {spans} (PagedKVCache.write with cache_head_start), so q's {q.shape[1]} heads would read heads "
+            f"PagedKVCache.attention: layer {layer}'s cache has num_kv_heads={num_kv_heads}, but its writes filled "
+            f"only heads {spans} (PagedKVCache.write with cache_head_start), so q's {q.shape[1]} heads would read heads "
             f"that were never written. If the model has {_kv_heads(len(heads))}, build PagedKVCache with "
             f"num_kv_heads={len(heads)} and write without cache_head_start; with head-sliced writers, write every "
             f"head slice before attention."
