@@ -369,7 +369,7 @@ class TestFeatureContracts(expecttest.TestCase):
                                   """kvops.paged_attention: window_right must be -1 (no right bound) or >= 0, got -2.""")
         self.assertExpectedInline(
             self.raises(cache_leftpad=torch.zeros(3, dtype=torch.int64)),
-            """kvops.paged_attention: cache_leftpad must be an int32 tensor of shape [3] (the first KV row of each sequence), got shape (3,) and dtype torch.int64.""",
+            """kvops.paged_attention: cache_leftpad must be an int32 tensor of shape [3] (the first KV row of each sequence), got shape (3,) and dtype torch.int64. Pass cache_leftpad.to(torch.int32).""",
         )
         self.assertExpectedInline(self.raises(window_left=4, sink_tokens=-1),
                                   """kvops.paged_attention: sink_tokens must be >= 0 (0: none), got -1.""")
@@ -424,7 +424,7 @@ class TestFeatureContracts(expecttest.TestCase):
                                 (q, kc, torch.zeros(3, dtype=torch.int32)), compile_exc=PY_ERROR)
         self.assertExpectedInline(
             msg,
-            """flash_attn_with_kvcache: cache_leftpad must be an int32 tensor of shape [2] (the row each sequence's cache starts at), got shape (3,) and dtype torch.int32.""",
+            """flash_attn_with_kvcache: cache_leftpad must be an int32 tensor of shape [2] (the row each sequence's cache starts at), got shape (3,) and dtype torch.int32. Pass cache_leftpad with the shape [2] (one row per sequence).""",
         )
         msg = raises_everywhere(self, ValueError, lambda q, kc: f(q, kc, kc, cache_seqlens=1, window_size=(2, -3)),
                                 (q, kc), compile_exc=PY_ERROR)

@@ -119,9 +119,9 @@ class TestContracts(expecttest.TestCase):
 
     def test_position_metadata(self):
         t = torch.tensor
-        self.assertExpectedInline(self.check(ValueError, t(2.0), 0, 1), """kvops.cache_roll: src must be an int or an int32/int64 tensor holding one row count or row ([] or [1]); got a tensor of shape () and dtype torch.float32.""")  # noqa: B950
-        self.assertExpectedInline(self.check(ValueError, 2, t([0, 1]), 1), """kvops.cache_roll: dst must be an int or an int32/int64 tensor holding one row count or row ([] or [1]); got a tensor of shape (2,) and dtype torch.int64.""")  # noqa: B950
-        self.assertExpectedInline(self.check(ValueError, 2, 0, t([[1]])), """kvops.cache_roll: num_tokens must be an int or an int32/int64 tensor holding one row count or row ([] or [1]); got a tensor of shape (1, 1) and dtype torch.int64.""")  # noqa: B950
+        self.assertExpectedInline(self.check(ValueError, t(2.0), 0, 1), """kvops.cache_roll: src must be an int or an int32/int64 tensor holding one row count or row ([] or [1]); got a tensor of shape () and dtype torch.float32. Pass src.to(torch.int64) (built with integer ops: // rather than /).""")  # noqa: B950
+        self.assertExpectedInline(self.check(ValueError, 2, t([0, 1]), 1), """kvops.cache_roll: dst must be an int or an int32/int64 tensor holding one row count or row ([] or [1]); got a tensor of shape (2,) and dtype torch.int64. Pass dst with the shape [] or [1].""")  # noqa: B950
+        self.assertExpectedInline(self.check(ValueError, 2, 0, t([[1]])), """kvops.cache_roll: num_tokens must be an int or an int32/int64 tensor holding one row count or row ([] or [1]); got a tensor of shape (1, 1) and dtype torch.int64. Pass num_tokens with the shape [] or [1].""")  # noqa: B950
         # the caches' own contract comes first, as in the int form
         msg = self.check(ValueError, t(2), 0, 1, v_cache=torch.zeros(2, 8, 3, 16))
         self.assertIn("must agree in [batch, cache_len, num_kv_heads]", msg)

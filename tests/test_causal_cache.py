@@ -579,7 +579,7 @@ class TestErrors(expecttest.TestCase):
         c = streamed(heads=4, chunks=())
         msg = self.check(ValueError, lambda k, v: c.update_and_get_attention_kv(k, v, 0), torch.zeros(1, 2, 2, 1),
                          torch.zeros(1, 2, 2, 1))
-        self.assertExpectedInline(msg, """CausalKVCache requires cache_head_start when cache heads (4) differ from input heads (2). Pass cache_head_start (0 <= cache_head_start <= 2) to write the input heads as the head slice [cache_head_start, cache_head_start + 2) (tensor-parallel writers), or key/value with all 4 heads.""")
+        self.assertExpectedInline(msg, """CausalKVCache requires cache_head_start when cache heads (4) differ from input heads (2). If the model has 2 KV heads, allocate the cache with 2 KV heads (num_kv_heads=2). A head slice is for several writers filling one cache (tensor-parallel writers): then pass cache_head_start (0 <= cache_head_start <= 2) to write the input heads as heads [cache_head_start, cache_head_start + 2), and have the other writers fill the other heads before attention. Or pass key/value with all 4 heads.""")
 
     def test_head_slice_out_of_range(self):
         c = streamed(heads=4, chunks=())

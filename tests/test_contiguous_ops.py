@@ -145,7 +145,7 @@ class TestContracts(expecttest.TestCase):
         key = torch.randn(2, 3, 2, 16)
         msg = self.check(ValueError, lambda k, kc, vc: kvops.cache_write(k, k, kc, vc, 0), key, k_cache, v_cache)
         self.assertExpectedInline(
-            msg, """kvops.cache_write requires cache_head_start when cache heads (8) differ from input heads (2). Pass cache_head_start (0 <= cache_head_start <= 6) to write the input heads as the head slice [cache_head_start, cache_head_start + 2) (tensor-parallel writers), or key/value with all 8 heads."""
+            msg, """kvops.cache_write requires cache_head_start when cache heads (8) differ from input heads (2). If the model has 2 KV heads, allocate the cache with 2 KV heads (num_kv_heads=2). A head slice is for several writers filling one cache (tensor-parallel writers): then pass cache_head_start (0 <= cache_head_start <= 6) to write the input heads as heads [cache_head_start, cache_head_start + 2), and have the other writers fill the other heads before attention. Or pass key/value with all 8 heads."""
         )
 
     def test_head_slice_outside_cache(self):
@@ -168,12 +168,12 @@ class TestContracts(expecttest.TestCase):
         msg = self.check(RuntimeError, lambda k, kc, vc: kvops.cache_write(k, k, kc, vc, 6), key, k_cache, v_cache)
         self.assertExpectedInline(
             msg,
-            """Invalid kvops.cache_write write range: local=[6, 9), kv_cache_size=8, num_new_tokens=3. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size.""",
+            """Invalid kvops.cache_write write range: local=[6, 9), kv_cache_size=8, num_new_tokens=3. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size. Pass start <= 5 (kv_cache_size - num_new_tokens), write at most 2 tokens at start=6, or allocate a cache of at least 9 rows (kvops.CausalKVCache evicts old rows when its cache is full).""",
         )
         msg = self.check(RuntimeError, lambda k, kc, vc: kvops.cache_write(k, k, kc, vc, -1), key, k_cache, v_cache)
         self.assertExpectedInline(
             msg,
-            """Invalid kvops.cache_write write range: local=[-1, 2), kv_cache_size=8, num_new_tokens=3. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size.""",
+            """Invalid kvops.cache_write write range: local=[-1, 2), kv_cache_size=8, num_new_tokens=3. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size. Pass start >= 0 (the first cache row written).""",
         )
 
     def test_roll_range(self):

@@ -256,7 +256,7 @@ class TestContracts(expecttest.TestCase):
                          self.q, self.k_cache, self.v_cache, self.lens.long(), self.table)
         self.assertExpectedInline(
             msg,
-            """flash_attn_with_kvcache: cache_seqlens must be an int or an int32 tensor of shape [2], got shape (2,) and dtype torch.int64.""",
+            """flash_attn_with_kvcache: cache_seqlens must be an int or an int32 tensor of shape [2], got shape (2,) and dtype torch.int64. Pass cache_seqlens.to(torch.int32).""",
         )
         msg = self.check(lambda q, kc, vc, bt: f(q, kc, vc, cache_seqlens=1, block_table=bt),
                          self.q, self.k_cache, self.v_cache, self.table[:1])
@@ -268,7 +268,7 @@ class TestContracts(expecttest.TestCase):
                          torch.randn(2, 1, 3, 16), self.k_cache, self.v_cache, self.table)
         self.assertExpectedInline(
             msg,
-            """flash_attn_with_kvcache: num_heads (3) must be a multiple of num_kv_heads (2) (GQA); got q shape (2, 1, 3, 16) and k_cache shape (8, 4, 2, 16).""",
+            """flash_attn_with_kvcache: num_heads (3) must be a multiple of num_kv_heads (2) (GQA); got q shape (2, 1, 3, 16) and k_cache shape (8, 4, 2, 16). If the cache was allocated with another head count than the model's, allocate k_cache and v_cache with the model's num_kv_heads (a divisor of 3); else pass q with a multiple of 2 heads.""",
         )
 
     def test_write_past_capacity_from_shapes(self):

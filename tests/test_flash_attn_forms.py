@@ -149,7 +149,7 @@ class TestRefusedForms(expecttest.TestCase):
         self.assertExpectedInline(self.check(causal=torch.ones(2, dtype=torch.bool)), """flash_attn_with_kvcache: causal must be a bool; a tensor causal must hold one element, got shape (2,).""")
         self.assertExpectedInline(self.check(num_splits=torch.zeros(2, dtype=torch.int64)), """flash_attn_with_kvcache: num_splits must be an int; a tensor num_splits must hold one integer element, got a tensor of shape (2,) and dtype torch.int64.""")
         self.assertExpectedInline(self.check(cache_seqlens=1.5), """flash_attn_with_kvcache: cache_seqlens must be an int or an int32 tensor of shape [batch], got float 1.5. Pass a whole number (int(cache_seqlens) if it is integral).""")
-        self.assertExpectedInline(self.check(cache_batch_idx=torch.zeros(2)), """flash_attn_with_kvcache: cache_batch_idx must be an int32 tensor of shape [2] (the k_cache row of each sequence), got shape (2,) and dtype torch.float32. Pass cache_batch_idx.to(torch.int32).""")
+        self.assertExpectedInline(self.check(cache_batch_idx=torch.zeros(2)), """flash_attn_with_kvcache: cache_batch_idx must be an int32 tensor of shape [2] (the k_cache row of each sequence), got shape (2,) and dtype torch.float32. Pass cache_batch_idx.to(torch.int32) (built with integer ops: // rather than /).""")
 
     def test_a_tensor_where_a_python_value_is_traced(self):
         """Eager calls read these tensors (as FlashAttention); traced calls refuse them, naming the form that

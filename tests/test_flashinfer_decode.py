@@ -194,8 +194,7 @@ class TestFlashInferContracts(expecttest.TestCase):
 BatchDecodeWithPagedKVCacheWrapper.plan: pos_encoding_mode must be one of ('NONE', 'ROPE_LLAMA', 'ALIBI'), got 'ROPE'.""")
         self.assertExpectedInline(self.plan_error(last_page_len=torch.tensor([9, 3], dtype=torch.int32)), """\
 BatchDecodeWithPagedKVCacheWrapper.plan: last_page_len[0] = 9 must be in [1, page_size = 8] (the keys in sequence 0's last page).""")
-        self.assertExpectedInline(self.plan_error(indptr=self.indptr.long()), """\
-BatchDecodeWithPagedKVCacheWrapper.plan: indptr must be a 1-D int32 tensor, got ((3,), torch.int64).""")
+        self.assertExpectedInline(self.plan_error(indptr=self.indptr.long()), """BatchDecodeWithPagedKVCacheWrapper.plan: indptr must be a 1-D int32 tensor, got ((3,), torch.int64). Pass indptr.to(torch.int32).""")
         self.assertExpectedInline(self.plan_error(num_qo_heads=5), """\
 BatchDecodeWithPagedKVCacheWrapper.plan: num_qo_heads (5) must be a multiple of num_kv_heads (2) (GQA).""")
         self.assertExpectedInline(self.plan_error(indptr=torch.tensor([0, 4, 99], dtype=torch.int32)), """\
@@ -209,8 +208,7 @@ BatchDecodeWithPagedKVCacheWrapper.plan: indptr = [0, 4, 99] must be non-decreas
         w.plan(self.indptr, self.indices, self.last, 4, 2, 64, 8)
         with self.assertRaises(ValueError) as cm:
             w.run(self.q, self.kv)  # an NHD cache given to an HND wrapper
-        self.assertExpectedInline(str(cm.exception), """\
-BatchDecodeWithPagedKVCacheWrapper.run: k_cache [7, 8, 2, 64] is not HND [P, H_kv, page_size, D] with page_size 8 and 2 KV heads as planned.""")
+        self.assertExpectedInline(str(cm.exception), """BatchDecodeWithPagedKVCacheWrapper.run: k_cache [7, 8, 2, 64] is not HND [P, H_kv, page_size, D] with page_size 8 and 2 KV heads as planned. It may be an NHD cache: construct the wrapper with kv_layout="NHD".""")
         with self.assertRaises(ValueError) as cm:
             w.run(self.q.float(), self.kv.transpose(2, 3))
         self.assertExpectedInline(str(cm.exception), """\

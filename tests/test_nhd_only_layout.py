@@ -49,7 +49,7 @@ class TestLayoutHint(expecttest.TestCase):
         pos = slots = torch.tensor([0, 1, 2])
         msg = raises_everywhere(self, ValueError, lambda *a: kvops.rotary_paged_cache_write(*a),
                                 (key, key, kc, vc, slots, pos, cos, sin))
-        self.assertExpectedInline(msg, """kvops.rotary_paged_cache_write requires cache_head_start when cache heads (4) differ from input heads (2). Pass cache_head_start (0 <= cache_head_start <= 2) to write the input heads as the head slice [cache_head_start, cache_head_start + 2) (tensor-parallel writers), or key/value with all 4 heads. The cache of shape (2, 2, 4, 16) read as kv_layout="NHD" has 4 heads, but its dim of size 2 fits the 2 input heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, kvops.rotary_paged_cache_write takes NHD caches only: pass its NHD view cache.transpose(1, 2) (no copy), or use kvops.paged_cache_write / kvops.paged_attention with kv_layout="HND".""")  # noqa: B950
+        self.assertExpectedInline(msg, """kvops.rotary_paged_cache_write requires cache_head_start when cache heads (4) differ from input heads (2). If the model has 2 KV heads, allocate the cache with 2 KV heads (num_kv_heads=2). A head slice is for several writers filling one cache (tensor-parallel writers): then pass cache_head_start (0 <= cache_head_start <= 2) to write the input heads as heads [cache_head_start, cache_head_start + 2), and have the other writers fill the other heads before attention. Or pass key/value with all 4 heads. The cache of shape (2, 2, 4, 16) read as kv_layout="NHD" has 4 heads, but its dim of size 2 fits the 2 input heads: it may be an HND cache [num_blocks, num_kv_heads, block_size, head_dim]; if so, kvops.rotary_paged_cache_write takes NHD caches only: pass its NHD view cache.transpose(1, 2) (no copy), or use kvops.paged_cache_write / kvops.paged_attention with kv_layout="HND".""")  # noqa: B950
 
     def test_transfer(self):
         ks, vs = [hnd(6, 4, 2, 8)], [hnd(6, 4, 2, 8, 1)]  # read as NHD: block_size 4, 2 KV heads
@@ -83,13 +83,13 @@ class TestPagedKVCacheHeads(expecttest.TestCase):
         msg = raises_everywhere(self, ValueError, write, (torch.randn(3, 16, 32),), compile_exc=PY_ERROR)
         self.assertExpectedInline(msg, """PagedKVCache.write: key of shape (3, 16, 32) has 16 heads, which exceed the cache's num_kv_heads=8. Pass key with 8 heads, or build PagedKVCache with num_kv_heads=16.""")  # noqa: B950
         msg = raises_everywhere(self, ValueError, write, (torch.randn(3, 2, 32),), compile_exc=PY_ERROR)
-        self.assertExpectedInline(msg, """PagedKVCache.write: key of shape (3, 2, 32) has 2 heads, which differ from the cache's num_kv_heads=8. Pass cache_head_start (0 <= cache_head_start <= 6) to write this writer's head slice, or build PagedKVCache with num_kv_heads=2.""")  # noqa: B950
+        self.assertExpectedInline(msg, """PagedKVCache.write: key of shape (3, 2, 32) has 2 heads, which differ from the cache's num_kv_heads=8. If the model has 2 KV heads, build PagedKVCache with num_kv_heads=2. A head slice is for several writers filling one cache (tensor-parallel writers): then pass cache_head_start (0 <= cache_head_start <= 6), and have the other writers fill the other heads before attention.""")  # noqa: B950
         self.assertFalse(self.cache.k_caches[0].any())
 
     def test_attention(self):
         msg = raises_everywhere(self, ValueError, lambda q: self.cache.attention(0, q, self.step),
                                 (torch.randn(3, 12, 32),), compile_exc=PY_ERROR)
-        self.assertExpectedInline(msg, """PagedKVCache.attention: q of shape (3, 12, 32) has 12 heads, which must be a multiple of the cache's num_kv_heads=8 (GQA). Pass q with a multiple of 8 heads, or build PagedKVCache with a num_kv_heads that divides 12.""")  # noqa: B950
+        self.assertExpectedInline(msg, """PagedKVCache.attention: q of shape (3, 12, 32) has 12 heads, which must be a multiple of the cache's num_kv_heads=8 (GQA). If the model has another KV head count, build PagedKVCache with it (a divisor of 12); else pass q with a multiple of 8 heads.""")  # noqa: B950
 
 
 class TestAmbiguousShapeNHDView(expecttest.TestCase):

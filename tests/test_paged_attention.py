@@ -410,7 +410,7 @@ class TestPagedAttentionErrors(expecttest.TestCase):
 
     def test_heads_not_multiple(self):
         inputs = _base(q=torch.randn(3, 5, 8))
-        self.assertExpectedInline(self.raises(inputs), """kvops.paged_attention: num_heads (5) must be a multiple of num_kv_heads (2) (GQA: query head h reads KV head h // (num_heads // num_kv_heads)). Pass q with a multiple of 2 heads.""")
+        self.assertExpectedInline(self.raises(inputs), """kvops.paged_attention: num_heads (5) must be a multiple of num_kv_heads (2) (GQA: query head h reads KV head h // (num_heads // num_kv_heads)). If the cache was allocated with another head count than the model's, allocate it with the model's num_kv_heads (a divisor of 5); else pass q with a multiple of 2 heads.""")
 
     def test_head_dim_mismatch(self):
         inputs = _base(q=torch.randn(3, 4, 16))

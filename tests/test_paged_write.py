@@ -263,12 +263,12 @@ class TestContracts(expecttest.TestCase):
         msg = self.check(f, key, kc, vc, slots.float())
         self.assertExpectedInline(
             msg,
-            """kvops.paged_cache_write: slot_mapping must be a 1-D int32 or int64 tensor [num_tokens], got shape (3,) and dtype torch.float32.""",
+            """kvops.paged_cache_write: slot_mapping must be a 1-D int32 or int64 tensor [num_tokens], got shape (3,) and dtype torch.float32. Pass slot_mapping.to(torch.int64) (built with integer ops: // rather than /).""",
         )
         msg = self.check(f, key, kc, vc, slots.view(1, 3))
         self.assertExpectedInline(
             msg,
-            """kvops.paged_cache_write: slot_mapping must be a 1-D int32 or int64 tensor [num_tokens], got shape (1, 3) and dtype torch.int32.""",
+            """kvops.paged_cache_write: slot_mapping must be a 1-D int32 or int64 tensor [num_tokens], got shape (1, 3) and dtype torch.int32. Reshape slot_mapping to [num_tokens].""",
         )
 
     def test_key_shorter_than_slot_mapping(self):
@@ -285,7 +285,7 @@ class TestContracts(expecttest.TestCase):
         key = torch.randn(3, 1, 16)
         msg = self.check(lambda k, kc, vc, s: kvops.paged_cache_write(k, k, kc, vc, s), key, kc, vc, slots)
         self.assertExpectedInline(
-            msg, """kvops.paged_cache_write requires cache_head_start when cache heads (5) differ from input heads (1). Pass cache_head_start (0 <= cache_head_start <= 4) to write the input heads as the head slice [cache_head_start, cache_head_start + 1) (tensor-parallel writers), or key/value with all 5 heads."""
+            msg, """kvops.paged_cache_write requires cache_head_start when cache heads (5) differ from input heads (1). If the model has 1 KV head, allocate the cache with 1 KV head (num_kv_heads=1). A head slice is for several writers filling one cache (tensor-parallel writers): then pass cache_head_start (0 <= cache_head_start <= 4) to write the input heads as heads [cache_head_start, cache_head_start + 1), and have the other writers fill the other heads before attention. Or pass key/value with all 5 heads."""
         )
         msg = self.check(lambda k, kc, vc, s: kvops.paged_cache_write(k, k, kc, vc, s, 5), key, kc, vc, slots)
         self.assertExpectedInline(

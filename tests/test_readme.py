@@ -30,7 +30,8 @@ class TestReadme(unittest.TestCase):
 
     def test_quick_subset_is_declared(self):
         bash = [b.strip() for b in blocks(README, "bash")]
-        self.assertIn("python -m pytest -q -n 2 --dist loadfile -m quick tests", bash)
+        # a reader may run it first: it installs the test extra (pytest, xdist) itself
+        self.assertIn("pip install -e '.[test]' && python -m pytest -q -n 2 --dist loadfile -m quick tests", bash)
         markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
         self.assertTrue(any(m.startswith("quick:") for m in markers), markers)
         from tests.conftest import QUICK_MODULES

@@ -224,7 +224,7 @@ class TestRotaryContracts(expecttest.TestCase):
 
     def test_positions(self):
         self.assertExpectedInline(self.write_error(pos=self.pos[:2]), """kvops.rotary_paged_cache_write: positions has 2 entries but slot_mapping has 3 tokens; pass one position per token.""")
-        self.assertExpectedInline(self.write_error(pos=self.pos.float()), """kvops.rotary_paged_cache_write: positions must be a 1-D int32 or int64 tensor [num_tokens] (the rotary position of each token), got shape (3,) and dtype torch.float32.""")
+        self.assertExpectedInline(self.write_error(pos=self.pos.float()), """kvops.rotary_paged_cache_write: positions must be a 1-D int32 or int64 tensor [num_tokens] (the rotary position of each token), got shape (3,) and dtype torch.float32. Pass positions.to(torch.int64) (built with integer ops: // rather than /).""")
 
     def test_paged_write_errors_keep_their_wording(self):
         self.assertExpectedInline(self.write_error(key=self.key.half()), """kvops.rotary_paged_cache_write: key dtype torch.float16 does not match k_cache dtype torch.float32. Cast key to torch.float32.""")
@@ -249,7 +249,7 @@ class TestRotaryContracts(expecttest.TestCase):
     def test_apply_rotary_positions_shape(self):
         msg = raises_everywhere(self, ValueError, lambda x, c, s, p: kvops.apply_rotary(x, c, s, p),
                                 (self.key, self.cos, self.sin, self.pos[:2]), compile_exc=torch._dynamo.exc.Unsupported)
-        self.assertExpectedInline(msg, """kvops.apply_rotary: positions must have shape x.shape[:-2] = (3,) (one position per token), got (2,).""")
+        self.assertExpectedInline(msg, """kvops.apply_rotary: positions must have shape x.shape[:-2] = (3,) (one position per token), got (2,). Pass one position per token of x: a tensor of shape [3].""")
 
 
 class TestRotaryLowering(expecttest.TestCase):

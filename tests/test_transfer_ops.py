@@ -152,7 +152,7 @@ class TestContracts(expecttest.TestCase):
         self.assertExpectedInline(self.gather(ks=[self.ks[0][0], self.ks[1][0]]), """kvops.paged_kv_gather: caches[0] must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape (4, 4, 8). Reshape caches[0] to [num_blocks, block_size, num_kv_heads, head_dim].""")  # noqa: B950
 
     def test_block_table(self):
-        self.assertExpectedInline(self.gather(table=self.table.float()), """kvops.paged_kv_gather: block_table must be the request's 1-D int32 or int64 row [num_blocks_of_request], got shape (2,) and dtype torch.float32.""")  # noqa: B950
+        self.assertExpectedInline(self.gather(table=self.table.float()), """kvops.paged_kv_gather: block_table must be the request's 1-D int32 or int64 row [num_blocks_of_request], got shape (2,) and dtype torch.float32. Pass block_table.to(torch.int32) (built with integer ops: // rather than /).""")  # noqa: B950
         self.assertExpectedInline(self.gather(table=self.table[:1]), """kvops.paged_kv_gather: tokens [0, 5) exceed the request's block_table capacity of 1 blocks x block_size 4 = 4 tokens. Pass a block_table covering start + num_tokens tokens.""")  # noqa: B950
         self.assertExpectedInline(self.gather(start=4), """kvops.paged_kv_gather: tokens [4, 9) exceed the request's block_table capacity of 2 blocks x block_size 4 = 8 tokens. Pass a block_table covering start + num_tokens tokens.""")  # noqa: B950
         self.assertExpectedInline(self.gather(start=-1), """kvops.paged_kv_gather: start must be >= 0 (a token position in the request), got -1.""")  # noqa: B950

@@ -93,11 +93,42 @@ def check_head_slice(op: str, cache_heads: int, in_heads: int, cache_head_start:
 
 
 def head_slice_fix(cache_heads, in_heads) -> str:
-    """The fix sentence of the ``requires cache_head_start`` error when the input carries fewer heads than the cache."""
-    top = cache_heads - in_heads
-    return (f" Pass cache_head_start (0 <= cache_head_start <= {as_int(top)}) to write the input heads as the head "
-            f"slice [cache_head_start, cache_head_start + {as_int(in_heads)}) (tensor-parallel writers), or key/value "
-            f"with all {as_int(cache_heads)} heads.")
+    """The fix sentences of the ``requires cache_head_start`` error when the input carries fewer heads than the cache.
+
+    The likely mistake is the cache's head count (allocated for another model), so that fix comes first: a head slice
+    written into a cache whose other heads nobody writes gives attention that reads never-written heads, silently."""
+    top, n = cache_heads - in_heads, as_int(in_heads)
+    heads = f"{n} KV head{'s' if n != 1 else ''}"
+    return (f" If the model has {heads}, allocate the cache with {heads} (num_kv_heads={n}). A head slice is "
+            f"for several writers filling one cache (tensor-parallel writers): then pass cache_head_start (0 <= "
+            f"cache_head_start <= {as_int(top)}) to write the input heads as heads [cache_head_start, cache_head_start"
+            f" + {n}), and have the other writers fill the other heads before attention. Or pass key/value with all "
+            f"{as_int(cache_heads)} heads.")
+
+
+def gqa_fix(num_heads, num_kv_heads, cache: str = "allocate it") -> str:
+    """The fix sentence of a ``num_heads % num_kv_heads != 0`` error: the likely mistake is the cache's head count
+    (allocated for another model), so that fix comes first (``cache``: how to get a cache with other heads)."""
+    return (f"If the cache was allocated with another head count than the model's, {cache} with the model's "
+            f"num_kv_heads (a divisor of {as_int(num_heads)}); else pass q with a multiple of {as_int(num_kv_heads)} "
+            f"heads.")
+
+
+def index_fix(name: str, t, ndim: int | None, dtypes: tuple, layout: str, want: torch.dtype | None = None) -> str:
+    """The fix sentence for an index tensor ``t`` (``slot_mapping``, ``block_table``, ``seq_lens``, positions, ...)
+    whose dtype is not one of ``dtypes`` or whose rank is not ``ndim`` (None: any), in the op's ``layout`` terms:
+    ``Pass slot_mapping.to(torch.int64).`` for a float one, ``Reshape ... to [num_tokens].`` for a wrong rank.
+    ``want``: the dtype the fix names (default int64 when allowed, else int32)."""
+    want = str(want) if want is not None else "torch.int64" if torch.int64 in dtypes else "torch.int32"
+    if not isinstance(t, torch.Tensor):
+        return f"Pass {name} as a {want} tensor {layout}."
+    fixes = []
+    if t.dtype not in dtypes:
+        how = " (built with integer ops: // rather than /)" if t.is_floating_point() else ""
+        fixes.append(f"Pass {name}.to({want}){how}")
+    if ndim is not None and t.dim() != ndim:
+        fixes.append(f"{'reshape it' if fixes else 'Reshape ' + name} to {layout}")
+    return (", and ".join(fixes) + ".") if fixes else f"Pass {name} with the shape {layout}."
 
 
 def check_kv_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor | None, layout: str, agree: str) -> None:

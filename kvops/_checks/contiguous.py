@@ -12,6 +12,7 @@ from .common import (
     as_int,
     check_head_slice,
     check_kv_pair,
+    index_fix,
     require_dim_match,
     require_ndim,
     require_same_device,
@@ -73,12 +74,24 @@ def check_cache_write(
     h0 = check_head_slice(op, cache_heads, in_heads, cache_head_start)
     num_new, cache_len = key.shape[1], k_cache.shape[1]
     if check_rows and (start < 0 or start + num_new > cache_len):
-        s = as_int(start)
-        raise RuntimeError(
-            f"Invalid {op} write range: local=[{s}, {s + num_new}), kv_cache_size={cache_len}, "
-            f"num_new_tokens={num_new}. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size."
-        )
+        raise RuntimeError(write_range_message(op, as_int(start), as_int(num_new), as_int(cache_len)))
     return h0
+
+
+def write_range_message(op: str, s: int, n: int, cache_len: int) -> str:
+    """The write's range error (docs/semantics.md §1.5 wording), with the fix for the case at hand; shared by the int
+    form and the tensor form's value check."""
+    if n > cache_len:
+        fix = (f"num_new_tokens exceeds kv_cache_size: write at most {cache_len} tokens per call, or allocate a cache "
+               f"of at least {n} rows.")
+    elif s < 0:
+        fix = "Pass start >= 0 (the first cache row written)."
+    else:
+        fix = (f"Pass start <= {cache_len - n} (kv_cache_size - num_new_tokens), write at most {cache_len - s} "
+               f"token{'s' if cache_len - s != 1 else ''} at start={s}, or allocate a cache of at least {s + n} rows "
+               f"(kvops.CausalKVCache evicts old rows when its cache is full).")
+    return (f"Invalid {op} write range: local=[{s}, {s + n}), kv_cache_size={cache_len}, num_new_tokens={n}. Rows "
+            f"must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size. {fix}")
 
 
 def check_cache_roll(
@@ -132,7 +145,8 @@ def check_roll_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, src, dst, num_
         if x.dtype not in (torch.int32, torch.int64) or x.dim() > 1 or (x.dim() == 1 and x.shape[0] != 1):
             raise ValueError(
                 f"{op}: {name} must be an int or an int32/int64 tensor holding one row count or row ([] or [1]); got "
-                f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}."
+                f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}. "
+                + index_fix(name, x, None, (torch.int32, torch.int64), "[] or [1]")
             )
         require_same_device(op, name, x, "k_cache", k_cache)
     if k_cache.dtype == torch.float8_e4m3fn:
@@ -159,11 +173,13 @@ def check_write_rows(key: torch.Tensor, k_cache: torch.Tensor, start: torch.Tens
         raise ValueError(
             f"{op}: start must be an int, or an int32/int64 tensor holding the first row ([] or [1]) or one row per "
             f"new token ([num_new_tokens] = [{as_int(num_new)}], as gpt-fast's input_pos); got a tensor of shape "
-            f"{tuple(start.shape)} and dtype {start.dtype}."
+            f"{tuple(start.shape)} and dtype {start.dtype}. "
+            + index_fix("start", start, None, (torch.int32, torch.int64), f"[1] or [{as_int(num_new)}]")
         )
     require_same_device(op, "start", start, "k_cache", k_cache)
     if num_new > cache_len and (start.dim() == 0 or start.shape[0] == 1):
         raise RuntimeError(
             f"Invalid {op} write range: num_new_tokens={as_int(num_new)} exceeds kv_cache_size={as_int(cache_len)}, "
-            f"so no start row fits. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size."
+            f"so no start row fits. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size. Write at "
+            f"most {as_int(cache_len)} tokens per call, or allocate a cache of at least {as_int(num_new)} rows."
         )

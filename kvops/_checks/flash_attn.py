@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from .common import gqa_fix, index_fix
 from .forms import bool_arg, float_arg, int_arg, window_arg
 from .paged_write import layout_hint
 from .rotary import check_rotary
@@ -98,19 +99,22 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
     if cache_leftpad is not None and (cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (batch,)):
         raise ValueError(
             f"{OP}: cache_leftpad must be an int32 tensor of shape [{batch}] (the row each sequence's cache starts "
-            f"at), got shape {tuple(cache_leftpad.shape)} and dtype {cache_leftpad.dtype}."
+            f"at), got shape {tuple(cache_leftpad.shape)} and dtype {cache_leftpad.dtype}. "
+            + index_fix("cache_leftpad", cache_leftpad, 1, (torch.int32,), f"[{batch}] (one row per sequence)")
         )
     if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"{OP}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) (GQA); got q shape "
             f"{tuple(q.shape)} and k_cache shape {tuple(k_cache.shape)}."
-            + layout_hint(k_cache, "NHD", f"{num_heads} query heads", lambda h: num_heads % h == 0, OP)
+            + (layout_hint(k_cache, "NHD", f"{num_heads} query heads", lambda h: num_heads % h == 0, OP)
+               or " " + gqa_fix(num_heads, num_kv_heads, "allocate k_cache and v_cache"))
         )
     if block_table is not None:
         if block_table.dtype != torch.int32 or block_table.dim() != 2:
             raise ValueError(
                 f"{OP}: block_table must be a 2-D int32 tensor [batch, max_blocks], got shape "
-                f"{tuple(block_table.shape)} and dtype {block_table.dtype}. Pass block_table.to(torch.int32)."
+                f"{tuple(block_table.shape)} and dtype {block_table.dtype}. "
+                + index_fix("block_table", block_table, 2, (torch.int32,), "[batch, max_blocks]")
             )
         if block_table.shape[0] != batch:
             raise ValueError(
@@ -130,7 +134,8 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
                    if isinstance(cache_batch_idx, torch.Tensor) else f"{type(cache_batch_idx).__name__}")
             raise ValueError(
                 f"{OP}: cache_batch_idx must be an int32 tensor of shape [{batch}] (the k_cache row of each "
-                f"sequence), got {got}. Pass cache_batch_idx.to(torch.int32)."
+                f"sequence), got {got}. "
+                + index_fix("cache_batch_idx", cache_batch_idx, 1, (torch.int32,), f"[{batch}] (one row per sequence)")
             )
     elif block_table is None and k_cache.shape[0] != batch:
         raise ValueError(
@@ -146,7 +151,8 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
         if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
             raise ValueError(
                 f"{OP}: cache_seqlens must be an int or an int32 tensor of shape [{batch}], got shape "
-                f"{tuple(cache_seqlens.shape)} and dtype {cache_seqlens.dtype}."
+                f"{tuple(cache_seqlens.shape)} and dtype {cache_seqlens.dtype}. "
+                + index_fix("cache_seqlens", cache_seqlens, 1, (torch.int32,), f"[{batch}] (one length per sequence)")
             )
     elif cache_seqlens is not None and cache_seqlens < 0:
         raise ValueError(f"{OP}: cache_seqlens must be >= 0 (tokens already in the cache), got {cache_seqlens}.")
@@ -165,8 +171,7 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
             raise ValueError(
                 f"{OP}: {name} must be [batch={batch}, seqlen_new, num_kv_heads={cache.shape[2]}, "
                 f"head_dim={cache.shape[3]}] (k and v with the same seqlen_new), got shape {tuple(t.shape)}."
-                + (layout_hint(cache, "NHD", f"{t.shape[2]} heads of {name}", lambda h: h == t.shape[2], OP)
-                   if t.dim() == 4 else "")
+                + (_heads_fix(cache, name, t) if t.dim() == 4 else "")
             )
     s_new = k.shape[1]
     check_rotary_tables(q, k, rotary_cos, rotary_sin, capacity)
@@ -179,6 +184,16 @@ def check_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_
             f"block_table more blocks or write fewer tokens."
         )
     return args
+
+
+def _heads_fix(cache, name, t) -> str:
+    """For new keys/values ``t`` whose head count differs from the cache's: the layout hint when the cache may be HND,
+    else the likely fix, a cache allocated with the model's head count (FlashAttention writes all heads)."""
+    if t.shape[2] == cache.shape[2]:
+        return ""
+    return (layout_hint(cache, "NHD", f"{t.shape[2]} heads of {name}", lambda h: h == t.shape[2], OP)
+            or f" If the model has {t.shape[2]} KV head{'s' if t.shape[2] != 1 else ''}, allocate k_cache and v_cache "
+               f"with {t.shape[2]} head{'s' if t.shape[2] != 1 else ''}.")
 
 
 def check_rotary_tables(q, k, rotary_cos, rotary_sin, capacity) -> None:

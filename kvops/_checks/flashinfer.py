@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from .common import require_finite
+from .common import index_fix, require_finite
 
 PLAN = "BatchDecodeWithPagedKVCacheWrapper.plan"
 RUN = "BatchDecodeWithPagedKVCacheWrapper.run"
 MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+LAYOUTS = {"indptr": "[batch + 1]", "indices": "[nnz_pages]", "last_page_len": "[batch]"}
 MAX_KV_LEN = 2**31 - 1  # kvops.paged_attention's seq_lens are int32
 
 
@@ -26,7 +27,8 @@ def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_
         if not isinstance(t, torch.Tensor) or t.dim() != ndim or t.dtype != torch.int32:
             raise ValueError(
                 f"{PLAN}: {name} must be a 1-D int32 tensor, got "
-                f"{(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__}."
+                f"{(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__}. "
+                + index_fix(name, t, 1, (torch.int32,), LAYOUTS[name])
             )
     for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
         if t.device.type == "meta" or t.device != indptr.device:
@@ -107,8 +109,16 @@ def check_run(q, k_cache, v_cache, kv_layout, shape, dtypes, planned_window, win
                                                                                         k_cache.shape[1])
         if rows != page_size or heads != h_kv:
             dims = "[P, page_size, H_kv, D]" if kv_layout == "NHD" else "[P, H_kv, page_size, D]"
+            other = "HND" if kv_layout == "NHD" else "NHD"
+            if rows == h_kv and heads == page_size:
+                fix = f" It may be an {other} cache: construct the wrapper with kv_layout=\"{other}\"."
+            elif rows == page_size:
+                fix = (f" Allocate the cache with the planned num_kv_heads={h_kv} (the model's), or plan with "
+                       f"num_kv_heads={heads}.")
+            else:
+                fix = f" Allocate the cache with the planned page_size={page_size}, or plan with page_size={rows}."
             raise ValueError(f"{RUN}: k_cache {list(k_cache.shape)} is not {kv_layout} {dims} with page_size "
-                             f"{page_size} and {h_kv} KV heads as planned.")
+                             f"{page_size} and {h_kv} KV heads as planned.{fix}")
     if window_left is not None and window_left != planned_window:
         raise ValueError(f"{RUN}: window_left={window_left} differs from the planned {planned_window}; pass None "
                          f"or plan with it.")

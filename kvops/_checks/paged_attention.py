@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import (FP8_DTYPE, as_int, check_fp8_scales, require_dim_match, require_finite, require_ndim,
-                     require_same_device)
+from .common import (FP8_DTYPE, as_int, check_fp8_scales, gqa_fix, index_fix, require_dim_match, require_finite,
+                     require_ndim, require_same_device)
 from .paged_write import check_paged_caches, layout_hint
 
 OP = "kvops.paged_attention"
@@ -26,7 +26,7 @@ def _check_index(name: str, t: torch.Tensor, ndim: int, layout: str, q: torch.Te
     if t.dim() != ndim or t.dtype != torch.int32:
         raise ValueError(
             f"{OP}: {name} must be a {ndim}-D int32 tensor {layout}, got shape {tuple(t.shape)} and dtype {t.dtype}. "
-            + (f"Reshape {name} to {layout}." if t.dim() != ndim else f"Pass {name}.to(torch.int32).")
+            + index_fix(name, t, ndim, (torch.int32,), layout)
         )
     require_same_device(OP, name, t, "q", q)
 
@@ -86,7 +86,7 @@ def check_paged_attention(
         hint = layout_hint(k_cache, kv_layout, f"{as_int(num_heads)} query heads", lambda h: num_heads % h == 0)
         if hint:  # the swapped layout explains the head count: say so first
             raise ValueError(f"{OP}:{hint} (Read as {kv_layout}, {gqa}.)")
-        raise ValueError(f"{OP}: {gqa}. Pass q with a multiple of {as_int(num_kv_heads)} heads.")
+        raise ValueError(f"{OP}: {gqa}. {gqa_fix(num_heads, num_kv_heads)}")
 
     _check_index("block_table", block_table, 2, "[batch, max_blocks_per_seq]", q)
     _check_index("seq_lens", seq_lens, 1, "[batch]", q)
@@ -148,7 +148,9 @@ def check_features(op, q, batch, alibi_slopes, window_right, cache_leftpad, sink
         if cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (batch,):
             raise ValueError(
                 f"{op}: cache_leftpad must be an int32 tensor of shape [{as_int(batch)}] (the first KV row of each "
-                f"sequence), got shape {tuple(cache_leftpad.shape)} and dtype {cache_leftpad.dtype}."
+                f"sequence), got shape {tuple(cache_leftpad.shape)} and dtype {cache_leftpad.dtype}. "
+                + index_fix("cache_leftpad", cache_leftpad, 1, (torch.int32,),
+                            f"[{as_int(batch)}] (one row per sequence)")
             )
         require_same_device(op, "cache_leftpad", cache_leftpad, "q", q)
     if sink_tokens < 0:

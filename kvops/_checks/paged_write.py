@@ -19,6 +19,7 @@ from .common import (
     check_head_slice,
     head_slice_fix,
     check_kv_pair,
+    index_fix,
     require_dim_match,
     require_ndim,
     require_same_device,
@@ -135,7 +136,8 @@ def check_paged_cache_write(
     if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"{op}: slot_mapping must be a 1-D int32 or int64 tensor [num_tokens], got shape "
-            f"{tuple(slot_mapping.shape)} and dtype {slot_mapping.dtype}."
+            f"{tuple(slot_mapping.shape)} and dtype {slot_mapping.dtype}. "
+            + index_fix("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), "[num_tokens]")
         )
     require_same_device(op, "slot_mapping", slot_mapping, "k_cache", k_cache)
     if key.shape[0] < slot_mapping.shape[0]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import as_int, require_same_device
+from .common import as_int, index_fix, require_same_device
 from .paged_write import check_paged_cache_write
 
 OP = "kvops.rotary_paged_cache_write"
@@ -43,7 +43,8 @@ def check_rotary(op: str, name: str, x: torch.Tensor, rotary_cos, rotary_sin, po
     if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"{op}: positions must be a 1-D int32 or int64 tensor [num_tokens] (the rotary position of each token), "
-            f"got shape {tuple(positions.shape)} and dtype {positions.dtype}."
+            f"got shape {tuple(positions.shape)} and dtype {positions.dtype}. "
+            + index_fix("positions", positions, 1, (torch.int32, torch.int64), "[num_tokens]")
         )
     if positions.shape[0] < num_tokens:
         raise ValueError(

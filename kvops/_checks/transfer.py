@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .overlap import check_caches_disjoint
-from .common import as_int, require_ndim, require_same_device, require_writable
+from .common import as_int, index_fix, require_ndim, require_same_device, require_writable
 from .paged_write import layout_hint
 
 CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
@@ -65,7 +65,9 @@ def check_paged_kv_transfer(
     if block_table.dim() != 1 or block_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"{op}: block_table must be the request's 1-D int32 or int64 row [num_blocks_of_request], got shape "
-            f"{tuple(block_table.shape)} and dtype {block_table.dtype}."
+            f"{tuple(block_table.shape)} and dtype {block_table.dtype}. "
+            + index_fix("block_table", block_table, 1, (torch.int32, torch.int64),
+                        "[num_blocks_of_request] (one request's row, e.g. block_table[b])", torch.int32)
         )
     require_same_device(op, "block_table", block_table, "caches[0]", first)
 

@@ -454,11 +454,9 @@ def check_write_rows(rows: torch.Tensor, cache_len: int, from_start: bool,
         return None
     num_new = rows.shape[0]
     if from_start:
-        s = int(rows[0])
-        raise RuntimeError(
-            f"Invalid {op} write range: local=[{s}, {s + num_new}), kv_cache_size={cache_len}, "
-            f"num_new_tokens={num_new}. Rows must satisfy 0 <= start and start + num_new_tokens <= kv_cache_size."
-        )
+        from .contiguous import write_range_message
+
+        raise RuntimeError(write_range_message(op, int(rows[0]), num_new, cache_len))
     i = int(bad.nonzero()[0, 0])
     raise RuntimeError(
         f"{op}: start[{i}] = {int(rows[i])} is outside [0, {cache_len}), the rows of the cache (kv_cache_size="

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import values
-from .._checks.common import as_int
+from .._checks.common import as_int, index_fix
 
 _LAYOUT = "[num_new_tokens] (shared by every sequence, as gpt-fast's input_pos) or [batch, num_new_tokens]"
 
@@ -25,7 +25,10 @@ def check_step_args(where: str, positions, block_table, device) -> None:
         raise ValueError(
             f"{where}: positions must be an int32/int64 tensor {_LAYOUT} with at least one token, got {got}. Each "
             f"sequence's positions are its new tokens' positions, consecutive (a prefill chunk arange(s, s + T), a "
-            f"decode step [s])."
+            f"decode step [s]). "
+            + (index_fix("positions", positions, None, (torch.int32, torch.int64), "[num_new_tokens]")
+               if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64) or
+               positions.dim() not in (1, 2) else "Pass at least one position per sequence.")
         )
     if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
             or block_table.shape[1] == 0):
@@ -33,7 +36,10 @@ def check_step_args(where: str, positions, block_table, device) -> None:
                if isinstance(block_table, torch.Tensor) else type(block_table).__name__)
         raise ValueError(
             f"{where}: block_table must be an int32 tensor [batch, max_blocks] with max_blocks >= 1 "
-            f"(PagedKVCache.block_table(seq_ids) gives it for sequences whose blocks are reserved), got {got}."
+            f"(PagedKVCache.block_table(seq_ids) gives it for sequences whose blocks are reserved), got {got}. "
+            + (index_fix("block_table", block_table, 2, (torch.int32,), "[batch, max_blocks]")
+               if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or
+               block_table.dim() != 2 else "Reserve blocks first (PagedKVCache.extend(seq_id, max_tokens)).")
         )
     if positions.dim() == 2 and positions.shape[0] != block_table.shape[0]:
         raise ValueError(

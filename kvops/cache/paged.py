@@ -160,6 +160,7 @@ class PagedKVCache:
         self._free: list[int] = list(range(num_blocks))  # a heap: lowest free block id first
         self._refs = [0] * num_blocks
         self._seqs: dict[Hashable, _Seq] = {}
+        self._sliced = [0] * num_layers  # per layer: heads written by head-sliced writes, a bitmask (0: none)
 
     # --- block manager ------------------------------------------------------------------------------------------
     @property
@@ -464,13 +465,18 @@ class PagedKVCache:
 
         Raises ``ValueError`` when ``H_in`` differs from the cache's ``num_kv_heads`` and no ``cache_head_start`` is
         given (naming ``num_kv_heads``: the caches are NHD by construction, so no layout hint), and every error of
-        ``kvops.paged_cache_write``.
+        ``kvops.paged_cache_write``. Head-sliced writes (``cache_head_start``) are recorded per layer: until they
+        have filled every KV head, :meth:`attention` on the layer raises.
         """
         self._check_layer("PagedKVCache.write", layer)
         if cache_head_start is None:
             _check_heads("PagedKVCache.write", "key", key, self.k_caches[layer].shape[2])
         paged_cache_write(key, value, self.k_caches[layer], self.v_caches[layer], step.slot_mapping,
                           cache_head_start, self.k_scale, self.v_scale)
+        if cache_head_start is not None or self._sliced[layer]:  # after the op: a refused write marks nothing
+            full = (1 << self.k_caches[layer].shape[2]) - 1
+            h0 = 0 if cache_head_start is None else int(cache_head_start)
+            self._sliced[layer] |= full & (((1 << key.shape[1]) - 1) << h0)
 
     def attention(self, layer: int, q: torch.Tensor, step: PagedStep, **kwargs):
         """``kvops.paged_attention`` of ``q [N_pad, H_q, D]`` over ``layer``'s cache with the step's metadata.
@@ -478,11 +484,14 @@ class PagedKVCache:
         ``kwargs``: ``scale``, ``causal`` (default True), ``window_left`` and ``sink_tokens`` (default: the cache's),
         ``softcap``, ``sinks``, ``return_lse``, and the other keyword arguments of ``kvops.paged_attention`` (e.g.
         ``rope_theta`` for RoPE at read time).
-        Raises ``ValueError`` when ``H_q`` is not a multiple of the cache's ``num_kv_heads`` (GQA), and every error of
-        ``kvops.paged_attention``.
+        Raises ``ValueError`` when ``H_q`` is not a multiple of the cache's ``num_kv_heads`` (GQA); when the layer's
+        head-sliced writes (``write(..., cache_head_start=h0)``) left KV heads unwritten (e.g. a cache built with 4
+        heads for a model with 2, written at heads ``[0, 2)``: attention would read the never-written heads); and
+        every error of ``kvops.paged_attention``.
         """
         self._check_layer("PagedKVCache.attention", layer)
         _check_heads("PagedKVCache.attention", "q", q, self.k_caches[layer].shape[2])
+        self._check_sliced_heads(layer, q)
         if self.window_left >= 0:
             kwargs.setdefault("window_left", self.window_left)
             kwargs.setdefault("sink_tokens", self.sink_tokens)
@@ -490,6 +499,25 @@ class PagedKVCache:
                                step.block_table, max(step.max_seqlen_q, 1), k_scale=self.k_scale,
                                v_scale=self.v_scale, **kwargs)
 
+
+    def _check_sliced_heads(self, layer: int, q: torch.Tensor) -> None:
+        """Head-sliced writes (``write(..., cache_head_start=h0)``) of ``layer`` must have filled every KV head before
+        attention reads them all: a cache built with more heads than the model has, written at the head slice the
+        model's keys fit, reads never-written heads with no error otherwise (a Python-int bitmask per layer; the
+        common path, writes without ``cache_head_start``, never sets it)."""
+        written, num_kv_heads = self._sliced[layer], self.k_caches[layer].shape[2]
+        if not written or written == (1 << num_kv_heads) - 1:
+            return
+        heads = [h for h in range(num_kv_heads) if written >> h & 1]
+        spans = (f"[{heads[0]}, {heads[-1] + 1})" if heads[-1] - heads[0] + 1 == len(heads)
+                 else "{" + ", ".join(map(str, heads)) + "}")
+        raise ValueError(
+            f"PagedKVCache.attention: layer {layer}'s cache has num_kv_heads={num_kv_heads}, but its writes filled "
+            f"only heads {spans} (PagedKVCache.write with cache_head_start), so q's {q.shape[1]} heads would read heads "
+            f"that were never written. If the model has {_kv_heads(len(heads))}, build PagedKVCache with "
+            f"num_kv_heads={len(heads)} and write without cache_head_start; with head-sliced writers, write every "
+            f"head slice before attention."
+        )
 
     def _check_layer(self, where: str, layer) -> None:
         """``layer`` indexes the cache's layers: an int in ``[0, num_layers)`` (a negative index would silently
@@ -521,13 +549,19 @@ def _check_heads(where: str, name: str, x: torch.Tensor, num_kv_heads: int) -> N
     if heads is None or (heads % num_kv_heads == 0 if name == "q" else heads == num_kv_heads):
         return
     if name == "q":
-        need = (f"must be a multiple of the cache's num_kv_heads={num_kv_heads} (GQA). Pass q with a multiple of "
-                f"{num_kv_heads} heads, or build PagedKVCache with a num_kv_heads that divides {heads}.")
-    elif heads < num_kv_heads:
-        need = (f"differ from the cache's num_kv_heads={num_kv_heads}. Pass cache_head_start (0 <= cache_head_start "
-                f"<= {num_kv_heads - heads}) to write this writer's head slice, or build PagedKVCache with "
-                f"num_kv_heads={heads}.")
+        need = (f"must be a multiple of the cache's num_kv_heads={num_kv_heads} (GQA). If the model has another KV "
+                f"head count, build PagedKVCache with it (a divisor of {heads}); else pass q with a multiple of "
+                f"{num_kv_heads} heads.")
+    elif heads < num_kv_heads:  # the likely mistake is the cache's head count: that fix first
+        need = (f"differ from the cache's num_kv_heads={num_kv_heads}. If the model has {_kv_heads(heads)}, build "
+                f"PagedKVCache with num_kv_heads={heads}. A head slice is for several writers filling one cache "
+                f"(tensor-parallel writers): then pass cache_head_start (0 <= cache_head_start <= "
+                f"{num_kv_heads - heads}), and have the other writers fill the other heads before attention.")
     else:
         need = (f"exceed the cache's num_kv_heads={num_kv_heads}. Pass {name} with {num_kv_heads} heads, or build "
                 f"PagedKVCache with num_kv_heads={heads}.")
     raise ValueError(f"{where}: {name} of shape {tuple(x.shape)} has {heads} heads, which {need}")
+
+
+def _kv_heads(n: int) -> str:
+    return f"{n} KV head{'s' if n != 1 else ''}"

@@ -220,7 +220,9 @@ def streaming_update(
         raise ValueError(
             f"kvops.export.streaming_update: cursors must be int64 [2] (global_end, local_end) and "
             f"current_chunk_start an int64 0-d tensor, got {cursors.dtype} {tuple(cursors.shape)} and "
-            f"{current_chunk_start.dtype} {tuple(current_chunk_start.shape)}."
+            f"{current_chunk_start.dtype} {tuple(current_chunk_start.shape)}. Pass the cursors the previous step "
+            f"returned (kvops.export.init_cursors(device) for a new stream) and "
+            f"current_chunk_start=torch.tensor(start, dtype=torch.int64, device=device)."
         )
     _check_step(key, value, k_cache, v_cache, cursors, current_chunk_start)  # all of it before the first mutation
     g, l = cursors[0], cursors[1]

@@ -76,7 +76,8 @@ def beam_indices(cache: str, beam_idx, batch: int) -> list[int]:
             )
         if beam_idx.dim() != 1:
             raise ValueError(
-                f"{where}: beam_idx must be 1-D [batch_size={batch}], got shape {tuple(beam_idx.shape)}."
+                f"{where}: beam_idx must be 1-D [batch_size={batch}], got shape {tuple(beam_idx.shape)}. Pass "
+                f"beam_idx.reshape(-1) (one source row per batch row)."
             )
         parents = beam_idx.tolist()
     elif isinstance(beam_idx, (list, tuple)) and all(type(i) is int for i in beam_idx):
@@ -161,7 +162,7 @@ def check_cache_position(cache: str, cache_position, num_tokens: int, max_cache_
     if cache_position.dim() != 1 or cache_position.shape[0] not in (1, num_tokens):
         raise ValueError(
             f"ExportableDecodeStep: cache_position must be [T] or [1] (T = {num_tokens} new tokens), got shape "
-            f"{tuple(cache_position.shape)}."
+            f"{tuple(cache_position.shape)}. Pass torch.arange(start, start + {num_tokens}) or torch.tensor([start])."
         )
     if not torch.compiler.is_compiling():
         check_room(cache, int(cache_position[0]), num_tokens, max_cache_len)

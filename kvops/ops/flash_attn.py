@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import values
+from .._checks.common import index_fix
 from .._checks.flash_attn import OP, check_flash_attn_with_kvcache
 from .._checks.paged_attention import check_paged_attention
 from .paged_attention import paged_attention
@@ -242,6 +243,13 @@ def check_kvcache_capacity(
     ``cache_seqlens[b] + num_new_tokens`` past the capacity ``max_blocks * block_size`` addressable by
     ``block_table``, or when a block id it uses is outside ``[0, P)``.
     """
+    for name, t, dims, layout in (("cache_seqlens", cache_seqlens, (0, 1), "[batch]"),
+                                  ("block_table", block_table, (2,), "[batch, max_blocks]")):
+        if isinstance(t, torch.Tensor) and (t.dtype != torch.int32 or t.dim() not in dims):
+            raise ValueError(
+                f"kvops.check_kvcache_capacity: {name} must be an int32 tensor {layout}, got shape {tuple(t.shape)} "
+                f"and dtype {t.dtype}. " + index_fix(name, t, dims[-1], (torch.int32,), layout)
+            )
     batch = k_cache.shape[0] if block_table is None else block_table.shape[0]
     lens = torch.as_tensor(cache_seqlens, device=k_cache.device).expand(batch)
     values.check_kvcache(lens, block_table, k_cache, num_new_tokens, OP, mode="eager")

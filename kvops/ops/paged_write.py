@@ -14,6 +14,7 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
 from .. import native
+from .._checks.common import index_fix
 from .._checks.paged_write import as_nhd, check_paged_cache_write
 from ..reference import paged_write as cpu
 from ..triton import HAS_TRITON
@@ -181,8 +182,17 @@ def check_slot_mapping(slot_mapping: torch.Tensor, k_cache: torch.Tensor, kv_lay
 
     Raises ``RuntimeError`` for a slot ``>= P * block_size`` (the check ``paged_cache_write`` runs in the default
     ``"eager"`` value-check mode, docs/semantics.md §7) and ``ValueError`` when a non-negative slot repeats (allowed
-    by the op, where which token lands is unspecified). Negative slots (padding) are allowed.
+    by the op, where which token lands is unspecified). Negative slots (padding) are allowed. A ``slot_mapping`` that
+    is not a 1-D int32/int64 tensor is a ``ValueError``, as in the op.
     """
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1 or \
+            slot_mapping.dtype not in (torch.int32, torch.int64):
+        got = (f"shape {tuple(slot_mapping.shape)} and dtype {slot_mapping.dtype}"
+               if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__)
+        raise ValueError(
+            f"kvops.check_slot_mapping: slot_mapping must be a 1-D int32 or int64 tensor [num_tokens], got {got}. "
+            + index_fix("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), "[num_tokens]")
+        )
     values.raise_bad_slots(slot_mapping, *values.cache_geometry(k_cache, kv_layout), "kvops.paged_cache_write")
     slots = slot_mapping[slot_mapping >= 0].to(torch.int64).cpu()
     uniq, counts = slots.unique(return_counts=True)

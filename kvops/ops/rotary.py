@@ -91,9 +91,14 @@ def apply_rotary(x: torch.Tensor, rotary_cos: torch.Tensor, rotary_sin: torch.Te
     ``positions`` whose shape is not ``x.shape[:-2]`` or dtype not int32/int64.
     """
     if tuple(positions.shape) != tuple(x.shape[:-2]):
+        want = list(x.shape[:-2])
+        have = list(positions.shape)
+        expands = len(have) <= len(want) and all(a in (1, b) for a, b in zip(have[::-1], want[::-1]))
+        fix = (f"Pass positions.expand({want}) (the same positions for every sequence)." if expands else
+               f"Pass one position per token of x: a tensor of shape {want}.")
         raise ValueError(
             f"kvops.apply_rotary: positions must have shape x.shape[:-2] = {tuple(x.shape[:-2])} (one position per "
-            f"token), got {tuple(positions.shape)}."
+            f"token), got {tuple(positions.shape)}. {fix}"
         )
     check_rotary("kvops.apply_rotary", "x", x, rotary_cos, rotary_sin, positions.reshape(-1), positions.numel())
     values.check_rotary_positions(positions.reshape(-1), positions.numel(), rotary_cos, "kvops.apply_rotary")
