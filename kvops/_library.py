@@ -46,7 +46,8 @@ lib.define(
     "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
     "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
     "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? alibi_slopes=None, SymInt window_right=-1, "
-    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0) -> (Tensor, Tensor)"
+    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0) "
+    "-> (Tensor, Tensor)"
 )
 # The one-pass value-contract check of eager CPU calls (kvops/_checks/values.py; kernel in paged_attention.cpp, only
 # called where the native build is available): True when a contract fails.
