@@ -84,6 +84,20 @@ lib.define(
     "str? quant=None, float? scale=None, Tensor? row_counts=None) -> (Tensor, Tensor)"
 )
 
+# --- MLA latent cache [P, block_size, kv_lora_rank + rope_dim] (kvops/ops/mla.py; docs/mla.md) -----------------
+# One latent "head" per token (DeepSeek-V2/V3): the compressed kv_c [T, kv_lora_rank] then k_pe [T, rope_dim].
+# kv_scale: float32 per-tensor scale of a float8_e4m3fn cache (stores x / kv_scale, reads stored * kv_scale).
+# mla_attention returns (out [T_q, H, kv_lora_rank] in q's dtype, lse [H, T_q] float32).
+lib.define(
+    "mla_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? kv_scale=None, "
+    "Tensor? positions=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, bool rotary_interleaved=False) -> ()"
+)
+lib.define(
+    "mla_attention(Tensor q, Tensor kv_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
+    "SymInt max_seqlen_q, int kv_lora_rank, float? scale=None, bool causal=True, Tensor? kv_scale=None) "
+    "-> (Tensor out, Tensor lse)"
+)
+
 # --- native CPU kernels' private ops (kvops/native/*.cpp register their CPU kernels when the build loads) -----------
 # Called only inside the CPU kernels of the public ops, after kvops.native.available() said the build is loaded.
 # _paged_write_native: kvops::paged_cache_write's CPU kernel on validated NHD caches (h0: the first cache head
