@@ -1,2 +1,2 @@
-"""CPU kernels written as torch composites (functional aten ops, no host syncs): what eager CPU calls run, and what
-Inductor's decompositions inline where the op is pure (so the ops fuse with their neighbours)."""
+"""Composite CPU kernels (torch ops on validated arguments), registered by their ops in ``kvops/ops/``. Pure ones
+(``merge.py``) double as Inductor's decompositions of their ops, so they fuse with their neighbours."""
