@@ -299,10 +299,9 @@ def _mla_write(dtype: str, block_size: int, rotary: str | None, rank: int = 512,
 
 def mla_cases(subset: bool):
     """DeepSeek-V2/V3 geometry (128 heads, kv_lora_rank 512, rope 64), block_size 16 and 64 (FlashMLA's)."""
-    if subset:  # decode with splits and prefill, bf16 and fp8 (sm_80 decodes e4m3 bits), fp16 and fp32 once
+    if subset:  # decode with and without splits, prefill, bf16/fp8 (sm_80 decodes e4m3 bits), fp32 and fp16 once
         yield _mla_attention("bf16", 64, "decode")
         yield _mla_attention("fp8", 16, "prefill")
-        yield on("sm_86", _mla_attention("fp16", 16, "decode", batch=128, num_splits=1))
         yield on("sm_90", _mla_attention("fp32", 64, "prefill", causal=False))
         yield on("sm_80", _mla_attention("fp8", 64, "decode", batch=1, ctx=131072))
         yield _mla_write("fp8", 64, "neox")
