@@ -1,6 +1,6 @@
 """Cache writes on CPU: kvops' fused writes vs. the plain aten indexing Inductor fuses itself, and eager overhead.
 
-Geometry: 8 KV heads x head_dim 128 (Llama-3-8B / Qwen2.5-7B KV geometry, models.md), block_size 16, N tokens per call,
+Geometry: 8 KV heads x head_dim 128 (Llama-3-8B / Qwen2.5-7B KV geometry, docs/models.md), block_size 16, N tokens per call,
 N in {16, 512, 8192}; dtypes bfloat16 and float8_e4m3fn (per-tensor scales; fp8 only for the paged ops: contiguous
 caches have no fp8 path). Caches are "plain" (separate K and V tensors) or "joint" (K/V as ``unbind`` views of one
 ``[P, block_size, 2, H, D]`` / ``[B, S, 2, H, D]`` allocation). Slots are a random permutation (no padding). Inputs are

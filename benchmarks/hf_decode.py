@@ -68,7 +68,7 @@ def _model(family: str, layers: int, max_len: int, dtype):
 
     common = dict(vocab_size=512, num_hidden_layers=layers, max_position_embeddings=max_len + 8,
                   intermediate_size=512)
-    if family == "smollm2":  # the geometry of issue 22's real model (random weights, fewer layers)
+    if family == "smollm2":  # SmolLM2-135M's geometry (docs/models.md) (random weights, fewer layers)
         common.update(intermediate_size=1536, vocab_size=2048)
         config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, **common)
     elif family == "llama":

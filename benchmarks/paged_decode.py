@@ -48,7 +48,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _harness as harness  # noqa: E402  (no torch: --help answers at once)
 
-GEOMETRIES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.1-8b": (32, 8, 128)}  # (H_q, H_kv, D), models.md
+GEOMETRIES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.1-8b": (32, 8, 128)}  # (H_q, H_kv, D), docs/models.md
 QUICK = dict(batches=[1, 8], contexts=[256, 1024], rounds=5, threads=[1], peers=["gather"])
 FULL = dict(batches=[1, 8, 32], contexts=[256, 1024, 4096], rounds=9, threads=[1, 2], peers=["gather", "flex"])
 

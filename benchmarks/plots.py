@@ -18,7 +18,7 @@ def save_ratio_plot(path, panels: dict, xlabel: str, ylabel: str, targets: dict 
         path: output file (``.png``); parent folders are created.
         panels: ``{panel title: {series label: [(x, median, low, high), ...]}}``.
         xlabel, ylabel: axis labels (e.g. "context (tokens)", "kvops / ideal").
-        targets: ``{panel title: ratio}`` drawn as a dashed horizontal line (e.g. the issue's 1.2x target).
+        targets: ``{panel title: ratio}`` drawn as a dashed horizontal line (e.g. a 1.2x target).
         log_x: log2 x axis (context lengths, chunk counts).
     """
     try:

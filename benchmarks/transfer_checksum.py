@@ -1,6 +1,6 @@
 """Cost of the optional payload checksum of the KV transfer (``checksum=True``, docs/transfer.md), on CPU.
 
-Geometry: one prefill/decode rank pair of Llama-3.2-1B (8 KV heads x head_dim 64, models.md) served at TP 4 -> TP 4
+Geometry: one prefill/decode rank pair of Llama-3.2-1B (8 KV heads x head_dim 64, docs/models.md) served at TP 4 -> TP 4
 (2 KV heads per rank, one writer per decode rank), 16 layers, bfloat16, block_size 16, one request of ``--tokens``
 tokens split at a staging grid of ``--chunk`` tokens. Synthetic ``randn`` KV. Two tables, each ratio the median
 [p25-p75] of per-round ratios (a candidate over its baseline *in the same round*; rounds interleave the candidates in

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import kvops  # noqa: E402
 from kvops._checks import values  # noqa: E402  (the check alone, to isolate its cost from the op's noise)
 
-H_Q, H_KV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3.1-8B attention geometry (models.md)
+H_Q, H_KV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3.1-8B attention geometry (docs/models.md)
 DTYPE = torch.bfloat16
 
 

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation with different TP sizes: prefill on TP 4, KV transfer, greedy decode on TP 2.
 
-A tensor-parallel decoder with the attention geometry of Llama-3.2-1B (models.md: 32 query heads / 8 KV heads x
+A tensor-parallel decoder with the attention geometry of Llama-3.2-1B (docs/models.md: 32 query heads / 8 KV heads x
 head_dim 64, GQA 4:1, hidden 2048, RoPE theta 500000, RMSNorm, SwiGLU) and **random weights** (seeded; no download)
 prefills several requests of different lengths on the prefill ranks (each holding 8 query / 2 KV heads, its own
 ``kvops.PagedKVCache``, writes via ``kvops.paged_cache_write``, attention via ``kvops.paged_attention``, an
@@ -41,7 +41,7 @@ from kvops.transfer import (KVReceiver, KVSender, TransferGroups, compute_head_s
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/_common.py, from any working directory
 from _common import parser, rope  # noqa: E402
 
-# Llama-3.2-1B (models.md / its config.json)
+# Llama-3.2-1B (docs/models.md / its config.json)
 HIDDEN, H_Q, H_KV, HEAD_DIM, ROPE_THETA = 2048, 32, 8, 64, 500_000.0
 FULL = {"layers": 16, "ffn": 8192, "vocab": 128256}
 

@@ -1,6 +1,6 @@
 """Serving a batch of requests on a paged KV cache: chunked prefill + decode, eager vs torch.compile(fullgraph=True).
 
-A decoder-only transformer with the attention geometry of Qwen2.5-0.5B (models.md: 14 query heads / 2 KV heads x
+A decoder-only transformer with the attention geometry of Qwen2.5-0.5B (docs/models.md: 14 query heads / 2 KV heads x
 head_dim 64, GQA 7:1, hidden 896, QKV bias, RoPE theta 1e6, RMSNorm, SwiGLU 4864) and random weights serves requests with
 ragged prompt lengths through kvops' PagedKVCache: each step packs the decode tokens of running requests with one
 chunk of a waiting request's prompt (chunked prefill) into one varlen batch; K/V go into the paged cache through
@@ -42,7 +42,7 @@ from _common import (AOTPackage, add_run_options, check_package, configure_cpu_i
                      cpu_seconds, digest_path, file_digest, input_signature, package_path, parse_run_args, parser,
                      rope, spread)
 
-# Qwen2.5-0.5B (models.md / its config.json)
+# Qwen2.5-0.5B (docs/models.md / its config.json)
 HIDDEN, H_Q, H_KV, HEAD_DIM, FFN, ROPE_THETA = 896, 14, 2, 64, 4864, 1_000_000.0
 
 

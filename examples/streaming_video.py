@@ -1,7 +1,7 @@
 """Streaming block-causal generation on kvops' CausalKVCache, eager vs torch.compile(fullgraph=True).
 
 A block-causal transformer with the attention geometry of Wan-2.1 1.3B (12 heads x 128, qk-norm, RoPE;
-models.md) streams video latents chunk by chunk, as in Self-Forcing / CausVid: every chunk of 3 frames goes through
+docs/models.md) streams video latents chunk by chunk, as in Self-Forcing / CausVid: every chunk of 3 frames goes through
 several denoising steps (the first step appends the chunk to each layer's cache, later steps rewrite it in place),
 then a clean "context" pass rewrites it once more. Two cache configurations run: Wan-style (no sink, window of 21
 frames) and a LingBot-style attention sink of 3 frames (window of 21 frames, so the sink matters).
@@ -18,7 +18,7 @@ in DIR by the first run and loaded by later ones (torch.compile re-traces a froz
 
     python examples/streaming_video.py                 # CPU, about a minute on 2 cores
     python examples/streaming_video.py --kv-cache-quant int8 fp8 int4 int2   # + packed (quantized) caches
-    python examples/streaming_video.py --layout ring   # RingCausalKVCache (issue 12 §3), compared with the roll layout
+    python examples/streaming_video.py --layout ring   # docs/ring-cache.md, compared with the roll layout
     python examples/streaming_video.py --package /tmp/video-packages   # twice: the second run loads the packages
     python examples/streaming_video.py --device cuda --dtype bfloat16 --tokens-per-frame 1560 --layers 30 --ffn 8960
 """
@@ -49,7 +49,7 @@ from _common import (AOTPackage, add_run_options, check_package, configure_cpu_i
                      cpu_seconds, input_signature, parse_run_args, parser, spread)
 from _common import package_path as _package_path  # noqa: E402
 
-# Wan-2.1 1.3B (models.md): 12 heads x 128 = dim 1536, FFN 8960, 30 layers; chunk 3 frames, window 21 frames.
+# Wan-2.1 1.3B (docs/models.md): 12 heads x 128 = dim 1536, FFN 8960, 30 layers; chunk 3 frames, window 21 frames.
 HEADS, HEAD_DIM = 12, 128
 CONFIGS = {  # name: (sink frames, chunk frames, window frames)
     "wan2.1-1.3b (no sink)": (0, 3, 21),

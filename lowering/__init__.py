@@ -88,7 +88,7 @@ def register() -> None:
     _registered = True
 
 
-# --- deployment (issue 9): ONNX translations (lowering/onnx.py) and TensorRT converters (lowering/tensorrt.py) ------
+# --- deployment (docs/deployment.md): ONNX translations (lowering/onnx.py), TensorRT converters (lowering/tensorrt.py)
 # Neither is imported by register() or by `import kvops`: onnx.py needs the `onnx` extra (onnxscript), tensorrt.py
 # needs torch_tensorrt, which imports TensorRT's libraries.
 def register_tensorrt() -> bool:

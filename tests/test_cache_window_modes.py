@@ -1,4 +1,4 @@
-"""Issue 20 §3: both windows with a sink (``window_mode``) on every streaming cache, and the packed cache's first
+"""Both windows with a sink (``window_mode``) on every streaming cache, and the packed cache's first
 chunk of another length, against the dense ``CausalKVCache`` (bit-exact for the dense formats, per-format tolerance
 for the quantized ones)."""
 

@@ -265,7 +265,7 @@ def scenarios(draw):
 
 @st.composite
 def windowed_scenarios(draw):
-    """W < S (issue 11): the window starts past the sink; sinks and pins common, growth and head slices too."""
+    """W < S (semantics §1.6): the window starts past the sink; sinks and pins common, growth and head slices too."""
     size = draw(st.integers(4, 12))
     heads = draw(st.integers(1, 2))
     slices = draw(st.sampled_from([[(0, heads)], [(h, h + 1) for h in range(heads)]]))
@@ -308,7 +308,7 @@ class TestAgainstOracle(unittest.TestCase):
         run_schedule(Harness(self, **config), ops)
 
     def test_random_windowed_schedules(self):
-        """Issue 11: W < S with sinks, pinned chunks, growth and head slices against the §1.6 oracle; the schedules
+        """W < S with sinks, pinned chunks, growth and head slices against the §1.6 oracle; the schedules
         reach every case of the windowed view (checked on the counts, so the test cannot pass vacuously)."""
         seen = Counter()
 
@@ -371,7 +371,7 @@ class TestWorkedExamples(unittest.TestCase):
         self.assertEqual((c.global_end, c.local_end), (12, 6))
 
     def test_window_is_the_whole_budget(self):
-        """Issue 11 / docs/semantics.md §1.6: S=6, sink 2, W=3, chunks of 3 (ids 1,1,1 then 2,2,2): after the second chunk
+        """docs/semantics.md §1.6: S=6, sink 2, W=3, chunks of 3 (ids 1,1,1 then 2,2,2): after the second chunk
         the view is the 2 sink rows and the newest row (3 rows, as sglang), not the sink plus 3 window rows."""
         c = CausalKVCache(torch.zeros(1, 6, 1, 1), torch.zeros(1, 6, 1, 1), sink_tokens=2, attention_window_size=3)
         views = []
@@ -477,7 +477,7 @@ class TestVisibleRows(unittest.TestCase):
         from kvops.cache._window import visible_rows
 
         cases = [  # (L', W, E, pinned_start, pinned_len, ls, r) -> ranges
-            ((6, 3, 2, -1, 0, 3, None), [(0, 2), (5, 6)]),  # issue 11's example: sink + newest W - E rows
+            ((6, 3, 2, -1, 0, 3, None), [(0, 2), (5, 6)]),  # semantics §1.6's example: sink + newest W - E rows
             ((3, 3, 2, -1, 0, 0, None), [(0, 3)]),  # L' <= W: every row, one range
             ((8, 3, 0, -1, 0, 6, None), [(5, 8)]),  # no sink: [L' - W, L')
             ((10, 5, 1, 2, 2, 8, None), [(0, 1), (2, 4), (8, 10)]),  # pin before a: sink, pin, W - E - p newest

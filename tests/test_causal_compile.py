@@ -140,7 +140,7 @@ class TestGraphCount(CompileCase):
                          global_sink_tokens=2, attention_window_size=6, pin_after=(2,))
 
     def test_windowed_pinned_sink(self):
-        # Issue 11, W < S with a pin that falls behind the window (docs/semantics.md §1.6: sink + pin + newest rows, a
+        # W < S with a pin that falls behind the window (docs/semantics.md §1.6: sink + pin + newest rows, a
         # 3-range cat), then the eviction that settles the pin (sink + newest). 7 graphs: the first call, the first
         # rewrite, the pin appearing, the window starting past the pin, the settling eviction (2); none afterwards.
         self.run_counted(max_graphs=7, warmup_chunks=8, chunks=10, layers=1, size=12, sink_tokens=2,

@@ -1,4 +1,4 @@
-"""CausalKVCache built *inside* traced code (issue 6 §4): torch.compile(fullgraph=True) and torch.export (strict and
+"""CausalKVCache built *inside* traced code: torch.compile(fullgraph=True) and torch.export (strict and
 non-strict) construct the cache, stream chunks through it (append, rewrite, evicting append, growth) and return the
 same K/V as eager; the fused-K/V detection gives the eager answer under every trace.
 

@@ -311,7 +311,7 @@ class TestOpcheck(unittest.TestCase):
 
 class TestSDPALayoutError(expecttest.TestCase):
     def test_heads_and_tokens_swapped(self):
-        """A cache in SDPA's layout [B, H, S, D] is named as such (issue 6 §3), not just "requires cache_head_start"."""
+        """A cache in SDPA's layout [B, H, S, D] is named as such, not just "requires cache_head_start"."""
         key = torch.randn(1, 3, 4, 8)
         k_cache, v_cache = torch.zeros(1, 4, 32, 8), torch.zeros(1, 4, 32, 8)
         msg = raises_everywhere(self, ValueError, lambda k, kc, vc: kvops.cache_write(k, k, kc, vc, 0),

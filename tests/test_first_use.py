@@ -54,7 +54,7 @@ class TestNativeBuildNotice(unittest.TestCase):
         self.assertEqual(messages, [])
 
     def test_stale_lock_is_taken_over(self):
-        # torch's FileBaton waits forever on a lock a killed build left behind (issue 29: a hang). A lock found while
+        # torch's FileBaton waits forever on a lock a killed build left behind (a hang). A lock found while
         # no process holds the owner flock is stale: it is removed, saying so, and the build goes on.
         with tempfile.TemporaryDirectory() as d:
             with mock.patch.dict(os.environ, {"TORCH_EXTENSIONS_DIR": d}):

@@ -328,8 +328,8 @@ class TestContracts(expecttest.TestCase):
             msg,
             """kvops.paged_cache_write: key dtype torch.float16 does not match k_cache dtype torch.float32. Cast key to torch.float32.""",
         )
-        # the attention's contract is checked in Python before the append (a failing call writes nothing, issue 17
-        # §2): under fullgraph=True an "Observed exception" (Unsupported) carrying it, as the composite's own checks
+        # the attention's contract is checked in Python before the append (a failing call writes nothing):
+        # under fullgraph=True an "Observed exception" (Unsupported) carrying it, as the composite's own checks
         msg = self.check(lambda q, kc, vc, bt: f(q, kc, vc, cache_seqlens=1, block_table=bt, softcap=-1.0),
                          self.q, self.k_cache, self.v_cache, self.table,
                          compile_exc=torch._dynamo.exc.Unsupported)

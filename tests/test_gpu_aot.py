@@ -1,4 +1,4 @@
-"""Ahead-of-time compile of kvops' Triton kernels for real NVIDIA targets, without a GPU (issue 19; docs/gpu.md).
+"""Ahead-of-time compile of kvops' Triton kernels for real NVIDIA targets, without a GPU (docs/gpu.md).
 
 The CI subset of ``python benchmarks/gpu_check.py --aot``: the launchers' plans for light shapes of every kernel on
 sm_80, sm_86 (99 KB shared memory per block) and sm_90, and each of the heaviest production tiles (head_dim 256 fp32

@@ -1,4 +1,4 @@
-"""transformers' other ``generate()`` modes with ``attn_implementation="kvops"`` (issue 22): beam search, assisted /
+"""transformers' other ``generate()`` modes with ``attn_implementation="kvops"``: beam search, assisted /
 prompt-lookup decoding, packed sequences, ``output_attentions``, and ``generate()``'s own compile, on the tiny random
 models of ``test_hf_integration`` (no downloads), against sdpa and transformers' own caches."""
 

@@ -212,7 +212,7 @@ class TestRegistration(unittest.TestCase):
 
 class TestGeometryChanges(FreshInductorCache):
     def test_joint_caches_after_recompiles(self):
-        """Issue 6 §1 for contiguous caches: K/V as ``unbind`` views of one ``[B, S, 2, H, D]`` / ``[B, 2, S, H, D]``
+        """Geometry changes for contiguous caches: K/V as ``unbind`` views of one ``[B, S, 2, H, D]`` / ``[B, 2, S, H, D]``
         allocation; batch and cache length, then heads change (automatic dynamic shapes). Before the fix the
         recompiled wrapper raised ``NameError`` for a size symbol it never defined."""
 

@@ -139,7 +139,7 @@ def scaled_write(key, value, k_cache, v_cache, slot_mapping):
 
 
 class TestGeometryChanges(FreshInductorCache):
-    """Issue 6 §1: recompiles after the cache geometry changes (blocks, then heads, then block_size) must run and
+    """Recompiles after the cache geometry changes (blocks, then heads, then block_size) must run and
     write what eager writes, for K/V views of one allocation (the case that raised ``NameError: name 's20' is not
     defined`` from the generated wrapper), head-sliced and plain caches; with automatic dynamic shapes and with
     ``torch._dynamo.mark_dynamic``."""
@@ -201,7 +201,7 @@ class TestHNDLowering(FreshInductorCache):
 
 class TestGeneratedCode(FreshInductorCache):
     def test_store_loop_is_vectorized_over_heads_and_head_dim(self):
-        """8 KV heads x 128 in bf16 (issue 6 §6): one kernel, no kvops extern call; every store is a vector store but
+        """8 KV heads x 128 in bf16: one kernel, no kvops extern call; every store is a vector store but
         the batch reduction's (the routing is per token: no route table); no select in the store loops (a bf16 select
         runs in fp32, two conversions per element) and no bounds check (every destination is in bounds by
         construction); the V store (no producer) is a plain vector copy."""

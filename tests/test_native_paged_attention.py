@@ -252,7 +252,7 @@ class TestFallback(unittest.TestCase):
 
 
 
-# --- memory safety of the native kernel (issue 6): any index values, whatever the value-check mode ----------------
+# --- memory safety of the native kernel: any index values, whatever the value-check mode ------------------------
 def _bad_index_cases():
     """(name, cu_seqlens_q, seq_lens, block_table, expected message) for a cache of P = 4 blocks of block_size 4 and a
     block table of 2 columns (capacity 8 tokens), one query row. Each case read (or wrote) out of bounds before the

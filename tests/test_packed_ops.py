@@ -187,7 +187,7 @@ class TestContracts(expecttest.TestCase):
         self.assertExpectedInline(msg, """kvops.dequantize_kv: dtype must be one of (torch.float32, torch.bfloat16, torch.float16), got torch.int32.""")
 
     def test_layout_bytes(self):
-        """Issue 7's byte targets at Quant VideoGen's chunk (3 x 1560 tokens), head_dim 64 and 128, vs bf16, with the
+        """The byte targets at Quant VideoGen's chunk (3 x 1560 tokens), head_dim 64 and 128, vs bf16, with the
         exact per-format arithmetic of packed_layout's docstring."""
         t = 3 * 1560
 

@@ -1,4 +1,4 @@
-"""RingCausalKVCache (kvops/cache/ring.py, issue 12 §3) against CausalKVCache, the roll layout it must match.
+"""RingCausalKVCache (kvops/cache/ring.py, docs/ring-cache.md) against CausalKVCache, the roll layout it must match.
 
 Both caches run the same derandomized schedules (appends, rewrites, evicting appends, sinks, head slices, W < S,
 ``recent_window_tokens``): same errors (type and message up to the class name), same indices, and the ring view holds

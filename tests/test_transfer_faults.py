@@ -1,4 +1,4 @@
-"""KV transfer survives bad peers and bad requests (issue 17 §3): gloo, CPU, spawned processes.
+"""KV transfer survives bad peers and bad requests (docs/transfer.md): gloo, CPU, spawned processes.
 
 One world of 8 ranks, three groups run at once on disjoint ranks:
 - ranks 0 -> 1 (one writer, one decode rank): a sequence of failing requests (out of blocks, duplicate id, more and

@@ -1,4 +1,4 @@
-"""A malformed transfer message is refused, not fatal (issue 29): gloo, CPU, two spawned processes.
+"""A malformed transfer message is refused, not fatal (docs/transfer.md): gloo, CPU, two spawned processes.
 
 Before, a message longer than the receive posted for it (random bytes, or a header of another layout where a header
 was expected) aborted the receiving process inside gloo (``gloo::EnforceNotMet ... Received data size doesn't match

@@ -76,7 +76,7 @@ class TestWorkedCases(expecttest.TestCase):
         self.assertEqual(compute_grid_segments(0, 8, 0, 8), [(0, 8)])
 
     def test_sglang_semantics(self):
-        # issue 20 §3, after sglang's staging helpers: an empty range is one empty segment (the metadata-only last
+        # after sglang's staging helpers: an empty range is one empty segment (the metadata-only last
         # chunk of a fully cached prompt), None means the default chunked-prefill size, a global decode rank maps
         # to its rank in the TP group
         self.assertEqual(compute_grid_segments(5, 5, 0, 8), [(5, 5)])

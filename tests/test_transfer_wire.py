@@ -1,4 +1,4 @@
-"""The transfer's wire format without processes (issue 29): the payload checksum is a CRC-32 that catches what the
+"""The transfer's wire format without processes: the payload checksum is a CRC-32 that catches what the
 old sums did not (two words swapped inside a 4 KiB row; the same bit flipped 0->1 and 1->0 in two words), frames
 refuse messages of another size or version, and the endpoints refuse bad deadlines and request ids before anything
 is sent. The same over gloo with real processes: tests/test_transfer_malformed.py."""

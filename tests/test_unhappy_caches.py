@@ -1,4 +1,4 @@
-"""Unhappy paths of every cache class (issue 17 §2 and §5): a failing call raises the documented exception, names the
+"""Unhappy paths of every cache class (docs/semantics.md): a failing call raises the documented exception, names the
 argument and the value, and leaves every tensor byte and cursor as it was.
 
 Each case builds a cache that already holds a stream (so evictions, wraps and quantized chunks are in play), then
@@ -8,7 +8,7 @@ whole state (tensor storages bytewise, int cursors, the head-slice dicts) before
 
 ``python tests/test_unhappy_caches.py --count`` classifies every case (clear / unclear / silent / crash / hang /
 changed-on-failure), each case in a child process; with ``PYTHONPATH`` pointing at another checkout it counts that
-code (the numbers of the issue's closing note).
+code (the numbers of the adversarial review).
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ class TestMessages(expecttest.TestCase):
         msg = check_failing_call(self, lambda: c.extend("a", 1.5), TypeError, state=c)
         self.assertExpectedInline(msg, """PagedKVCache.extend: num_tokens must be an int, got float 1.5 for sequence 'a'. Pass a whole number of tokens (int(n)).""")
 
-    def test_issue29_messages(self):
+    def test_adversarial_messages(self):
         """Beam reorder, padding-mask hole, a deeper model, a StreamingLLM fork (tests/unhappy_integrations.py)."""
         names = ("hf_paged_reorder_short", "hf_static_mask_hole", "hf_static_deeper_model",
                  "streaming_fork_evicted_prefix")

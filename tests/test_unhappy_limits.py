@@ -1,4 +1,4 @@
-"""Issue 29: sizes near the integer limits, in every attention kernel.
+"""Sizes near the integer limits, in every attention kernel.
 
 * KV lengths near 2^31 (valid int32 ``seq_lens`` that fit the block table: a few large blocks, all entries one block)
   with a window, sinks, ``cache_leftpad``, ALiBi, a right window, prefill and decode: the native kernel segfaulted at
@@ -123,7 +123,7 @@ def small_inputs(seed=0, lens=(9, 21), q_lens=(1, 3), block_size=4, h_q=4, h_kv=
 
 
 class TestUnboundedArguments(unittest.TestCase):
-    """sys.maxsize as window_right / window_left / sink_tokens: as unbounded (issue 29: off by more than 1 before)."""
+    """sys.maxsize as window_right / window_left / sink_tokens: as unbounded (before: off by more than 1 before)."""
 
     CASES = [  # (name, kwargs with sys.maxsize, the same call unbounded by other means)
         ("window_right maxsize, not causal", dict(causal=False, window_right=sys.maxsize), dict(causal=False)),

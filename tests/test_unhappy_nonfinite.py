@@ -1,4 +1,4 @@
-"""Issue 29: non-finite scalars and data in attention.
+"""Non-finite scalars and data in attention.
 
 * ``scale`` NaN/inf, ``softcap`` inf/NaN (NaN passed the ">= 0" check), ``rope_theta``/``rope_scale`` inf are refused
   at the contract (``ValueError`` naming the argument, the value and the fix; eager, compile and export).

@@ -1,9 +1,9 @@
-"""Issue 17 for the ops: no input kills the process, a failing call changes nothing, no silently wrong results.
+"""Unhappy paths of the ops: no input kills the process, a failing call changes nothing, no silently wrong results.
 
 The generated cases (``tests/unhappy_ops_cases.py``: every public op's arguments in wrong dtypes, ranks, devices,
 sizes, zero-size dims, overlapping caches, out-of-range index values, and the private ``torch.ops.kvops._*`` ops;
-and issue 29's ``tests/unhappy_kernels_cases.py``) run in ONE subprocess per source, each case in a forked child, and must all be ``clear``: the documented exception type, a
-message naming the argument (and the value), every tensor byte unchanged, no crash, no hang. Below them, the issue's
+and ``tests/unhappy_kernels_cases.py``) run in ONE subprocess per source, each case in a forked child, and must all be ``clear``: the documented exception type, a
+message naming the argument (and the value), every tensor byte unchanged, no crash, no hang. Below them, the adversarial review's
 cases with their messages (expecttest), in eager, compile and export where they are contract errors, and the
 behaviours defined here (joint layouts keep working, non-finite quantization, packed attention's backward).
 """
@@ -47,7 +47,7 @@ class TestGeneratedCases(unittest.TestCase):
         bad = [f"{outcome}: {name}: {detail[:300]}" for name, outcome, detail in results if outcome != "clear"]
         self.assertEqual(bad, [], "\n".join(bad))
 
-    def test_every_issue_29_case_is_clear(self):
+    def test_every_kernels_case_is_clear(self):
         """tests/unhappy_kernels_cases.py (sizes near the integer limits, non-finite scalars and data, threads, the
         attention features' and FlashInfer's arguments): every case clear, each in a forked child."""
         proc = run_isolated(
@@ -114,7 +114,7 @@ class TestZeroSizes(expecttest.TestCase):
         self.assertExpectedInline(msg, """flash_attn_with_kvcache: k_cache has seqlen_cache = 0 (shape (1, 0, 2, 8), read as [batch, seqlen_cache, num_kv_heads, head_dim]); it must be >= 1. Allocate the cache with at least one row (token) per sequence.""")  # noqa: B950
 
     def test_native_off_and_composite_in_one_subprocess(self):
-        """The issue's ZeroDivisionError cases with KVOPS_NATIVE=0, in every value-check mode: ValueError."""
+        """The ZeroDivisionError cases with KVOPS_NATIVE=0, in every value-check mode: ValueError."""
         code = """
             import torch, kvops
             q, kc = torch.randn(1, 2, 8), torch.zeros(8, 0, 2, 8)
@@ -253,7 +253,7 @@ class TestRotaryPositions(expecttest.TestCase):
 
 class TestPacked(expecttest.TestCase):
     def test_non_finite_inputs_stay_visible_without_spreading(self):
-        """Issue 29 (before: inf saturated, NaN was stored as 0, silently): a NaN or +-inf input dequantizes to NaN
+        """Before: inf saturated, NaN was stored as 0, silently): a NaN or +-inf input dequantizes to NaN
         -- the value itself (fp8: a NaN code), its (token, head) row (int8: a NaN scale) or its group (int4, int2: a
         NaN scale) -- as attention over a dense cache holding it gives NaN; every other value is as without it. CPU
         kernels and the Triton kernels (interpreter)."""

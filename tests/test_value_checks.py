@@ -64,7 +64,7 @@ class TestModes(unittest.TestCase):
             kvops.value_checks("on")
 
     def test_contexts_in_threads_exited_out_of_order(self):
-        """Issue 29: two threads' ``value_checks`` blocks, exited out of order (real threads, forced interleaving):
+        """Two threads' ``value_checks`` blocks, exited out of order (real threads, forced interleaving):
         each thread sees its own mode, the other thread's block never changes it, and afterwards the process is
         back in "eager" (before, it was left in "off" for good and an over-capacity cache_seqlens passed)."""
         import threading
@@ -104,7 +104,7 @@ class TestModes(unittest.TestCase):
         self.assertEqual(seen, {"a inside": "off", "a after": "eager", "b inside": "async", "b after": "eager",
                                 "main during": "eager"})
         self.assertEqual(kvops.get_value_checks(), "eager")
-        q, kc = torch.randn(1, 1, 2, 8), torch.zeros(2, 4, 2, 8)  # the issue's follow-up: still refused
+        q, kc = torch.randn(1, 1, 2, 8), torch.zeros(2, 4, 2, 8)  # still refused
         with self.assertRaisesRegex(RuntimeError, "cache_seqlens=9"):
             kvops.flash_attn_with_kvcache(q, kc, kc.clone(), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8),
                                           cache_seqlens=torch.tensor([9], dtype=torch.int32),

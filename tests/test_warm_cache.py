@@ -1,4 +1,4 @@
-"""Streaming loops compile the same graphs in a second process on warm on-disk caches (issue 6 §5).
+"""Streaming loops compile the same graphs in a second process on warm on-disk caches (docs/compile.md).
 
 Two subprocesses share one fresh ``TORCHINDUCTOR_CACHE_DIR`` and run, with torch's default configuration (FX graph
 cache, AOTAutograd cache and automatic dynamic shapes on), the block-causal loop of tests/test_causal_compile.py under

@@ -1,4 +1,4 @@
-"""Unhappy-path harness (issue 17 §2): a failing call raises a clear error and changes nothing.
+"""Unhappy-path harness (docs/semantics.md): a failing call raises a clear error and changes nothing.
 
 A *case* is a call that must fail. ``check_failing_call`` snapshots every tensor (its whole storage, bytewise) and every
 plain cursor (ints, floats, bools, strings, ``None``, tuples of them) reachable from ``state``, runs the call, and
@@ -14,7 +14,7 @@ Usage::
 
     check_failing_call(self, lambda: cache.update(k, v_short), ValueError, ["value", "2", "key"], state=cache)
 
-**The case registry and the report** (issue 29): every adversarial case of the project, whatever file defines it, is
+**The case registry and the report**: every adversarial case of the project, whatever file defines it, is
 counted by one runner::
 
     python -m tests.unhappy --report            # counts per class, per source and in total (JSON on the last line)
@@ -143,7 +143,7 @@ def run_isolated(code: str, timeout: float = 300.0, env: dict | None = None) -> 
     return proc
 
 
-# --- the case registry and the report (issue 29) ----------------------------------------------------------------------
+# --- the case registry and the report --------------------------------------------------------------------------------
 OUTCOMES = ("clear", "unclear", "changed-on-failure", "silent-wrong", "crash", "hang")
 
 # label -> module: every source of cases the report counts. Append a line for a new source (or name a module

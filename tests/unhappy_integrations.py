@@ -1,5 +1,4 @@
-"""Unhappy-path cases of the transformers integration, the StreamingLLM paged cache and the transfer endpoints (issue
-29), registered into
+"""Unhappy-path cases of the transformers integration, the StreamingLLM paged cache and the transfer endpoints, registered into
 ``tests/test_unhappy_caches.py``'s harness by :func:`add_cases` (same contract: the documented exception, the
 needles in its message, every tensor byte and cursor unchanged).
 

@@ -1,4 +1,4 @@
-"""Adversarial cases of issue 29 for the ops and kernels (the ``kernels`` source of ``python -m tests.unhappy
+"""Adversarial cases for the ops and kernels (the ``kernels`` source of ``python -m tests.unhappy
 --report``; ``tests/test_unhappy_ops.py`` requires every one to be clear).
 
 Classes: sizes near the integer limits (KV lengths near 2^31 in the native and Triton kernels, windows and sink counts

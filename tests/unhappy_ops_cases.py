@@ -1,4 +1,4 @@
-"""Generated unhappy-path cases for every public op (issue 17 §2), and a runner that classifies their outcomes.
+"""Generated unhappy-path cases for every public op (docs/semantics.md), and a runner that classifies their outcomes.
 
 Each op has a valid base call (small shapes, the native CPU kernels where they exist); the generator derives invalid
 calls from it: every tensor argument in another dtype, with an extra dim, on the meta device; every zero-size dim of
@@ -171,7 +171,7 @@ PRIVATE_OPS = ("_paged_attention_native", "_paged_attention_values_bad", "_paged
 
 
 def private_cases() -> list[Case]:
-    """``torch.ops.kvops._*`` called directly (issue 17 §1): they check what they address memory with."""
+    """``torch.ops.kvops._*`` called directly: they check what they address memory with."""
     ops = torch.ops.kvops
     out = []
 
@@ -248,7 +248,7 @@ def _zero_cases(op, fn, make):
                 a[name] = _t(*shape, dtype=a[name].dtype)
             return a
         out.append(_case(f"{op}: {what} = 0", fn, make, mutate, ValueError, [what, "0"]))
-    if op == "flash_attn_with_kvcache":  # an empty contiguous cache (issue 17 §1)
+    if op == "flash_attn_with_kvcache":  # an empty contiguous cache
         def empty(a):
             return dict(q=_t(1, 1, 2, 8), k_cache=_t(1, 0, 2, 8), v_cache=_t(1, 0, 2, 8), cache_seqlens=0)
         out.append(_case(f"{op}: empty contiguous cache", fn, make, empty, ValueError, ["seqlen_cache", "0"]))
@@ -315,12 +315,12 @@ def _value_cases():
     # streaming_update: bad cursors values
     add("streaming_update", "gap", setter("current_chunk_start", torch.tensor(6)), RuntimeError,
         ["current_chunk_start=6", "global_end=4"])
-    # attention args that flash_attn_with_kvcache must reject before it appends k/v (issue 17 §2)
+    # attention args that flash_attn_with_kvcache must reject before it appends k/v
     fa_kw = [("softcap=-1", dict(softcap=-1.0), ["softcap", "-1"]),
              ("window_size=(-5, -1)", dict(window_size=(-5, -1)), ["window", "-5"]),
              ("window_size=(3,)", dict(window_size=(3,)), ["window_size", "pair", "(3,)"]),
              ("window_size=(3, 0, 1)", dict(window_size=(3, 0, 1)), ["window_size", "pair", "(3, 0, 1)"]),
-             # issue 29: (2.5, 0) appended k/v, then failed in the attention op's schema without naming window_size
+             # before: (2.5, 0) appended k/v, then failed in the attention op's schema without naming window_size
              ("window_size=(2.5, 0)", dict(window_size=(2.5, 0)), ["window_size", "pair", "(2.5, 0)"]),
              ("window_size float tensor", dict(window_size=lambda: torch.tensor([2.5, 0.0])), ["window_size", "float32"]),
              ("num_splits=1.5", dict(num_splits=1.5), ["num_splits", "1.5"]),
@@ -334,7 +334,7 @@ def _value_cases():
                 a[k] = v() if callable(v) else v
             return a
         add("flash_attn_with_kvcache", what, mutate, ValueError, needles)
-    # streaming_update: the write's errors before the roll (issue 17 §2), devices and head slices (§5)
+    # streaming_update: the write's errors before the roll, devices and head slices
     su_kw = [("float64 value", dict(value=lambda: _t(1, 2, 2, 8).double()), ["value", "float64"]),
              ("short value", dict(value=lambda: _t(1, 1, 2, 8)), ["value", "(1, 1, 2, 8)"]),
              ("1-head key", dict(key=lambda: _t(1, 2, 1, 8), value=lambda: _t(1, 2, 1, 8)), ["key", "1 heads"]),
@@ -357,7 +357,7 @@ def _value_cases():
 
 
 def _overlap_cases():
-    """Caches sharing memory other than the documented joint layouts (issue 17 §4)."""
+    """Caches sharing memory other than the documented joint layouts (docs/semantics.md)."""
     base = _base_calls()
     out = []
 

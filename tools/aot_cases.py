@@ -1,7 +1,7 @@
 """The cases of the ahead-of-time check (``tools/aot.py``): shapes a serving engine launches, on ``meta``
 tensors, passed to the launchers' own ``plan_*`` functions, which choose the grid, tiles and options.
 
-Axes (issue 19): dtypes fp16/bf16/fp32 and fp8 e4m3 caches; head_dim 64, 80, 96, 128, 256; block_size 1, 16, 32,
+Axes (docs/gpu.md): dtypes fp16/bf16/fp32 and fp8 e4m3 caches; head_dim 64, 80, 96, 128, 256; block_size 1, 16, 32,
 64, 128; GQA groups 1, 4, 7, 8; NHD and HND cache strides; every feature flag (causal, window, softcap, sinks; LSE
 is always produced), decode (split-KV + merge, short and 128K contexts) and prefill; rotary styles; every packed
 format. The full product of the attention axes is large, so it is covered as: every (dtype, head_dim, group,
@@ -90,7 +90,7 @@ def attention_cases(subset: bool):
         yield on("sm_90", _attention("fp32", 256, 8, 16, "HND", all_on, "decode", batch=1, ctx=131072))
         # one KV head at 128K: 256 splits, which the merge reads in chunks of 16 (it spilled 6 KB loading all)
         yield on("sm_80", _attention("bf16", 256, 8, 16, "NHD", all_on, "decode", batch=1, ctx=131072, h_kv=1))
-        # tiles that spilled before (issue 19): 16-bit prefill at padded width 128 with every flag (sm_80), fp32
+        # tiles that spilled before (docs/gpu.md): 16-bit prefill at padded width 128 with every flag (sm_80), fp32
         # decode at 128 with GQA 4:1 (sm_86)
         yield on("sm_80", _attention("fp16", 80, 1, 16, "NHD", all_on, "prefill"))
         yield on("sm_86", _attention("fp32", 80, 4, 16, "NHD", off, "decode"))

@@ -181,7 +181,7 @@ def check_fp8_scales(op: str, k_cache: torch.Tensor, k_scale, v_scale) -> None:
 def require_finite(op: str, name: str, value, what: str, fix: str) -> None:
     """``ValueError`` when the float ``value`` is NaN or +-inf (``what``: what it is; ``fix``: the sentence that says
     what to pass). A NaN or infinite scalar turns every score into NaN or 0 inside the kernels, indistinguishable from
-    "no keys": refused at the contract (issue 29)."""
+    "no keys": refused at the contract."""
     if isinstance(value, (int, float, torch.SymFloat)) and not -float("inf") < value < float("inf"):
         raise ValueError(f"{op}: {name} must be a finite number ({what}), got {value}. {fix}")
 
@@ -189,7 +189,7 @@ def require_finite(op: str, name: str, value, what: str, fix: str) -> None:
 def int64_error(op: str, args: dict) -> ValueError | None:
     """A ``ValueError`` for the first Python int of ``args`` (``{name: value}``) outside int64, else None: the ops'
     integer arguments are 64-bit, and torch's own error for them ("Expected a value of type 'int' ... found type
-    'int'") gives no fix (issue 29). Wrappers call it before the op (SymInts and other types pass)."""
+    'int'") gives no fix. Wrappers call it before the op (SymInts and other types pass)."""
     for name, x in args.items():
         if type(x) is int and not -(2**63) <= x < 2**63:
             return ValueError(f"{op}: {name} = {x} does not fit in 64 bits (the op's integer arguments are int64). "
@@ -200,7 +200,7 @@ def int64_error(op: str, args: dict) -> ValueError | None:
 ADDRESSABLE = 2**47  # bytes: the user virtual address space of x86-64 and AArch64 (128 TiB); no device holds more
 
 # Sequence positions and lengths are int32 (seq_lens, cu_seqlens_q, cache_seqlens): a window or a sink count of at
-# least this many positions covers every key, whatever its size beyond (issue 29: sys.maxsize overflowed int64
+# least this many positions covers every key, whatever its size beyond (sys.maxsize overflowed int64
 # arithmetic such as pos + window_right + 1 in the kernels).
 UNBOUNDED = 2**31
 

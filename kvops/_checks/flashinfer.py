@@ -74,7 +74,7 @@ def check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_
                 f"sequence {b}'s last page)."
             )
         kv_len = (counts[b] - 1) * page_size + last[b] if counts[b] > 0 else 0
-        if kv_len > MAX_KV_LEN:  # kvops' seq_lens are int32: a longer sequence would wrap (to 3 keys, issue 29)
+        if kv_len > MAX_KV_LEN:  # kvops' seq_lens are int32: a longer sequence would wrap (to 3 keys)
             raise ValueError(
                 f"{PLAN}: sequence {b} has {counts[b]} pages of page_size {page_size} (last_page_len {last[b]}), "
                 f"kv_len = {kv_len} keys, more than the {MAX_KV_LEN} an int32 sequence length holds "

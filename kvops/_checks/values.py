@@ -323,7 +323,7 @@ def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_s
 
 def check_alibi_slopes(alibi_slopes, op: str = "kvops.paged_attention"):
     """Every ALiBi slope finite, in the current mode (a NaN or infinite slope makes every score of its head NaN or
-    +-inf; issue 29). eager: ``RuntimeError`` naming the first bad ``alibi_slopes[...]`` and its value, before
+    +-inf). eager: ``RuntimeError`` naming the first bad ``alibi_slopes[...]`` and its value, before
     anything runs; async: ``torch._assert_async``, returning its ``ok`` flag (so a writer can skip its write);
     off / tracing in eager mode: unchecked (the kernels then give NaN rows, never 0). Returns None except in async
     mode. Metadata errors (dtype, shape) are the validator's."""

@@ -21,7 +21,7 @@ from ..packed.cache import PackedCausalKVCache, PackedKVView  # noqa: E402
 
 __all__ += ["PackedCausalKVCache", "PackedKVView"]
 
-# --- ring-layout streaming cache (ring.py, issue 12 §3) ------------------------------------------------------------
+# --- ring-layout streaming cache (ring.py, docs/ring-cache.md) ---------------------------------------------------
 from .ring import RingCausalKVCache, RingKVView  # noqa: E402
 
 __all__ += ["RingCausalKVCache", "RingKVView"]

@@ -1,4 +1,4 @@
-"""Buffer allocation of the cache classes, with the sizes checked first (issue 29).
+"""Buffer allocation of the cache classes, with the sizes checked first (docs/semantics.md §7).
 
 A cache of ``num_blocks * block_size * num_kv_heads * head_dim`` elements past what a process can address failed
 inside torch's allocator ("Storage size calculation overflowed", "DefaultCPUAllocator: can't allocate memory: you

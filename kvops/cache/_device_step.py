@@ -1,4 +1,4 @@
-"""Device-side step metadata for a paged cache: ``PagedKVCache.step_at`` (docs/semantics.md §4, issue 30).
+"""Device-side step metadata for a paged cache: ``PagedKVCache.step_at`` (docs/semantics.md §4.1).
 
 ``PagedKVCache.prepare`` plans a step on the host (block manager, Python lists). A compiled generate loop that keeps
 its positions in a tensor (gpt-fast's ``input_pos``) and has its blocks reserved up front needs the same metadata

@@ -1,4 +1,4 @@
-"""Checks shared by the streaming caches' updates, run before anything is written (issue 17 §2/§5).
+"""Checks shared by the streaming caches' updates, run before anything is written (a failing call changes nothing).
 
 The write op's validator (``kvops._checks.contiguous.check_cache_write``) checks the metadata of one write. A cache
 update is several writes and moves (an eviction's roll, a growth, a ring's two halves, a packed chunk's quantization),

@@ -1,4 +1,4 @@
-"""``RingCausalKVCache``: the streaming cache of docs/semantics.md §1 in a ring layout (issue 12 §3).
+"""``RingCausalKVCache``: the streaming cache of docs/semantics.md §1 in a ring layout (docs/ring-cache.md).
 
 Rows ``[0, E)`` hold the sink; rows ``[E, S)`` form a ring of ``R = S - E`` rows, so an evicting append overwrites
 the evicted rows in place: it writes the new chunk only (one or two ``kvops.cache_write`` calls, two when the chunk
@@ -71,7 +71,7 @@ class RingKVView(NamedTuple):
 
 
 class RingCausalKVCache(CausalKVCache):
-    """:class:`~kvops.cache.causal.CausalKVCache` with the rows after the sink stored as a ring (issue 12 §3).
+    """:class:`~kvops.cache.causal.CausalKVCache` with the rows after the sink stored as a ring (docs/ring-cache.md).
 
     Same constructor (buffers ``[B, S, H_cache, D]`` / ``[B, S, H_cache, D_v]``, any strides, joint K/V allowed),
     same :meth:`allocate`, same ``update_and_get_attention_kv(key, value, current_chunk_start, cache_head_start=None,

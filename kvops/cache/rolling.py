@@ -90,7 +90,7 @@ class RollingKVCache:
         in SDPA's swapped layout, disagreeing in ``[B, T, H_kv]``, or mismatching the caches' dtype, device, batch,
         heads or head_dim (the wording of ``kvops.cache_write``).
         """
-        # Everything the writes will check, before the cursor moves (issue 17 §2): a failing write changes nothing.
+        # Everything the writes will check, before the cursor moves: a failing write changes nothing.
         # (Traced, a failing trace runs nothing and the write op's fake rule checks the same metadata.)
         check_writer("RollingKVCache.write", key, value, self.k_cache.shape[2], None)
         if not torch.compiler.is_compiling():

@@ -64,7 +64,7 @@ _native_in_aoti = False  # native_in_aoti_packages()
 # any logging set up (a warning category would turn it into an error under ``-W error`` and into noise in tests that
 # record warnings); logging.getLogger("kvops.native").setLevel(logging.ERROR) silences it.
 log = logging.getLogger("kvops.native")
-BUILD_SECONDS = "about 30-40 s on 2 idle CPU cores, longer on a busy machine"  # the issue measured 25-41 s
+BUILD_SECONDS = "about 30-40 s on 2 idle CPU cores, longer on a busy machine"  # 25-41 s measured
 
 
 def _cpu_flags() -> str:

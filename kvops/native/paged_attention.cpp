@@ -256,7 +256,7 @@ struct Problem {
 };
 
 // KV positions are int64 everywhere (a seq_len near 2^31 plus a chunk, a prefetch distance or a window overflowed
-// int32 and read out of bounds, issue 29); within a 16-token chunk the lanes' offsets from its first position are
+// int32 and read out of bounds); within a 16-token chunk the lanes' offsets from its first position are
 // small ints.
 struct Item {
   int b, q0, nq;  // sequence, first query of the tile, queries in the tile (all KV heads together)

@@ -153,7 +153,7 @@ def check_quantize_kv(x, codes, scales, zeros, centroids, cluster_ids, quant: st
         raise ValueError(f"{op}: x must be one of {FLOAT_DTYPES}, got {x.dtype}.")
     if kmeans_iters < 0:
         raise ValueError(f"{op}: kmeans_iters must be >= 0, got {kmeans_iters}.")
-    if kmeans_iters > MAX_KMEANS_ITERS:  # (2**40 steps ran for hours: a hang, issue 29)
+    if kmeans_iters > MAX_KMEANS_ITERS:  # (2**40 steps ran for hours: a hang)
         raise ValueError(f"{op}: kmeans_iters must be <= {MAX_KMEANS_ITERS} (Lloyd's k-means settles in tens of "
                          f"steps; the default is 4), got {kmeans_iters}.")
     b, t, h, d = x.shape

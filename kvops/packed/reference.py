@@ -97,7 +97,7 @@ def _saturating(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def _poison(scale: torch.Tensor, finite: torch.Tensor, groups: int) -> torch.Tensor:
     """``scale [..., groups]`` (or ``[...]`` for one group per row) NaN where its group of ``finite [..., D]`` holds
-    a NaN or ±inf: it dequantizes to NaN, visible as attention over a dense cache holding the value is (issue 29:
+    a NaN or ±inf: it dequantizes to NaN, visible as attention over a dense cache holding the value is (before:
     before, the value was saturated or stored as 0, silently)."""
     bad = ~finite.unflatten(-1, (groups, -1)).all(-1)
     return torch.where(bad if scale.dim() == bad.dim() else bad.squeeze(-1), float("nan"), scale)

@@ -206,7 +206,7 @@ def paged_attention(
         m = m_new
 
     # a visible key's NaN score (NaN in q or K, a NaN ALiBi slope) makes l NaN (exp(NaN) joins every sum after it):
-    # such a row is NaN, as SDPA's, never the 0 / -inf of a row with no visible key (issue 29)
+    # such a row is NaN, as SDPA's, never the 0 / -inf of a row with no visible key (docs/semantics.md §4)
     has_keys = (l > 0) | torch.isnan(l)
     if sinks is not None:  # exp(sink_h) joins each head's denominator (gpt-oss); it carries no value
         sink = sinks.view(1, num_kv_heads, 1, group).expand(batch, num_kv_heads, m_q, group).reshape(m.shape)

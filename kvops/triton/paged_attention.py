@@ -61,7 +61,7 @@ def _load_kv(cache_ptr, bt_row_ptr, n0, offs_n, in_seq, block_size, s_p, s_b, s_
              scale_ptr, IS_FP8: tl.constexpr):
     """fp32 ``[BLOCK_N, BLOCK_D]`` tile of logical positions ``n0 + offs_n`` of one KV head (0 where ``~in_seq``).
 
-    ``n0`` is an int64 position (lengths reach 2^31 - 1: int32 positions wrapped, issue 29); the block index and row
+    ``n0`` is an int64 position (lengths reach 2^31 - 1: int32 positions wrapped); the block index and row
     of each lane come from one int64 division of ``n0`` and int32 arithmetic on the lanes' small offsets.
     ``scale_ptr`` (fp8 caches) points to a contiguous ``[H_kv]`` float32 scale (the launcher expands a ``[1]`` one).
     """
@@ -173,7 +173,7 @@ def _decode_split_kernel(
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
-    kv_len = tl.minimum(tl.load(seq_lens_ptr + b).to(tl.int64), capacity)  # int64 positions (issue 29)
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b).to(tl.int64), capacity)  # int64 positions (lengths reach 2^31 - 1)
     q_start = tl.load(cu_q_ptr + b).to(tl.int64)
     q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
     offs_g = tl.arange(0, BLOCK_G)
@@ -318,7 +318,7 @@ def _prefill_kernel(
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(2).to(tl.int64)
-    kv_len = tl.load(seq_lens_ptr + b).to(tl.int64)  # int64 positions (issue 29)
+    kv_len = tl.load(seq_lens_ptr + b).to(tl.int64)  # int64 positions (lengths reach 2^31 - 1)
     q_start = tl.load(cu_q_ptr + b).to(tl.int64)
     q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
     BLOCK_M: tl.constexpr = BLOCK_T * BLOCK_G
