@@ -2,7 +2,7 @@
 
 The launchers are called directly (as tests/test_paged_attention_triton.py does). Small shapes (kv_lora_rank 32,
 rope 16, 4 heads); block tables are permuted and every cache row no sequence owns holds NaN, so a kernel that reads
-past ``seq_len`` or an unused table entry fails. References: a float64 torch transcription of the semantics (below).
+past ``seq_len`` or an unused table entry fails. Reference: the fp64 oracle ``kvops/reference/mla.py``.
 With CUDA the same tests run on CUDA tensors.
 """
 
@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():  # before triton.jit decorates the kernels (tests/conftest.py does the same)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kvops.reference import mla as oracle  # noqa: E402
 from kvops.triton import mla as tri  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,32 +32,6 @@ def bits(t):
 
 
 # --- write -------------------------------------------------------------------------------------------------------
-def ref_write(kv_c, k_pe, cache, slots, kv_scale=None, positions=None, cos=None, sin=None, interleaved=False):
-    """Per token: rotate k_pe in fp32 (rounded once to its dtype), concatenate, quantize (x / scale, ±448)."""
-    out = cache.clone()
-    block_size = cache.shape[1]
-    for i, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
-        pe = k_pe[i].float()
-        if cos is not None:
-            half = cos.shape[1]
-            c, s = cos[positions[i]].float(), sin[positions[i]].float()
-            x1, x2 = (pe[0:2 * half:2], pe[1:2 * half:2]) if interleaved else (pe[:half], pe[half:2 * half])
-            r1, r2 = x1 * c - x2 * s, x1 * s + x2 * c
-            pe = pe.clone()
-            if interleaved:
-                pe[0:2 * half:2], pe[1:2 * half:2] = r1, r2
-            else:
-                pe[:half], pe[half:2 * half] = r1, r2
-            pe = pe.to(k_pe.dtype).float()
-        row = torch.cat((kv_c[i].float(), pe))
-        if kv_scale is not None:
-            row = (row / kv_scale.float()).clamp(-448, 448)
-        out[slot // block_size, slot % block_size] = row.to(cache.dtype)
-    return out
-
-
 def nan_cache(p, block_size, dtype):
     return torch.full((p, block_size, RANK + ROPE), float("nan")).to(dtype)
 
@@ -79,18 +54,19 @@ class TestMlaWriteTriton(unittest.TestCase):
             positions = torch.randint(0, 40, (n_pad,), generator=g)
             ang = torch.arange(40.0)[:, None] / (10000 ** (torch.arange(half) / half))
             cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-        want = ref_write(kv_c, k_pe, cache, slots, kv_scale, positions, cos, sin, interleaved)
+        want = oracle.mla_cache_write(kv_c, k_pe, cache, slots, kv_scale, positions, cos, sin, interleaved)
         got = cache.to(DEVICE)
         tri.mla_cache_write(*to_dev(kv_c, k_pe), got, *to_dev(slots, kv_scale, positions, cos, sin), interleaved)
         got = got.cpu()
         self.assertTrue(torch.equal(bits(got[..., :RANK]), bits(want[..., :RANK])))  # bit-exact, NaN untouched
-        if rotary is None or (dtype == torch.float32 and cache_dtype != FP8):
+        if rotary is None:
             self.assertTrue(torch.equal(bits(got), bits(want)))
-        else:  # the rotation rounded to k_pe's dtype (and then fp8) may land one code apart: an fp32 FMA on the
-            # GPU, and the interpreter's fp32 -> bf16/fp16 cast truncates where torch's rounds to nearest
+        else:  # the rotation rounded to k_pe's dtype (and then fp8) may land one code apart: fp32 math (an FMA on
+            # the GPU) against the oracle's fp64, and the interpreter's fp32 -> bf16/fp16 cast truncates
             self.assertTrue(torch.equal(got.float().isnan(), want.float().isnan()))
             g_pe, w_pe = got[..., RANK:].float().nan_to_num(0.0), want[..., RANK:].float().nan_to_num(0.0)
-            step = 2.0 ** -3 if cache_dtype == FP8 else 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+            step = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -22}[dtype]
+            step = 2.0 ** -3 if cache_dtype == FP8 else step
             self.assertTrue(bool(((g_pe - w_pe).abs() <= w_pe.abs() * step + 2.0 ** -9).all()))
 
     def test_plain_write_block_sizes_and_dtypes(self):
@@ -153,31 +129,6 @@ def make_attention(seed, seq_lens, q_lens, block_size, heads=4, dtype=torch.floa
                 block_table=table, max_seqlen_q=max(max(q_lens), 1), kv_scale=kv_scale)
 
 
-def ref_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, scale, causal, kv_scale=None):
-    """float64: out [T, H, RANK], lse [H, T]; no visible key: 0 and -inf."""
-    t, h, _ = q.shape
-    out = torch.zeros(t, h, RANK, dtype=torch.float64)
-    lse = torch.full((h, t), float("-inf"), dtype=torch.float64)
-    block_size = kv_cache.shape[1]
-    for b in range(len(seq_lens)):
-        s_len, q0, q1 = int(seq_lens[b]), int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        if s_len == 0 or q1 == q0:
-            continue
-        rows = torch.stack([kv_cache[int(block_table[b, j // block_size]), j % block_size].double()
-                            for j in range(s_len)])
-        if kv_scale is not None:
-            rows = rows * float(kv_scale)
-        for i in range(q1 - q0):
-            pos = s_len - (q1 - q0) + i
-            n = min(pos + 1, s_len) if causal else s_len
-            if n <= 0:
-                continue
-            sc = q[q0 + i].double() @ rows[:n].T * scale  # [H, n]
-            lse[:, q0 + i] = torch.logsumexp(sc, -1)
-            out[q0 + i] = torch.softmax(sc, -1) @ rows[:n, :RANK]
-    return out, lse
-
-
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
@@ -188,9 +139,9 @@ class TestMlaAttentionTriton(unittest.TestCase):
                       inputs["block_table"])
         out, lse = tri.mla_attention(*args, inputs["max_seqlen_q"], RANK, scale, causal,
                                      *to_dev(inputs["kv_scale"]), **launch)
-        want_out, want_lse = ref_attention(inputs["q"], inputs["kv_cache"], inputs["cu_seqlens_q"],
-                                           inputs["seq_lens"], inputs["block_table"], scale, causal,
-                                           inputs["kv_scale"])
+        want_out, want_lse = oracle.mla_attention(inputs["q"], inputs["kv_cache"], inputs["cu_seqlens_q"],
+                                                  inputs["seq_lens"], inputs["block_table"], RANK, scale, causal,
+                                                  inputs["kv_scale"])
         self.assertEqual(out.dtype, inputs["q"].dtype)
         self.assertEqual(tuple(lse.shape), (inputs["q"].shape[1], inputs["q"].shape[0]))
         tol = TOLERANCE[inputs["q"].dtype]
@@ -244,6 +195,15 @@ class TestMlaAttentionTriton(unittest.TestCase):
                                                 meta(1, 2048, dt=i32), 1, 512, 1.0, True, None, (9, 0))
         self.assertEqual([la.kernel for la in launches], [tri._mla_attention_kernel, tri._decode_merge_kernel])
         self.assertEqual(launches[0].grid, (1, 1, 8 * 32))  # one sequence at 128K: 32 splits per head block
+
+
+class TestMlaCudaRegistration(unittest.TestCase):
+    def test_the_ops_dispatch_cuda_tensors_to_these_kernels(self):
+        import kvops.ops.mla as ops
+
+        for name in ("mla_cache_write", "mla_attention"):
+            self.assertTrue(torch._C._dispatch_has_kernel_for_dispatch_key(f"kvops::{name}", "CUDA"), name)
+        self.assertIs(ops._triton_mla, tri)
 
 
 if __name__ == "__main__":
