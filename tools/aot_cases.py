@@ -319,9 +319,35 @@ def mla_cases(subset: bool):
         yield _mla_write(dtype, bs, rot)
 
 
+def _merge(dtype: str, d: int, heads: int, n: int | None, t: int = 4096):
+    """``kvops.merge_attention_states`` (``n`` None: two parts) or ``merge_attention_states_many`` with ``n`` parts:
+    ``t`` query rows (a prefill chunk or a large decode batch), kvops' LSE layout [H, T]."""
+    from kvops.triton.merge import plan_merge_many, plan_merge_two
+
+    def make(cap):
+        dt = FLOATS[dtype]
+        out, lse = meta((t, heads, d), dt), meta((heads, t), torch.float32)
+        if n is None:
+            return plan_merge_two(meta((t, heads, d), dt), lse, meta((t, heads, d), dt), lse, out, lse, cap)
+        return plan_merge_many(meta((n, t, heads, d), dt), meta((n, heads, t), torch.float32), out, lse, cap)
+
+    return f"{dtype} D={d} H={heads} parts={n or 2} T={t}", make
+
+
+def merge_cases(subset: bool):
+    if subset:
+        yield _merge("bf16", 128, 32, None)
+        yield _merge("fp16", 80, 7, None)
+        yield _merge("fp32", 256, 8, 4)
+        yield _merge("bf16", 64, 14, 8)
+        return
+    for dtype, d, heads, n in itertools.product(FLOATS, HEAD_DIMS, (1, 7, 32, 128), (None, 3, 8)):
+        yield _merge(dtype, d, heads, n)
+
+
 def cases(subset: bool = False):
     """``(label, make)`` pairs; ``make(capability)`` returns the launches the launchers plan for that device."""
-    for family in (attention_cases, write_cases, data_movement_cases, packed_cases, mla_cases):
+    for family in (attention_cases, write_cases, data_movement_cases, packed_cases, merge_cases, mla_cases):
         for label, make in family(subset):
             yield label, make
 
