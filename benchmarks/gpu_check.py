@@ -11,7 +11,7 @@ stage, so a run stopped from outside still leaves them (at most 7 files: log.txt
 oracle.jsonl, cudagraphs.txt, fusion_code.txt, resources.txt):
 
 1. environment: Python, torch, Triton, kvops, the device; kvops must import without its native CPU build;
-2. oracle self-check (no GPU needed): the sweep's fp64 attention oracle against tests/attention_reference.py with every
+2. oracle self-check (no GPU needed): the sweep's fp64 attention oracle against kvops/reference/attention.py with every
    attention feature, and one case of each kernel family on kvops' CPU kernels;
 3. oracle (CUDA): every Triton kernel through the public ops against the fp64 oracle or the CPU kernels, over dtypes
    (fp16/bf16/fp32, fp8 caches), head dims 64/128/256, GQA groups 1/4/7/8, block sizes 1/16/64, NHD/HND, the

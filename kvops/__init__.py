@@ -1,7 +1,7 @@
 """kvops: KV-cache operations as ``torch.library`` custom ops.
 
 Each op has a schema (``kvops/_library.py``), one validator shared by its eager kernels and its fake rule
-(``kvops/_checks/``), a CPU kernel (``kvops/reference/``, ``kvops/native/``), a Triton kernel for CUDA
+(``kvops/_checks/``), a CPU kernel (``kvops/cpu/``, ``kvops/native/``), a Triton kernel for CUDA
 (``kvops/triton/``) and an Inductor lowering (``lowering/``, imported as ``kvops.lowering``). ``import kvops``
 registers all of them. Nothing is compiled at import, and the one torch setting it changes is
 ``torch.compiler.config.cache_key_tag``: it appends ``kvops-lowering-<hash of the lowerings' sources>`` (a tag you set

@@ -20,8 +20,8 @@ import torch
 
 import kvops
 from kvops._checks.features import AttnFeatures
-from kvops.reference.paged_attention import paged_attention as composite
-from tests.attention_reference import reference
+from kvops.cpu.paged_attention import paged_attention as composite
+from kvops.reference.attention import reference
 from tests.contract import _Wrap, raises_everywhere
 from tests.test_attention_features import make_case
 

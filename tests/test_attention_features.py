@@ -6,7 +6,7 @@ and RoPE at read time, in ``kvops.paged_attention`` (native CPU kernel, composit
   MHA/GQA/MQA x paged x left padding x dtype), sampled, against FlashAttention's own reference construction (dense
   cache, key padding mask, ``attn_bias_from_alibi_slopes``, bottom-right local mask over the unpadded keys).
 * ``TestPagedFeatures``: every feature and their combinations against the plain fp64 reference
-  (``tests/attention_reference.py``) on odd shapes (GQA 5:1, head_dim 80, block_size 1, HND, bf16).
+  (``kvops/reference/attention.py``) on odd shapes (GQA 5:1, head_dim 80, block_size 1, HND, bf16).
 * ``TestTritonFeatures``: the Triton kernels (decode and prefill) in the interpreter, small shapes.
 * ``TestFeatureContracts``: the new arguments' errors in eager, compile and export; value contracts.
 """
@@ -27,9 +27,9 @@ import triton.language as tl
 
 import kvops
 from kvops._checks.features import AttnFeatures
-from kvops.reference.paged_attention import paged_attention as composite
+from kvops.cpu.paged_attention import paged_attention as composite
 from kvops.triton.paged_attention import _sincos
-from tests.attention_reference import reference
+from kvops.reference.attention import reference
 from tests.contract import raises_everywhere
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
@@ -238,7 +238,7 @@ class TestPagedFeatures(unittest.TestCase):
         """FlashInfer's batch decode with ``pos_encoding_mode="ROPE_LLAMA"``: un-rotated keys in an HND cache,
         q at position ``kv_len - 1``, key ``j`` at ``j``; the same as rotating q and the keys beforehand and
         attending without RoPE (its test's semantics, with the default ``rope_theta=1e4``, ``rope_scale=1``)."""
-        from kvops.reference.paged_attention import rope_frequencies, rotate_half
+        from kvops.cpu.paged_attention import rope_frequencies, rotate_half
 
         q, kc, vc, cu, lens, table = make_case(5, q_lens=(1, 1, 1), h_q=8, h_kv=2, d=64, layout="HND")
         for theta, scale in ((1e4, 1.0), (5e5, 4.0)):

@@ -15,7 +15,6 @@ blocks surround the target, and every buffer is compared bit for bit after every
 
 from __future__ import annotations
 
-import math
 import unittest
 from collections import Counter
 
@@ -24,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvops
+from kvops.reference.attention import reference  # the oracle (fp64)
 from tests.contract import raises_everywhere
 
 FP8 = torch.float8_e4m3fn
@@ -316,44 +316,6 @@ ATTN_BAD = ["v_none", "q_dtype", "cache_dtype", "gqa", "head_dim", "table_dtype"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
-def attention_reference(q, k_cache, v_cache, cu, seq_lens, table, scale, causal, window, softcap, sinks, ks, vs):
-    """fp64 loop over sequences and queries, straight from docs/semantics.md §4."""
-    tq, hq, _ = q.shape
-    hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    out = torch.zeros(tq, hq, v_cache.shape[3], dtype=torch.float64)
-    kf = k_cache.double() * (ks.double().view(1, 1, -1, 1) if ks is not None else 1)
-    vf = v_cache.double() * (vs.double().view(1, 1, -1, 1) if vs is not None else 1)
-    for b in range(len(seq_lens)):
-        q_len, sl = int(cu[b + 1] - cu[b]), int(seq_lens[b])
-        if sl == 0 or q_len == 0:
-            continue
-        pos_k = torch.arange(sl)
-        keys = torch.stack([kf[int(table[b, j // bs]), j % bs] for j in range(sl)])  # [sl, H_kv, D]
-        vals = torch.stack([vf[int(table[b, j // bs]), j % bs] for j in range(sl)])
-        for i in range(q_len):
-            t, pos = int(cu[b]) + i, sl - q_len + i
-            visible = torch.ones(sl, dtype=torch.bool)
-            if causal:
-                visible &= pos_k <= pos
-            if window >= 0:
-                visible &= pos_k >= pos - window
-            if not visible.any():
-                continue
-            kk = keys[:, torch.arange(hq) // (hq // hkv)]  # [sl, H_q, D]
-            vv = vals[:, torch.arange(hq) // (hq // hkv)]
-            s = scale * torch.einsum("hd,shd->hs", q[t].double(), kk)
-            if softcap > 0:
-                s = softcap * torch.tanh(s / softcap)
-            s = s.masked_fill(~visible, -math.inf)
-            m = s.amax(-1, keepdim=True)
-            if sinks is not None:
-                m = torch.maximum(m, sinks.double()[:, None])
-            p = torch.exp(s - m)
-            denom = p.sum(-1) + (torch.exp(sinks.double() - m[:, 0]) if sinks is not None else 0)
-            out[t] = torch.einsum("hs,shd->hd", p, vv) / denom[:, None]
-    return out
-
-
 @st.composite
 def attention_cases(draw, kind):
     b = draw(st.integers(1, 3))
@@ -452,8 +414,8 @@ class TestFuzzPagedAttention(FuzzCase):
                                          kv_layout=layout_arg)
 
         def check(out):
-            want = attention_reference(q, k_cache, v_cache, cu, seq_lens, table, d**-0.5, c["causal"], window,
-                                       softcap, sinks, ks, vs)
+            want, _ = reference(q, k_cache, v_cache, cu, seq_lens, table, scale=d**-0.5, causal=c["causal"],
+                                window_left=window, softcap=softcap, sinks=sinks, k_scale=ks, v_scale=vs)
             self.assertFalse(torch.isnan(out).any())
             tol = TOL[q.dtype] * (4 if fp8 else 1)
             torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)

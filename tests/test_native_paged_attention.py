@@ -22,7 +22,7 @@ import torch._dynamo.testing
 
 import kvops
 import kvops.native as native
-import kvops.reference.paged_attention as composite
+import kvops.cpu.paged_attention as composite
 from tests.contract import OpLog
 from tests.test_paged_attention import FP8, check_close, make_inputs, ref_kwargs, reference
 

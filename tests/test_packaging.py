@@ -105,5 +105,67 @@ class TestPackaging(unittest.TestCase):
         self.assertFalse([n for n in names if n.startswith(("lowering/", "tools/"))])
 
 
+    def test_runtime_never_imports_the_oracles(self):
+        """``kvops/reference/`` holds the readable fp64 oracles the tests compare against; the runtime's CPU kernels
+        are ``kvops/cpu/``. No import statement outside ``kvops/reference/`` names it (``kvops/``, and ``lowering/``
+        as ``kvops.lowering``), and a process that runs every op family on CPU (native kernels and, with
+        ``KVOPS_NATIVE=0``, the composite ones) never loads a ``kvops.reference`` module."""
+        import ast
+
+        def module_of(path):
+            base, top = (("kvops", "lowering"), ROOT / "lowering") if path.is_relative_to(ROOT / "lowering") else (
+                ("kvops",), ROOT / "kvops")
+            parts = (*base, *path.relative_to(top).with_suffix("").parts)
+            return parts[:-1] if parts[-1] == "__init__" else parts, parts[-1] == "__init__"
+
+        found, sources = [], [*(ROOT / "kvops").rglob("*.py"), *(ROOT / "lowering").rglob("*.py")]
+        for path in sources:
+            if path.is_relative_to(ROOT / "kvops" / "reference"):
+                continue
+            module, is_package = module_of(path)
+            package = module if is_package else module[:-1]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    base = ".".join((package[:len(package) - node.level + 1] if node.level else ())
+                                    + ((node.module,) if node.module else ()))
+                    names = [base, *(f"{base}.{a.name}" for a in node.names)]
+                else:
+                    continue
+                if any(n == "kvops.reference" or n.startswith("kvops.reference.") for n in names):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        self.assertEqual(found, [])
+
+        script = (
+            "import sys, torch, kvops\n"
+            "i32 = torch.int32\n"
+            "kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)\n"
+            "k = torch.randn(3, 2, 8)\n"
+            "kvops.paged_cache_write(k, k, kc, vc, torch.tensor([0, 5, 9]))\n"
+            "q, cu = torch.randn(3, 4, 8), torch.tensor([0, 1, 3], dtype=i32)\n"
+            "lens, table = torch.tensor([3, 6], dtype=i32), torch.tensor([[0, 1], [2, 3]], dtype=i32)\n"
+            "kvops.paged_attention(q, kc, vc, cu, lens, table, 2)\n"
+            "kvops.paged_attention(q, kc, vc, cu, lens, table, 2, window_left=1, sink_tokens=1, rope_theta=1e4,\n"
+            "                      alibi_slopes=torch.rand(4))\n"
+            "cos, sin = torch.ones(16, 4), torch.zeros(16, 4)\n"
+            "kvops.rotary_paged_cache_write(k, k, kc, vc, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), cos, sin)\n"
+            "ck, cv = torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 8)\n"
+            "kvops.cache_write(k[None], k[None], ck, cv, 0)\n"
+            "kvops.cache_roll(ck, cv, 2, 0, 3)\n"
+            "staging = torch.zeros(2, 1, 3, 2, 8)\n"
+            "kvops.paged_kv_gather([kc], [vc], table[0], staging)\n"
+            "kvops.paged_kv_scatter(staging, [kc], [vc], table[1])\n"
+            "print('LOADED', sorted(m for m in sys.modules if m.split('.')[:2] == ['kvops', 'reference']))\n"
+        )
+        for native in ("1", "0"):
+            with self.subTest(KVOPS_NATIVE=native):
+                env = {**os.environ, "KVOPS_NATIVE": native, "PYTHONPATH": str(ROOT)}
+                out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                     cwd=ROOT, env=env)
+                self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+                self.assertIn("LOADED []", out.stdout, out.stdout + out.stderr[-3000:])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -9,7 +9,6 @@ uses permuted block tables (some with shared prefix blocks) and fills every unus
 
 from __future__ import annotations
 
-import math
 import random
 import unittest
 from contextlib import contextmanager
@@ -19,7 +18,8 @@ import torch
 import torch._dynamo.testing
 
 import kvops
-import kvops.reference.paged_attention as cpu_kernel
+import kvops.cpu.paged_attention as cpu_kernel
+from kvops.reference.attention import reference  # the oracle (fp64)
 from tests.contract import raises_everywhere
 
 FP8 = torch.float8_e4m3fn
@@ -29,47 +29,6 @@ TOL = {  # (atol, rtol) of out per q dtype, against the fp64 reference on the sa
     torch.float16: (2e-3, 2e-3),
 }
 LSE_TOL = 2e-4
-
-
-# --- the plain reference -------------------------------------------------------------------------------------------
-def reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale=None, causal=True, window_left=-1,
-              softcap=0.0, sinks=None, k_scale=None, v_scale=None):
-    """Per sequence: gather the logical K/V through the table, fp64 softmax. Returns fp64 ``(out, lse)``."""
-    num_tokens, num_heads, d = q.shape
-    _, block_size, num_kv_heads, d_v = v_cache.shape
-    group = num_heads // num_kv_heads
-    scale = d**-0.5 if scale is None else scale
-    out = torch.zeros(num_tokens, num_heads, d_v, dtype=torch.float64)
-    lse = torch.full((num_heads, num_tokens), -math.inf, dtype=torch.float64)
-    for b in range(block_table.shape[0]):
-        s0, s1, kv_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
-        q_len = s1 - s0
-        if q_len == 0:
-            continue
-        ids = block_table[b, : -(-kv_len // block_size)].tolist()
-        k = torch.cat([k_cache[p] for p in ids] + [k_cache[:0, 0]])[:kv_len].double()  # [L, H_kv, D]
-        v = torch.cat([v_cache[p] for p in ids] + [v_cache[:0, 0]])[:kv_len].double()
-        if k_scale is not None:
-            k, v = k * k_scale.double().view(1, -1, 1), v * v_scale.double().view(1, -1, 1)
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, H_q, D]
-        s = torch.einsum("ihd,jhd->hij", q[s0:s1].double(), k) * scale  # [H_q, q_len, L]
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        pos = kv_len - q_len + torch.arange(q_len)
-        j = torch.arange(kv_len)
-        visible = torch.ones(q_len, kv_len, dtype=torch.bool)
-        if causal:
-            visible &= j[None, :] <= pos[:, None]
-        if window_left >= 0:
-            visible &= j[None, :] >= pos[:, None] - window_left
-        s = s.masked_fill(~visible, -math.inf)
-        if sinks is not None:
-            s = torch.cat([s, sinks.double().view(num_heads, 1, 1).expand(num_heads, q_len, 1)], dim=-1)
-        row_lse = torch.logsumexp(s, dim=-1)  # [H_q, q_len]
-        p = torch.where(torch.isinf(row_lse)[..., None], 0.0, torch.exp(s - row_lse[..., None]))[..., :kv_len]
-        out[s0:s1] = torch.einsum("hij,jhd->ihd", p, v)
-        lse[:, s0:s1] = row_lse
-    return out, lse
 
 
 # --- building paged caches -----------------------------------------------------------------------------------------

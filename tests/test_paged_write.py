@@ -175,7 +175,7 @@ def _setup(h=4, d=16, dtype=torch.float32):
 
 class TestNativeKernel(expecttest.TestCase):
     """The native CPU kernel (kvops/native/paged_write.cpp, behind the eager fast path and the op's CPU kernel) against
-    the composite torch kernel (kvops/reference/paged_write.py), bit for bit, and the fast path's dispatch rules."""
+    the composite torch kernel (kvops/cpu/paged_write.py), bit for bit, and the fast path's dispatch rules."""
 
     def composite(self):
         """The composite kernel, as when no C++ compiler is available."""

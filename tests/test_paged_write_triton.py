@@ -20,7 +20,7 @@ import expecttest  # noqa: E402
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kvops.reference import paged_write as cpu_kernel  # noqa: E402
+from kvops.cpu import paged_write as cpu_kernel  # noqa: E402
 from kvops.triton import paged_write as triton_kernel  # noqa: E402
 from tests.test_paged_write import FP8, make_paged_caches, random_slots, ref_write  # noqa: E402
 

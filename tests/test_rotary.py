@@ -13,7 +13,7 @@ import expecttest
 import torch
 
 import kvops
-from kvops.reference import rotary as cpu_kernel
+from kvops.cpu import rotary as cpu_kernel
 from tests.contract import raises_everywhere
 
 

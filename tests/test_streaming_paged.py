@@ -14,7 +14,7 @@ import torch
 import kvops
 from kvops._checks.features import AttnFeatures
 from kvops.cache.paged import OutOfBlocksError
-from kvops.reference.paged_attention import paged_attention as composite
+from kvops.cpu.paged_attention import paged_attention as composite
 
 SINKS, WINDOW, BS, H_Q, H_KV, D = 4, 64, 16, 4, 2, 16
 

@@ -17,7 +17,7 @@ import expecttest  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kvops.ops.transfer import staging_shape  # noqa: E402
-from kvops.reference import transfer as cpu_kernel  # noqa: E402
+from kvops.cpu import transfer as cpu_kernel  # noqa: E402
 from kvops.triton import transfer as triton_kernel  # noqa: E402
 from tests.test_transfer_ops import FP8, bits, make_layers, ref_gather  # noqa: E402
 

@@ -28,8 +28,8 @@ import expecttest  # noqa: E402
 
 import kvops  # noqa: E402
 from kvops._checks.features import AttnFeatures  # noqa: E402
-from kvops.reference.paged_attention import paged_attention as composite  # noqa: E402
-from tests.attention_reference import reference  # noqa: E402
+from kvops.cpu.paged_attention import paged_attention as composite  # noqa: E402
+from kvops.reference.attention import reference  # noqa: E402
 from tests.unhappy import check_failing_call, run_isolated  # noqa: E402
 
 I32 = torch.int32
@@ -74,7 +74,7 @@ class TestNearInt32Lengths(unittest.TestCase):
         code = """
             import json, torch, kvops
             from tests.test_unhappy_limits import near_limit_cases, near_limit_inputs, worst_error
-            from tests.attention_reference import reference
+            from kvops.reference.attention import reference
             assert kvops.native.available()
             errors = {}
             for name, seq_len, q_len, kw in near_limit_cases():

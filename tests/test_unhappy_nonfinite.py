@@ -25,7 +25,7 @@ import expecttest  # noqa: E402
 
 import kvops  # noqa: E402
 from kvops._checks.features import AttnFeatures  # noqa: E402
-from kvops.reference.paged_attention import paged_attention as composite  # noqa: E402
+from kvops.cpu.paged_attention import paged_attention as composite  # noqa: E402
 from kvops.triton.paged_attention import paged_attention as triton_pa  # noqa: E402
 from tests.contract import raises_everywhere  # noqa: E402
 from tests.test_paged_attention import make_inputs  # noqa: E402

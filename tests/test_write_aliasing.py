@@ -71,7 +71,7 @@ def paged_reference(k_cache, v_cache, key, value, kv_layout, slots=SLOTS):
 
 
 def composite():
-    """The composite CPU kernel (kvops/reference/paged_write.py), as when no C++ compiler is available."""
+    """The composite CPU kernel (kvops/cpu/paged_write.py), as when no C++ compiler is available."""
     return unittest.mock.patch.object(paged_write_ops.native, "use_native", return_value=False)
 
 
@@ -126,7 +126,7 @@ class TestPagedWriteAliasing(unittest.TestCase):
     def test_sources_are_copied_only_when_they_overlap_a_cache(self):
         """The alias check copies a source only if its bytes may overlap a cache: never a cache, never a fresh
         tensor or a disjoint region of the caches' storage."""
-        from kvops.reference.paged_write import unaliased
+        from kvops.cpu.paged_write import unaliased
 
         arena = torch.randn(P * BS * H * D + BS * H * D)
         cache = arena[: P * BS * H * D].view(P, BS, H, D)

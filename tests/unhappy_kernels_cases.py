@@ -35,9 +35,9 @@ def _pa_args(**over):
 
 
 def _close(want_kw=None, tol=1e-5):
-    """A check: the result equals the fp64 reference of ``tests/attention_reference.py`` (with ``want_kw``)."""
+    """A check: the result equals the fp64 reference of ``kvops/reference/attention.py`` (with ``want_kw``)."""
     def check(result, a):
-        from tests.attention_reference import reference
+        from kvops.reference.attention import reference
 
         out = result[0] if isinstance(result, tuple) else result
         kw = {k: v for k, v in a.items() if k not in ("q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens",
@@ -167,7 +167,7 @@ def _limit_cases():
 
 def _composite(a):
     from kvops._checks.features import AttnFeatures
-    from kvops.reference.paged_attention import paged_attention as composite
+    from kvops.cpu.paged_attention import paged_attention as composite
 
     feats = {k: a[k] for k in ("alibi_slopes", "window_right", "cache_leftpad", "sink_tokens", "rope_theta") if k in a}
     return composite(a["q"], a["k_cache"], a["v_cache"], a["cu_seqlens_q"], a["seq_lens"], a["block_table"],

@@ -38,7 +38,7 @@ FEATURES = ("alibi", "leftpad", "sink_tokens", "rope", "right")  # docs/attentio
 
 # --- the fp64 attention oracle -------------------------------------------------------------------------------------
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float, scale: float) -> torch.Tensor:
-    """fp64 ``x [N, H, D]`` rotated GPT-NeoX style at ``positions [N]`` (as tests/attention_reference.rope_rotate)."""
+    """fp64 ``x [N, H, D]`` rotated GPT-NeoX style at ``positions [N]`` (as kvops/reference/attention.rope_rotate)."""
     d = x.shape[-1]
     i = torch.arange(d // 2, dtype=F64, device=x.device)
     ang = (positions.to(F64) / scale)[:, None] * theta ** (-2.0 * i / d)
@@ -51,7 +51,7 @@ def attention_oracle(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *
                      window_left=-1, softcap=0.0, sinks=None, k_scale=None, v_scale=None, alibi_slopes=None,
                      window_right=-1, cache_leftpad=None, sink_tokens=0, rope_theta=None, rope_scale=1.0):
     """``(out [T, H_q, D_v], lse [H_q, T])`` in fp64 on ``q``'s device, for NHD caches ``[P, block_size, H_kv, D]``:
-    the semantics of tests/attention_reference.py (docs/semantics.md, docs/attention_features.md), one masked
+    the semantics of kvops/reference/attention.py (docs/semantics.md, docs/attention_features.md), one masked
     softmax per sequence instead of one loop per query. Rows no query may see are never gathered."""
     t_q, h_q, d = q.shape
     bs, h_kv, d_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]

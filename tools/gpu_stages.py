@@ -42,10 +42,10 @@ def environment(facts: dict) -> str:
 
 
 def oracle_self_check() -> str:
-    """The sweep's fp64 attention oracle against tests/attention_reference.py (the readable per-query reference)
+    """The sweep's fp64 attention oracle against kvops/reference/attention.py (the readable per-query reference)
     with every feature, then one case of each family of the sweep on CPU (kvops' CPU kernels)."""
     sys.path.insert(0, str(ROOT))
-    from tests.attention_reference import reference
+    from kvops.reference.attention import reference
     from tools import gpu_oracle as o
 
     worst = 0.0
@@ -62,11 +62,11 @@ def oracle_self_check() -> str:
         b = reference(**args, **kw)
         for x, y in zip(a, b):
             if not torch.equal(x.isneginf(), y.isneginf()):
-                raise AssertionError(f"oracle and tests/attention_reference disagree on -inf ({mode} {flags})")
+                raise AssertionError(f"oracle and kvops/reference/attention disagree on -inf ({mode} {flags})")
             fin = torch.isfinite(y)
             worst = max(worst, float((x[fin] - y[fin]).abs().max()))
     if worst > 1e-9:
-        raise AssertionError(f"oracle vs tests/attention_reference: max difference {worst:.2e} (fp64: <= 1e-9)")
+        raise AssertionError(f"oracle vs kvops/reference/attention: max difference {worst:.2e} (fp64: <= 1e-9)")
     families, picked = set(), []
     for case in o.cases():
         key = case[0] if case[0] != "attention" else f"attention {case[6]}"

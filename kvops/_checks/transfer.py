@@ -3,7 +3,7 @@
 Both ops move the head slice ``[h0, h0 + h)`` of tokens ``[start, start + n)`` of one request between its pages (its
 ``block_table`` row) in ``2 * L`` paged caches ``[P, block_size, H_kv, D]`` (K layers then V layers) and one
 contiguous staging buffer ``[2, L, n, h, D]``. Only metadata is checked (block ids are content; the CPU kernel checks
-them, see ``kvops.reference.transfer``).
+them, see ``kvops.cpu.transfer``).
 
 The caches are NHD only (as vLLM's and sglang's transfer paths): when the staged head slice does not fit a cache's
 ``num_kv_heads`` but fits its ``block_size`` dim, the error says the cache may be HND and how to get an NHD view

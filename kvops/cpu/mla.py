@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.paged_write import quantize_fp8, scatter_rows
-from ..reference.rotary import apply_rotary
+from .paged_write import quantize_fp8, scatter_rows
+from .rotary import apply_rotary
 
 _SCORE_BUDGET = 1 << 22  # fp32 scores of one query tile (16 MiB)
 _LOWEST = torch.finfo(torch.float32).min

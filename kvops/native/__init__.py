@@ -30,7 +30,7 @@ packages must load without kvops and so get the composite traced into aten ops (
 ``native_in_aoti_packages()``, whose packages call the native kernel and need ``import kvops`` where they load).
 ``available()`` says whether the kernel is usable. When the build fails (no compiler, missing headers) it returns
 False after ONE ``RuntimeWarning`` per process, and ``kvops.paged_attention`` keeps using the composite torch kernel
-(``kvops/reference/paged_attention.py``), which gives the same results, only slower. Setting ``KVOPS_NATIVE=0``
+(``kvops/cpu/paged_attention.py``), which gives the same results, only slower. Setting ``KVOPS_NATIVE=0``
 selects the composite without trying to build.
 """
 
@@ -99,7 +99,7 @@ def build_name() -> str:
 # the on-disk FX graph cache, any program traced below kvops::paged_attention) loads in any process that imports
 # kvops, including one with KVOPS_NATIVE=0 or no C++ compiler. The build registers the CPU kernel; elsewhere the
 # CompositeExplicitAutograd kernel below runs: it builds the extension on first use and re-dispatches to it, or runs
-# the composite torch kernel (kvops/reference/paged_attention.py: the same attention, fp32 accumulation, slower).
+# the composite torch kernel (kvops/cpu/paged_attention.py: the same attention, fp32 accumulation, slower).
 # Its arguments after v_scale are the fields of AttnFeatures (kvops/_checks/features.py): ``*features``.
 
 
@@ -115,7 +115,7 @@ def _without_build(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max
         return torch.ops.kvops._paged_attention_native.default(*args, *features)
     from .._checks.features import AttnFeatures
     from .._checks.paged_attention import check_paged_attention
-    from ..reference.paged_attention import paged_attention as composite
+    from ..cpu.paged_attention import paged_attention as composite
 
     # a direct call (torch.ops.kvops._paged_attention_native) gets the op's contract, as the built kernel checks it
     check_paged_attention(*args)

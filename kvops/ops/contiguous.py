@@ -1,6 +1,6 @@
 """Contiguous-cache ops: ``kvops::cache_write`` and ``kvops::cache_roll``.
 
-Schema: ``kvops/_library.py``. Validators: ``kvops/_checks/contiguous.py``. CPU kernels: ``kvops/reference/
+Schema: ``kvops/_library.py``. Validators: ``kvops/_checks/contiguous.py``. CPU kernels: ``kvops/cpu/
 contiguous.py``. CUDA kernels: ``kvops/triton/contiguous.py``. Inductor lowerings: ``lowering/inductor_contiguous.py``.
 """
 
@@ -12,7 +12,7 @@ from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
 from .._checks.common import int64_error
 from .._checks.contiguous import check_cache_roll, check_cache_write, check_roll_rows, check_write_rows
-from ..reference import contiguous as cpu
+from ..cpu import contiguous as cpu
 from ..triton import HAS_TRITON
 from .paged_write import paged_cache_write
 

@@ -11,7 +11,7 @@ which the validator resolves and every kernel takes. One function serves every f
 * on CPU it calls the native C++ kernel ``kvops::_paged_attention_native`` (``kvops/native/``, built on first use; an
   opaque op with a fake rule, so ``torch.compile`` graphs call it as an extern kernel), or, where it cannot be built
   (no C++ compiler; one warning) and under AOTInductor (packages must run without kvops), the vectorized torch
-  kernel (``kvops/reference/paged_attention.py``), which has no host syncs, so ``torch.compile`` on CPU traces it
+  kernel (``kvops/cpu/paged_attention.py``), which has no host syncs, so ``torch.compile`` on CPU traces it
   into the graph as ordinary torch ops.
 
 An eager call on plain CPU tensors (nothing tracing, no dispatch/function mode, functorch transform or autograd
@@ -30,7 +30,7 @@ from .._checks.features import NO_FEATURES, AttnFeatures, resolve
 from .._checks.paged_attention import check_paged_attention
 from .._checks.paged_write import as_nhd
 from .. import native
-from ..reference.paged_attention import paged_attention as _cpu_paged_attention
+from ..cpu.paged_attention import paged_attention as _cpu_paged_attention
 from ..triton import HAS_TRITON
 
 if HAS_TRITON:

@@ -2,7 +2,7 @@
 
 Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/paged_write.py``. CPU kernel: native C++
 (``kvops/native/paged_write.cpp``, one call for K and V; built on first use) or, without a compiler, the composite
-``kvops/reference/paged_write.py``. CUDA kernel: ``kvops/triton/paged_write.py``. A plain eager CPU call runs the
+``kvops/cpu/paged_write.py``. CUDA kernel: ``kvops/triton/paged_write.py``. A plain eager CPU call runs the
 native kernel directly (no custom-op dispatch; memoized validation; the slot check happens as the kernel reads the
 slots, so the default ``"eager"`` value check is free): see ``_fast_eager``.
 """
@@ -16,7 +16,7 @@ from .._checks import values
 from .. import native
 from .._checks.common import index_fix
 from .._checks.paged_write import as_nhd, check_paged_cache_write
-from ..reference import paged_write as cpu
+from ..cpu import paged_write as cpu
 from ..triton import HAS_TRITON
 
 # Traced calls read these two module globals: each global a traced function reads becomes a Dynamo guard evaluated on

@@ -2,9 +2,9 @@
 
 Semantics (docs/semantics.md §8) are FlashAttention's ``flash_attn_with_kvcache`` rotary arguments (``rotary_cos``,
 ``rotary_sin``, ``rotary_interleaved``, ``rotary_dim = 2 * rotary_cos.shape[1] <= head_dim``): see
-``kvops/reference/rotary.py``.
+``kvops/cpu/rotary.py``.
 
-Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/rotary.py``. CPU kernel: ``kvops/reference/rotary.py``.
+Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/rotary.py``. CPU kernel: ``kvops/cpu/rotary.py``.
 CUDA kernel: ``kvops/triton/rotary.py``. Inductor lowering: ``lowering/inductor_rotary.py`` (the rotation is computed
 inside the cache-store loop, fused with the producer of the key).
 """
@@ -16,8 +16,8 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
 from .._checks.rotary import OP, check_rotary, check_rotary_paged_cache_write
-from ..reference import rotary as cpu
-from ..reference.paged_write import unaliased
+from ..cpu import rotary as cpu
+from ..cpu.paged_write import unaliased
 from ..triton import HAS_TRITON
 
 

@@ -2,7 +2,7 @@
 
 Semantics: ``docs/semantics.md`` §6 (after sglang's ``gather_all_layers_to_staging`` /
 ``scatter_staging_to_kv``). Schema: ``kvops/_library.py``. Validator: ``kvops/_checks/transfer.py``. CPU kernel:
-``kvops/reference/transfer.py``. CUDA kernel: ``kvops/triton/transfer.py`` (all layers in one launch).
+``kvops/cpu/transfer.py``. CUDA kernel: ``kvops/triton/transfer.py`` (all layers in one launch).
 
 Staging layout (one writer's buffer, contiguous): ``staging[0, l]`` is layer ``l``'s K, ``staging[1, l]`` its V, each
 ``[n, h, D]`` for the request's tokens ``[start, start + n)`` and heads ``[h0, h0 + h)``; i.e. ``[2, L, n, h, D]``,
@@ -19,7 +19,7 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks.common import int64_error
 from .._checks.transfer import check_paged_kv_transfer
-from ..reference import transfer as cpu
+from ..cpu import transfer as cpu
 from ..triton import HAS_TRITON
 
 GATHER = "kvops.paged_kv_gather"

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.paged_write import overlaps, unaliased
+from ..cpu.paged_write import overlaps, unaliased
 from .launch import Launch, capability_of, run
 
 _TILE = 4096  # elements per program: a head block of one token row (keeps registers bounded for wide caches)

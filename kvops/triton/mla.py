@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.paged_write import unaliased
+from ..cpu.paged_write import unaliased
 from .launch import Launch, capability_of, run
 from .paged_attention import _decode_merge_kernel, _lane, merge_splits
 from .paged_write import _e4m3_bits

@@ -2,7 +2,7 @@
 
 ``attend`` computes kvops' attention semantics (docs/semantics.md §4-5, docs/attention_features.md) on dense
 ``[B, S, H_kv, D]`` keys in fp64 with masks, vectorized so that the peers' sequence lengths (thousands of keys) stay
-cheap. It is the same math as the per-query reference ``tests/attention_reference.py`` (kvops' oracle), which
+cheap. It is the same math as the per-query reference ``kvops/reference/attention.py`` (kvops' oracle), which
 ``tests/compat/test_oracle.py`` checks it against.
 """
 

@@ -1,5 +1,5 @@
 """The compatibility suite's dense oracle (tests/compat/_oracle.py) is kvops' oracle: it agrees with the per-query
-reference tests/attention_reference.py on every feature the suite uses (causal, windows, softcap, ALiBi, left
+reference kvops/reference/attention.py on every feature the suite uses (causal, windows, softcap, ALiBi, left
 padding, GQA, fp8 scales), so the peers' grids are checked against kvops' semantics."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import unittest
 
 import torch
 
-from tests.attention_reference import reference
+from kvops.reference.attention import reference
 from tests.compat._oracle import attend
 
 

@@ -1,4 +1,4 @@
-"""CPU kernels (and readable references) for the contiguous-cache ops.
+"""CPU kernels for the contiguous-cache ops.
 
 They use slicing on the caches as given, so strided views (a head slice of a larger cache, K and V as two views of
 one ``[B, S, 2, H, D]`` allocation) are written in place and never copied.

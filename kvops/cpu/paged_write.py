@@ -1,4 +1,4 @@
-"""CPU kernel (and readable reference) for ``kvops::paged_cache_write`` (docs/semantics.md §3).
+"""CPU kernel for ``kvops::paged_cache_write`` (docs/semantics.md §3).
 
 Vectorized: one ``index_copy_`` per cache on a ``[P * block_size, H_kv, D]`` *view* of the cache when the block and
 row dims can be merged without a copy (contiguous caches, K/V views of a ``[P, block_size, 2, H_kv, D]`` allocation);

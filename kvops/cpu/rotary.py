@@ -1,4 +1,4 @@
-"""CPU kernel and readable reference of rotary embeddings (FlashAttention's ``rotary_cos``/``rotary_sin`` semantics).
+"""CPU kernel of rotary embeddings (FlashAttention's ``rotary_cos``/``rotary_sin`` semantics).
 
 ``x[..., :rotary_dim]`` is rotated in fp32 and rounded once to ``x``'s dtype; dims ``>= rotary_dim`` pass through.
 GPT-NeoX (``interleaved=False``): dim ``i < rotary_dim / 2`` pairs with ``i + rotary_dim / 2``; GPT-J

@@ -1,4 +1,4 @@
-"""CPU kernels (and readable references) of ``kvops::paged_kv_gather`` / ``kvops::paged_kv_scatter``.
+"""CPU kernels of ``kvops::paged_kv_gather`` / ``kvops::paged_kv_scatter``.
 
 Token ``start + i`` of the request sits in block ``block_table[(start + i) // block_size]``, row
 ``(start + i) % block_size``. Per cache one ``index_select`` (gather) or ``index_copy_`` (scatter, shared with
