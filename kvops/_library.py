@@ -4,7 +4,11 @@ Mutation annotations are honest: a cache an op writes is declared ``Tensor(a!)``
 Token positions and counts are ``SymInt`` so a loop whose positions change every step does not recompile per step;
 sizes that define kernels (head counts, ``head_dim``, ``block_size``) come from tensor shapes and may specialize.
 
-The fake rules, CPU kernels and CUDA kernels are registered next to each op's public wrapper in ``kvops/ops/``.
+The fake rules, CPU kernels and CUDA kernels are registered next to each op's public wrapper in ``kvops/ops/``; the
+C++ sources (``kvops/native/*.cpp``) register kernels only (``TORCH_LIBRARY_IMPL``), never a schema. An op whose
+schema torch infers (a ``torch.library.triton_op``) is written here as a module constant named after the op in capitals
+(``PAGED_ATTENTION = "(...) -> ..."``). tests/test_schemas.py checks every op of the ``kvops`` namespace against this
+file: none may be missing, and each must read as written here.
 """
 
 import torch
@@ -27,12 +31,35 @@ lib.define(
     "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None, str kv_layout=\"NHD\") -> ()"
 )
 # kv_layout (both paged ops): "NHD" caches [P, block_size, H_kv, D] | "HND" caches [P, H_kv, block_size, D] (FlashInfer)
-# kvops::paged_attention is a torch.library.triton_op (kvops/ops/paged_attention.py): its schema is inferred from the
-# annotations there, and reads
-#   paged_attention(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor cu_seqlens_q, Tensor seq_lens,
-#                   Tensor block_table, SymInt max_seqlen_q, float? scale=None, bool causal=True,
-#                   SymInt window_left=-1, float softcap=0., Tensor? sinks=None, Tensor? k_scale=None,
-#                   Tensor? v_scale=None, str kv_layout="NHD") -> (Tensor, Tensor)
+# kvops::paged_attention is a torch.library.triton_op (kvops/ops/paged_attention.py), so torch.compile on CUDA sees
+# its Triton kernels; triton_op infers its schema from the function's annotations (it ignores a schema string), and
+# this is that schema, kept equal by tests/test_attention_features.py. The arguments after kv_layout are the fields
+# of AttnFeatures (kvops/_checks/features.py), in order.
+PAGED_ATTENTION = (
+    "(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
+    "SymInt max_seqlen_q, float? scale=None, bool causal=True, SymInt window_left=-1, float softcap=0., "
+    "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None, str kv_layout=\"NHD\", "
+    "Tensor? alibi_slopes=None, SymInt window_right=-1, Tensor? cache_leftpad=None, SymInt sink_tokens=0, "
+    "float? rope_theta=None, float rope_scale=1.) -> (Tensor, Tensor)"
+)
+# Its CPU kernel kvops::_paged_attention_native (kvops/native/paged_attention.cpp; the composite kvops/cpu kernel as
+# its CompositeExplicitAutograd fallback, kvops/native/__init__.py): validated, NHD, the resolved scale; the same
+# AttnFeatures fields after v_scale. Defined here at import, not by the build, so graphs that call it load in any
+# process that imports kvops.
+lib.define(
+    "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
+    "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
+    "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? alibi_slopes=None, SymInt window_right=-1, "
+    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0) "
+    "-> (Tensor, Tensor)"
+)
+# The one-pass value-contract check of eager CPU calls (kvops/_checks/values.py; kernel in paged_attention.cpp, only
+# called where the native build is available): True when a contract fails.
+lib.define(
+    "_paged_attention_values_bad(Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, int num_tokens, "
+    "int max_seqlen_q, int num_blocks, int block_size, int window_left=-1, int sink_tokens=0, "
+    "Tensor? cache_leftpad=None) -> bool"
+)
 
 # --- prefill->decode KV transfer staging (kvops/ops/transfer.py; docs/semantics.md §6) -------------------------
 # caches: the K caches of all layers, then their V caches (2 * L tensors [P, block_size, H_kv, D]);
@@ -79,3 +106,57 @@ lib.define(
     "packed_attention(Tensor q, Tensor[] k_dense, Tensor[] v_dense, Tensor[] k_packed, Tensor[] v_packed, "
     "str? quant=None, float? scale=None, Tensor? row_counts=None) -> (Tensor, Tensor)"
 )
+
+# --- MLA latent cache [P, block_size, kv_lora_rank + rope_dim] (kvops/ops/mla.py; docs/mla.md) -----------------
+# One latent "head" per token (DeepSeek-V2/V3): the compressed kv_c [T, kv_lora_rank] then k_pe [T, rope_dim].
+# kv_scale: float32 per-tensor scale of a float8_e4m3fn cache (stores x / kv_scale, reads stored * kv_scale).
+# mla_attention returns (out [T_q, H, kv_lora_rank] in q's dtype, lse [H, T_q] float32).
+lib.define(
+    "mla_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? kv_scale=None, "
+    "Tensor? positions=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, bool rotary_interleaved=False) -> ()"
+)
+lib.define(
+    "mla_attention(Tensor q, Tensor kv_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
+    "SymInt max_seqlen_q, int kv_lora_rank, float? scale=None, bool causal=True, Tensor? kv_scale=None) "
+    "-> (Tensor out, Tensor lse)"
+)
+
+# --- native CPU kernels' private ops (kvops/native/*.cpp register their CPU kernels when the build loads) -----------
+# Called only inside the CPU kernels of the public ops, after kvops.native.available() said the build is loaded.
+# _paged_write_native: kvops::paged_cache_write's CPU kernel on validated NHD caches (h0: the first cache head
+# written); returns the index of the first slot that is out of range (nothing written then), or -1.
+lib.define(
+    "_paged_write_native(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "int h0, Tensor? k_scale, Tensor? v_scale) -> int"
+)
+# _packed_attention_native: kvops::packed_attention's CPU kernel on validated arguments (quant "" when no segment is
+# packed, the resolved scale).
+lib.define(
+    "_packed_attention_native(Tensor q, Tensor[] k_dense, Tensor[] v_dense, Tensor[] k_packed, Tensor[] v_packed, "
+    "str quant, float scale, Tensor? row_counts) -> (Tensor, Tensor)"
+)
+
+# --- functional (non-mutating) variants of the writes (kernels: kvops/export/functional.py) -------------------------
+# The arguments of their mutating op without its (a!) annotations (tests/test_schemas.py keeps them equal); they
+# return copies (new_k_cache, new_v_cache) of the caches with the write applied. Used by the ONNX export and the
+# TensorRT converters (lowering/onnx.py, lowering/tensorrt.py).
+lib.define(
+    "cache_write_functional(Tensor key, Tensor? value, Tensor k_cache, Tensor? v_cache, SymInt start, "
+    "int? cache_head_start=None) -> (Tensor, Tensor)"
+)
+lib.define(
+    "cache_roll_functional(Tensor k_cache, Tensor? v_cache, SymInt src, SymInt dst, SymInt num_tokens, "
+    "int? cache_head_start=None, int? num_heads=None) -> (Tensor, Tensor)"
+)
+lib.define(
+    "paged_cache_write_functional(Tensor key, Tensor? value, Tensor k_cache, Tensor? v_cache, Tensor slot_mapping, "
+    "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None, str kv_layout=\"NHD\") -> "
+    "(Tensor, Tensor)"
+)
+
+# --- merging attention states over disjoint key sets (kvops/ops/merge.py; docs/cascade.md, docs/semantics.md §12) --
+# A part: out [T, H, D_v] (float32/bfloat16/float16) and lse [H, T] float32, natural log (kvops.paged_attention's
+# return_lse layout); the many-way form stacks N >= 1 parts: outs [N, T, H, D_v], lses [N, H, T]. Pure: returns
+# (out [T, H, D_v] in the parts' dtype, lse [H, T] float32) and mutates nothing.
+lib.define("merge_attention_states(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) -> (Tensor, Tensor)")
+lib.define("merge_attention_states_many(Tensor outs, Tensor lses) -> (Tensor, Tensor)")

@@ -2,9 +2,9 @@
 
 ``kvops::cache_write_functional``, ``kvops::cache_roll_functional`` and ``kvops::paged_cache_write_functional`` take
 the arguments of their mutating op (same names, same defaults, same validator) and return ``(new_k_cache,
-new_v_cache)``: copies of the caches with the write applied; the inputs are not touched. Their schemas are derived
-from the mutating ops' schemas in ``kvops/_library.py`` (the ``(a!)`` annotations dropped, ``-> (Tensor, Tensor)``
-returned), so an argument added to a mutating op (e.g. ``kv_layout``) reaches its functional variant unchanged.
+new_v_cache)``: copies of the caches with the write applied; the inputs are not touched. Their schemas are in
+``kvops/_library.py``: the mutating op's arguments without the ``(a!)`` annotations, ``-> (Tensor, Tensor)``
+(tests/test_schemas.py keeps them equal, so an argument added to a mutating op must be added to its variant too).
 
 Who uses them: the ONNX export (``kvops.lowering.onnx.functionalize`` rewrites the ``auto_functionalized_v2`` nodes
 that ``ExportedProgram.run_decompositions()`` produces into these ops, which the ONNX translations are keyed on) and
@@ -14,22 +14,14 @@ TensorRT's converters (``lowering/tensorrt.py``). In eager code prefer the mutat
 from __future__ import annotations
 
 import operator
-import re
 
 import torch
 
-from .. import _library  # noqa: F401  (defines the mutating schemas)
+from .. import _library  # noqa: F401  (defines the schemas)
 from .. import ops as _ops  # noqa: F401  (registers the mutating kernels and fake rules)
 
 MUTATING = ("cache_write", "cache_roll", "paged_cache_write")
 _lib = torch.library.Library("kvops", "FRAGMENT")
-
-
-def _functional_schema(name: str) -> str:
-    schema = str(getattr(torch.ops.kvops, name).default._schema)  # "kvops::name(ARGS) -> ()"
-    args = schema[schema.index("(") + 1 : schema.rindex(") ->")]
-    args = re.sub(r"\([a-z]!\)", "", args)  # drop the mutation annotations
-    return f"{name}_functional({args}) -> (Tensor, Tensor)"
 
 
 def _mutable_names(op: torch._ops.OpOverload) -> list[str]:
@@ -53,7 +45,6 @@ def _make_impl(name: str):
 
 
 for _name in MUTATING:
-    _lib.define(_functional_schema(_name))
     _impl = _make_impl(_name)
     _lib.impl(f"{_name}_functional", _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"kvops::{_name}_functional", _impl, lib=_lib)

@@ -462,10 +462,5 @@ std::tuple<at::Tensor, at::Tensor> packed_attention_native(
 }  // namespace
 }  // namespace kvops_packed_native
 
-TORCH_LIBRARY_FRAGMENT(kvops, m) {
-  m.def(
-      "_packed_attention_native(Tensor q, Tensor[] k_dense, Tensor[] v_dense, Tensor[] k_packed, Tensor[] v_packed, "
-      "str quant, float scale, Tensor? row_counts) -> (Tensor, Tensor)");
-}
-
+// The schema of kvops::_packed_attention_native is in kvops/_library.py (defined at import); this file registers its CPU kernel.
 TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("_packed_attention_native", &kvops_packed_native::packed_attention_native); }

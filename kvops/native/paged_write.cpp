@@ -175,10 +175,5 @@ int64_t paged_write_native(const at::Tensor& key, const at::Tensor& value, at::T
 }  // namespace
 }  // namespace kvops_native
 
-TORCH_LIBRARY_FRAGMENT(kvops, m) {
-  m.def(
-      "_paged_write_native(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-      "int h0, Tensor? k_scale, Tensor? v_scale) -> int");
-}
-
+// The schema of kvops::_paged_write_native is in kvops/_library.py (defined at import); this file registers its CPU kernel.
 TORCH_LIBRARY_IMPL(kvops, CPU, m) { m.impl("_paged_write_native", &kvops_native::paged_write_native); }

@@ -22,3 +22,13 @@ __all__ = [
 from .rotary import apply_rotary, rotary_paged_cache_write  # noqa: E402
 
 __all__ += ["rotary_paged_cache_write", "apply_rotary"]
+
+# MLA latent cache (mla.py; docs/mla.md)
+from .mla import mla_attention, mla_cache_write  # noqa: E402
+
+__all__ += ["mla_cache_write", "mla_attention"]
+
+# merging attention states over disjoint key sets (merge.py; docs/cascade.md)
+from .merge import merge_attention_states, merge_attention_states_many  # noqa: E402
+
+__all__ += ["merge_attention_states", "merge_attention_states_many"]

@@ -107,6 +107,9 @@ def packed_attention(
     return (out, lse) if return_lse else out
 
 
+NATIVE_OP = "kvops::_packed_attention_native"  # schema: kvops/_library.py; kernel: native/packed_attention.cpp
+
+
 # --- fake rule and kernels ----------------------------------------------------------------------------------------
 @torch.library.register_fake("kvops::packed_attention")
 def _fake(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_counts=None):
@@ -119,7 +122,7 @@ def _fake(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_c
 def _cpu(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_counts=None):
     sm_scale, _ = check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale, row_counts)
     check_row_count_values(row_counts)
-    if native.available() and hasattr(torch.ops.kvops, "_packed_attention_native"):
+    if native.available() and torch._C._dispatch_has_kernel_for_dispatch_key(NATIVE_OP, "CPU"):
         return torch.ops.kvops._packed_attention_native(
             q, k_dense, v_dense, k_packed, v_packed, quant or "", sm_scale,
             None if row_counts is None else row_counts.contiguous())

@@ -1,0 +1,1 @@
+"""Tests of the MLA latent-cache ops (docs/mla.md)."""
