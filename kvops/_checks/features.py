@@ -16,8 +16,8 @@ from .common import as_int, index_fix, require_finite, require_same_device, reso
 
 
 class AttnFeatures(NamedTuple):
-    """ALiBi, a right window, per-sequence left padding, StreamingLLM sink tokens and RoPE at read time
-    (docs/attention_features.md); the defaults are "off". Field order is the order of these arguments in the op
+    """ALiBi, a right window, per-sequence left padding, StreamingLLM sink tokens, RoPE at read time
+    (docs/attention_features.md) and a custom mask among the new keys (docs/tree-mask.md); the defaults are "off". Field order is the order of these arguments in the op
     schemas (``kvops/_library.py``), so ``*features`` is how a call passes them on.
 
     Adding a feature touches, and only touches:
