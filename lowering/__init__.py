@@ -8,6 +8,7 @@ Lowerings (each replaces the op's extern kernel call by a scatter that fuses wit
 - ``kvops::cache_write``, ``kvops::cache_roll``: ``lowering/inductor_contiguous.py``
 - ``kvops::paged_cache_write``: ``lowering/inductor_paged.py``
 - ``kvops::rotary_paged_cache_write`` (rotation in the store loop): ``lowering/inductor_rotary.py``
+- ``kvops::mla_cache_write`` (MLA latent rows; RoPE and fp8 in the store loop): ``lowering/inductor_mla.py``
 - ``kvops::merge_attention_states``, ``kvops::merge_attention_states_many`` (pure: decomposed into pointwise ops
   that fuse): ``lowering/inductor_merge.py``
 - ``kvops::stream_positions`` (a check: the identity plus device-side asserts, no host read, under ``torch.compile``
@@ -83,6 +84,9 @@ def register() -> None:
     from . import inductor_rotary  # kvops::rotary_paged_cache_write
 
     inductor_rotary.register(register_lowering)
+    from . import inductor_mla  # kvops::mla_cache_write
+
+    inductor_mla.register(register_lowering)
     from . import inductor_checks  # kvops::stream_positions (kvops.export.streaming_update)
 
     inductor_checks.register(register_lowering)

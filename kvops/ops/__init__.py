@@ -32,3 +32,8 @@ __all__ += ["mla_cache_write", "mla_attention"]
 from .merge import merge_attention_states, merge_attention_states_many  # noqa: E402
 
 __all__ += ["merge_attention_states", "merge_attention_states_many"]
+
+# cascade attention over shared prefixes (cascade.py; docs/cascade.md)
+from .cascade import CascadePlan, cascade_attention, plan_cascade  # noqa: E402
+
+__all__ += ["CascadePlan", "plan_cascade", "cascade_attention"]

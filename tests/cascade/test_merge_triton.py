@@ -24,7 +24,8 @@ def on(*ts):
 
 class TestMergeTriton(unittest.TestCase):
     def test_two_parts(self):
-        for (t, h_q, h_kv, d, length), dtype in (((5, 10, 2, 80, 21), torch.float32), ((3, 7, 1, 64, 9), torch.bfloat16),
+        for (t, h_q, h_kv, d, length), dtype in (((5, 10, 2, 80, 21), torch.float32),
+                                                 ((3, 7, 1, 64, 9), torch.bfloat16),
                                                  ((2, 3, 3, 24, 5), torch.float16)):
             with self.subTest(t=t, h=h_q, d=d, dtype=dtype):
                 outs, lses, (want_out, want_lse) = parts(t, h_q, h_kv, d, length, 2, seed=d, empty_rows=(0,))
