@@ -42,7 +42,8 @@ lib.define(
 # caches: the K caches of all layers, then their V caches (2 * L tensors [P, block_size, H_kv, D]);
 # staging: [2, L, num_tokens, num_heads, D], contiguous (K layers then V layers).
 lib.define(
-    "paged_kv_gather(Tensor[] caches, Tensor block_table, Tensor(a!) staging, SymInt start, int head_start) -> ()"
+    "paged_kv_gather(Tensor[] caches, Tensor block_table, Tensor(a!) staging, SymInt start, "
+    "int cache_head_start) -> ()"
 )
 lib.define(
     "paged_kv_scatter(Tensor staging, Tensor(a!)[] caches, Tensor block_table, SymInt start, "

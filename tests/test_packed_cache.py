@@ -226,9 +226,9 @@ class TestRandomSchedules(unittest.TestCase):
                     end <= config["size"] and config["sink"] > 0
                 p.chunk_steps(i * config["chunk"], steps=steps, recent=recent, slices=slices, pin=pin)
             if reset:
-                p.dense.reset_indices()
-                p.packed.reset_indices()
-                p.segs.reset_indices()
+                p.dense.reset()
+                p.packed.reset()
+                p.segs.reset()
 
 
 class TestStorage(unittest.TestCase):

@@ -299,7 +299,7 @@ def check_transfer(device, dtype, d, bs, seed):
     staging = torch.zeros((2, layers, n, h, d), dtype=cache_dtype)
 
     def gather(st, t, *cs):
-        kvops.paged_kv_gather(cs[:layers], cs[layers:], t, st, start=5, head_start=1)
+        kvops.paged_kv_gather(cs[:layers], cs[layers:], t, st, start=5, cache_head_start=1)
     cpu, dev = _both(device, gather, staging, table, *caches)
     ok = _same_bits(cpu[0], dev[0])
     new = _random_bits(staging.shape, cache_dtype, gen)

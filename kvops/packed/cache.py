@@ -23,6 +23,7 @@ import torch
 
 from .._checks.common import as_int
 from .._checks.contiguous import check_cache_write
+from .._deprecation import renamed_method
 from ..cache._alloc import check_size
 from ..cache._clamp import positive, relu, smin
 from ..cache.causal import CausalKVView
@@ -257,9 +258,11 @@ class PackedCausalKVCache:
         ``chunk_tokens - first_chunk_tokens`` once ``p >= first_chunk_tokens`` (branch-free)."""
         return p + self._pad * positive(p - self.first_chunk_tokens + 1) if self._pad else p
 
-    def reset_indices(self) -> None:
+    def reset(self) -> None:
         """Start a new stream at position 0 and forget the pin (the buffers are not touched)."""
         self.global_end, self.current_start, self.pinned_position, self.pinned_len = 0, -1, -1, 0
+
+    reset_indices = renamed_method("reset_indices", "reset")
 
     def can_direct_current_attention(self, num_new_tokens: int) -> bool:
         """True when ``K == 0`` and ``S == W == num_new_tokens`` (as ``CausalKVCache``)."""
