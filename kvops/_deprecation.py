@@ -28,6 +28,19 @@ def renamed_method(old: str, new: str):
     return method
 
 
+def renamed_function(func, old: str, new: str):
+    """``func`` under its deprecated name ``old`` (a qualified name, e.g. ``"kvops.transfer.plan_for_writer"``)."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        warn_renamed(f"{old}()", f"{new}()")
+        return func(*args, **kwargs)
+
+    wrapper.__name__ = wrapper.__qualname__ = old.rsplit(".", 1)[-1]
+    wrapper.__doc__ = f"Deprecated name of :func:`{new}` (docs/names.md); warns, then calls it."
+    return wrapper
+
+
 def renamed_keyword(func, old: str, new: str):
     """``func`` that also accepts its keyword argument ``new`` under the deprecated name ``old`` (with a warning)."""
 
