@@ -38,13 +38,12 @@ LOWERING_SOURCES = (
 
 def schema_sources() -> tuple:
     """The kvops files that decide what a traced graph calls: every schema (``kvops/_library.py``, the native op's in
-    ``kvops/native/__init__.py``), the public ops' traced bodies (``kvops/ops/*.py``, ``kvops/packed/ops.py``) and the
-    packed dequantize decomposition (``kvops/packed/_lowering.py``). An AOTAutograd cache hit keyed on a graph of the
+    ``kvops/native/__init__.py``) and the public ops' traced bodies (``kvops/ops/*.py``; the packed dequantize
+    decomposition, ``lowering/inductor_packed.py``, is one of ``LOWERING_SOURCES``). An AOTAutograd cache hit keyed on a graph of the
     public ops would otherwise replay code that calls an op with an older schema (e.g. ``_paged_attention_native
     expected 14 args, received 20`` after the attention features added arguments)."""
     root = pathlib.Path(sys.modules["kvops"].__file__).parent  # kvops may be half imported: no import of its parts
-    return (root / "_library.py", root / "native" / "__init__.py", *sorted((root / "ops").glob("*.py")),
-            root / "packed" / "ops.py", root / "packed" / "_lowering.py")
+    return (root / "_library.py", root / "native" / "__init__.py", *sorted((root / "ops").glob("*.py")))
 
 
 def cache_key_tag(sources=None) -> str:
@@ -84,6 +83,9 @@ def register() -> None:
     from . import inductor_checks  # kvops::stream_positions (kvops.export.streaming_update)
 
     inductor_checks.register(register_lowering)
+    from . import inductor_packed  # kvops::dequantize_kv: a decomposition, fused with its consumer
+
+    inductor_packed.register()
     _tag_compile_caches()
     _registered = True
 

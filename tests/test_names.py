@@ -97,7 +97,7 @@ class TestNamesDoc(unittest.TestCase):
         """kvops, its tests, examples, benchmarks and docs use the new names (only the aliases, this test and
         docs/names.md name the old ones)."""
         allowed = {"kvops/_deprecation.py", "kvops/transfer/plan.py", "kvops/transfer/__init__.py",
-                   "kvops/cache/causal.py", "kvops/packed/cache.py", "kvops/ops/transfer.py", "tests/test_names.py",
+                   "kvops/cache/causal.py", "kvops/cache/packed.py", "kvops/ops/transfer.py", "tests/test_names.py",
                    "docs/names.md"}
         old = re.compile(r"\breset_indices\b|\bplan_for_writer\b|kvops\.transfer\.plan\b|"
                          r"paged_kv_gather\([^)]*[(, ]head_start=")

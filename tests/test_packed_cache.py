@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvops.cache import CausalKVCache, PackedCausalKVCache
 from kvops.packed import dequantize_kv, materialize, packed_attention
-from kvops.packed._plan import pool_slot
+from kvops.cache._packed_pool import pool_slot
 from tests.contract import raises_everywhere
 
 UNSUPPORTED = torch._dynamo.exc.Unsupported  # how Dynamo (fullgraph) reports an exception raised by traced Python

@@ -314,7 +314,7 @@ def check_transfer(device, dtype, d, bs, seed):
 def check_packed(device, fmt, dtype, d, group, t, seed):
     """quantize (the CPU kernel's codes bit for bit), dequantize (within fp32 rounding) and attention (fp64)."""
     from kvops.packed import packed_attention
-    from kvops.packed.ops import dequantize_kv, quantize_kv
+    from kvops.ops.packed import dequantize_kv, quantize_kv
 
     gen = _gen(seed)
     b, n, h_kv = 2, 96, 2
