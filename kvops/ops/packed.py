@@ -167,8 +167,6 @@ def dequantize_kv(packed: PackedKV, dtype: torch.dtype = torch.bfloat16) -> torc
     return torch.ops.kvops.dequantize_kv(*packed[1:], packed.quant, dtype)
 
 
-# --- fake rules: the contract at trace time ---------------------------------------------------------------------
-@torch.library.register_fake("kvops::quantize_kv")
 def materialize(segments, dtype: torch.dtype) -> torch.Tensor:
     """Dense ``[B, V, H, D]`` of a list of segments (a view when there is one dense segment) or of
     :class:`PackedSegments` (the visible rows, each repeated ``row_counts`` times, in storage order; eager only: the
@@ -182,6 +180,8 @@ def materialize(segments, dtype: torch.dtype) -> torch.Tensor:
     return dense
 
 
+# --- fake rules: the contract at trace time ---------------------------------------------------------------------
+@torch.library.register_fake("kvops::quantize_kv")
 def _quantize_fake(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters=4):
     check_quantize_kv(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters)
 
