@@ -21,16 +21,21 @@ with _quiet_without_triton():
     from ._checks.values import get_value_checks, set_value_checks, value_checks  # docs/semantics.md §7
     from .cache import CausalKVCache, PagedKVCache, RingCausalKVCache
     from .ops import (
+        CascadePlan,
         apply_rotary,
         cache_roll,
         cache_write,
+        cascade_attention,
         check_kvcache_capacity,
         check_slot_mapping,
         flash_attn_with_kvcache,
+        merge_attention_states,
+        merge_attention_states_many,
         mla_attention,
         mla_cache_write,
         paged_attention,
         paged_cache_write,
+        plan_cascade,
         rotary_paged_cache_write,
     )
     from .ops.transfer import paged_kv_gather, paged_kv_scatter
@@ -56,6 +61,11 @@ __all__ = [
     "mla_attention",
     "paged_kv_gather",
     "paged_kv_scatter",
+    "merge_attention_states",
+    "merge_attention_states_many",
+    "plan_cascade",
+    "cascade_attention",
+    "CascadePlan",
     "check_slot_mapping",
     "check_kvcache_capacity",
     "value_checks",

@@ -131,3 +131,10 @@ lib.define(
     "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None, str kv_layout=\"NHD\") -> "
     "(Tensor, Tensor)"
 )
+
+# --- merging attention states over disjoint key sets (kvops/ops/merge.py; docs/cascade.md, docs/semantics.md §12) --
+# A part: out [T, H, D_v] (float32/bfloat16/float16) and lse [H, T] float32, natural log (kvops.paged_attention's
+# return_lse layout); the many-way form stacks N >= 1 parts: outs [N, T, H, D_v], lses [N, H, T]. Pure: returns
+# (out [T, H, D_v] in the parts' dtype, lse [H, T] float32) and mutates nothing.
+lib.define("merge_attention_states(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) -> (Tensor, Tensor)")
+lib.define("merge_attention_states_many(Tensor outs, Tensor lses) -> (Tensor, Tensor)")

@@ -8,6 +8,9 @@ Lowerings (each replaces the op's extern kernel call by a scatter that fuses wit
 - ``kvops::cache_write``, ``kvops::cache_roll``: ``lowering/inductor_contiguous.py``
 - ``kvops::paged_cache_write``: ``lowering/inductor_paged.py``
 - ``kvops::rotary_paged_cache_write`` (rotation in the store loop): ``lowering/inductor_rotary.py``
+- ``kvops::mla_cache_write`` (MLA latent rows; RoPE and fp8 in the store loop): ``lowering/inductor_mla.py``
+- ``kvops::merge_attention_states``, ``kvops::merge_attention_states_many`` (pure: decomposed into pointwise ops
+  that fuse): ``lowering/inductor_merge.py``
 - ``kvops::stream_positions`` (a check: the identity plus device-side asserts, no host read, under ``torch.compile``
   and AOTInductor alike): ``lowering/inductor_checks.py``
 
@@ -38,12 +41,14 @@ LOWERING_SOURCES = (
 
 def schema_sources() -> tuple:
     """The kvops files that decide what a traced graph calls: every schema (``kvops/_library.py``, the native op's in
-    ``kvops/native/__init__.py``) and the public ops' traced bodies (``kvops/ops/*.py``; the packed dequantize
-    decomposition, ``lowering/inductor_packed.py``, is one of ``LOWERING_SOURCES``). An AOTAutograd cache hit keyed on a graph of the
-    public ops would otherwise replay code that calls an op with an older schema (e.g. ``_paged_attention_native
-    expected 14 args, received 20`` after the attention features added arguments)."""
+    ``kvops/native/__init__.py``), the public ops' traced bodies (``kvops/ops/*.py``) and the bodies of the
+    decompositions (packed dequantize: ``kvops/cpu/packed.py``; merge: ``kvops/cpu/merge.py``; their registrations,
+    ``lowering/inductor_*.py``, are ``LOWERING_SOURCES``). An AOTAutograd cache hit keyed on a graph of the public ops
+    would otherwise replay code that calls an op with an older schema (e.g. ``_paged_attention_native expected 14
+    args, received 20`` after the attention features added arguments)."""
     root = pathlib.Path(sys.modules["kvops"].__file__).parent  # kvops may be half imported: no import of its parts
-    return (root / "_library.py", root / "native" / "__init__.py", *sorted((root / "ops").glob("*.py")))
+    return (root / "_library.py", root / "native" / "__init__.py", *sorted((root / "ops").glob("*.py")),
+            root / "cpu" / "packed.py", root / "cpu" / "merge.py")
 
 
 def cache_key_tag(sources=None) -> str:
@@ -80,12 +85,18 @@ def register() -> None:
     from . import inductor_rotary  # kvops::rotary_paged_cache_write
 
     inductor_rotary.register(register_lowering)
+    from . import inductor_mla  # kvops::mla_cache_write
+
+    inductor_mla.register(register_lowering)
     from . import inductor_checks  # kvops::stream_positions (kvops.export.streaming_update)
 
     inductor_checks.register(register_lowering)
     from . import inductor_packed  # kvops::dequantize_kv: a decomposition, fused with its consumer
 
     inductor_packed.register()
+    from . import inductor_merge  # kvops::merge_attention_states(_many): decompositions (pure pointwise ops)
+
+    inductor_merge.register()
     _tag_compile_caches()
     _registered = True
 

@@ -23,14 +23,15 @@ from .inductor_paged import batch_router, paged_scatter, saved_rows
 
 
 def rotated(key, positions, cos, sin, interleaved: bool, n):
-    """``ir.Pointwise [n, H, D]``: rows ``[0, n)`` of ``key`` rotated at ``positions`` (FlashAttention semantics)."""
+    """``ir.Pointwise [n, ..., D]``: rows ``[0, n)`` of ``key`` (``[N', H, D]``, or ``[N', D]`` as MLA's ``k_pe``)
+    rotated at ``positions`` (FlashAttention semantics)."""
     load_x, load_p, load_c, load_s = (t.make_loader() for t in (key, positions, cos, sin))
     seqlen_ro, half = cos.get_size()
     rd = 2 * half
     dtype = key.get_dtype()
 
     def inner_fn(idx):
-        i, h, d = idx
+        i, mid, d = idx[0], list(idx[1:-1]), idx[-1]
         if interleaved:
             partner = ModularIndexing(d + 1 - 2 * ModularIndexing(d, 1, 2), 1, rd)
             j = FloorDiv(ModularIndexing(d, 1, rd), 2)
@@ -40,8 +41,8 @@ def rotated(key, positions, cos, sin, interleaved: bool, n):
             j = ModularIndexing(d, 1, half)
             first = ops.lt(ops.index_expr(ModularIndexing(d, 1, rd), torch.int64), ops.constant(half, torch.int64))
         p = ops.indirect_indexing(ops.to_dtype(load_p([i]), torch.int64), seqlen_ro, check=True, wrap_neg=False)
-        x = ops.to_dtype(load_x([i, h, d]), torch.float32)
-        y = ops.to_dtype(load_x([i, h, partner]), torch.float32)
+        x = ops.to_dtype(load_x([i, *mid, d]), torch.float32)
+        y = ops.to_dtype(load_x([i, *mid, partner]), torch.float32)
         c = ops.to_dtype(load_c([p, j]), torch.float32)
         s = ops.to_dtype(load_s([p, j]), torch.float32)
         xc, ys = ops.mul(x, c), ops.mul(y, s)

@@ -47,7 +47,7 @@ class AotCompileTest(unittest.TestCase):
         self.assertEqual(fails, [])
         # every kernel kvops launches is in the subset, on every target
         kernels = {r["kernel"] for r in rows}
-        self.assertEqual(len(kernels), 13, kernels)
+        self.assertEqual(len(kernels), 17, kernels)
         for target in ("sm_80", "sm_86", "sm_90"):
             self.assertEqual({r["kernel"] for r in rows if r["target"] == target}, kernels)
         for r in rows:
@@ -58,8 +58,8 @@ class AotCompileTest(unittest.TestCase):
     def test_fp8_caches_compile_for_sm80(self):
         # sm_80 has no e4m3 hardware: the kernels decode/encode the bits with integer ops, so fp8 compiles there
         fp8 = [r for r in self.result["rows"] if r["target"] == "sm_80" and "fp8" in r["spec"]]
-        self.assertTrue({"_decode_split_kernel", "_rotary_scatter_kernel", "_segment_kernel"} <= {r["kernel"]
-                                                                                                for r in fp8})
+        self.assertTrue({"_decode_split_kernel", "_rotary_scatter_kernel", "_segment_kernel", "_mla_attention_kernel",
+                         "_mla_write_kernel"} <= {r["kernel"] for r in fp8})
         self.assertEqual([r for r in fp8 if r["status"] != "ok"], [])
         self.assertEqual(self.result["refusals"], [])
 
@@ -72,6 +72,17 @@ class AotCompileTest(unittest.TestCase):
                 specs = [r for r in rows if r["kernel"] == kernel and name in r["spec"].split("flags=")[1].split(",")]
                 self.assertTrue(specs, f"{kernel}: no spec with {name}")
                 self.assertEqual([r["error"] for r in specs if r["status"] != "ok"], [])
+
+    def test_mla_real_geometry(self):
+        # DeepSeek's MLA (128 heads, rank 512 + rope 64; kvops/triton/mla.py): decode with and without KV splits,
+        # prefill, fp8 (sm_80 included), every target of the subset
+        rows = [r for r in self.result["rows"] if r["kernel"].startswith("_mla_")]
+        for target in ("sm_80", "sm_86", "sm_90"):
+            specs = [r["spec"] for r in rows if r["target"] == target]
+            for prefix in ("mla decode bf16", "mla prefill fp8", "mla write fp8"):
+                self.assertTrue(any(s.startswith(prefix) for s in specs), (target, prefix, specs))
+        self.assertTrue(any("splits=auto" in r["spec"] and "ctx=131072" in r["spec"] for r in rows))
+        self.assertEqual([r for r in rows if r["status"] != "ok"], [])
 
     def test_every_boolean_flag_is_compiled_both_ways(self):
         # a flag added to a kernel without a case in tools/aot_cases.py shows up here

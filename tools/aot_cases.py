@@ -256,9 +256,98 @@ def packed_cases(subset: bool):
         yield _quant(fmt, dtype, d, group_size=gs, stages=2 if fmt == "int2" else 1, direction=direction)
 
 
+def _mla_attention(dtype: str, block_size: int, mode: str, causal: bool = True, batch: int = 32, ctx: int = 4096,
+                   heads: int = 128, rank: int = 512, rope: int = 64, num_splits: int | None = None):
+    """DeepSeek's absorbed MLA (kvops/triton/mla.py): q [T, 128, 576] over one latent head of 512 + 64 columns."""
+    from kvops.triton.mla import plan_mla_attention
+
+    fp8 = dtype == "fp8"
+    q_dtype = torch.bfloat16 if fp8 else FLOATS[dtype]
+    q_len = 1 if mode == "decode" else 512
+    if mode == "prefill":
+        batch = 4
+    blocks = -(-ctx // block_size)
+
+    def make(cap):
+        q = meta((batch * q_len, heads, rank + rope), q_dtype)
+        cache = meta((batch * blocks, block_size, rank + rope), torch.float8_e4m3fn if fp8 else q_dtype)
+        launches, _, _ = plan_mla_attention(
+            q, cache, meta((batch + 1,), torch.int32), meta((batch,), torch.int32), meta((batch, blocks), torch.int32),
+            q_len, rank, (rank + rope) ** -0.5, causal, meta((), torch.float32) if fp8 else None, cap,
+            num_splits=num_splits)
+        return launches
+
+    return (f"mla {mode} {dtype} H={heads} rank={rank} rope={rope} bs={block_size} B={batch} ctx={ctx} "
+            f"causal={causal} splits={num_splits or 'auto'}", make)
+
+
+def _mla_write(dtype: str, block_size: int, rotary: str | None, rank: int = 512, rope: int = 64, n: int = 8192):
+    from kvops.triton.mla import plan_mla_write
+
+    fp8 = dtype == "fp8"
+    src_dtype = torch.bfloat16 if fp8 else FLOATS[dtype]
+
+    def make(cap):
+        cache = meta((n // block_size + 8, block_size, rank + rope), torch.float8_e4m3fn if fp8 else src_dtype)
+        tables = (meta((163840, rope // 2), src_dtype),) * 2 if rotary else (None, None)
+        return plan_mla_write(meta((n, rank), src_dtype), meta((n, rope), src_dtype), cache, meta((n,), torch.int64),
+                              meta((), torch.float32) if fp8 else None, meta((n,), torch.int64) if rotary else None,
+                              *tables, rotary == "gptj", cap)
+
+    return f"mla write {dtype} rank={rank} rope={rope} bs={block_size} rotary={rotary or '-'}", make
+
+
+def mla_cases(subset: bool):
+    """DeepSeek-V2/V3 geometry (128 heads, kv_lora_rank 512, rope 64), block_size 16 and 64 (FlashMLA's)."""
+    if subset:  # decode with and without splits, prefill, bf16/fp8 (sm_80 decodes e4m3 bits), fp32 and fp16 once
+        yield _mla_attention("bf16", 64, "decode")
+        yield _mla_attention("fp8", 16, "prefill")
+        yield on("sm_90", _mla_attention("fp32", 64, "prefill", causal=False))
+        yield on("sm_80", _mla_attention("fp8", 64, "decode", batch=1, ctx=131072))
+        yield _mla_write("fp8", 64, "neox")
+        yield on("sm_86", _mla_write("bf16", 16, "gptj"))
+        yield on("sm_90", _mla_write("fp16", 16, None))
+        return
+    for mode, dtype, bs, causal in itertools.product(("decode", "prefill"), (*FLOATS, "fp8"), (1, 16, 64),
+                                                      (True, False)):
+        yield _mla_attention(dtype, bs, mode, causal)
+    for dtype, bs in itertools.product((*FLOATS, "fp8"), (16, 64)):
+        yield _mla_attention(dtype, bs, "decode", batch=128, num_splits=1)  # no split: the direct store
+        yield _mla_attention(dtype, bs, "decode", batch=1, ctx=131072)
+        yield _mla_attention(dtype, bs, "decode", heads=16)  # a tensor-parallel slice of 128 heads (8 GPUs)
+    for dtype, bs, rot in itertools.product((*FLOATS, "fp8"), (1, 16, 64), (None, "neox", "gptj")):
+        yield _mla_write(dtype, bs, rot)
+
+
+def _merge(dtype: str, d: int, heads: int, n: int | None, t: int = 4096):
+    """``kvops.merge_attention_states`` (``n`` None: two parts) or ``merge_attention_states_many`` with ``n`` parts:
+    ``t`` query rows (a prefill chunk or a large decode batch), kvops' LSE layout [H, T]."""
+    from kvops.triton.merge import plan_merge_many, plan_merge_two
+
+    def make(cap):
+        dt = FLOATS[dtype]
+        out, lse = meta((t, heads, d), dt), meta((heads, t), torch.float32)
+        if n is None:
+            return plan_merge_two(meta((t, heads, d), dt), lse, meta((t, heads, d), dt), lse, out, lse, cap)
+        return plan_merge_many(meta((n, t, heads, d), dt), meta((n, heads, t), torch.float32), out, lse, cap)
+
+    return f"{dtype} D={d} H={heads} parts={n or 2} T={t}", make
+
+
+def merge_cases(subset: bool):
+    if subset:
+        yield _merge("bf16", 128, 32, None)
+        yield _merge("fp16", 80, 7, None)
+        yield _merge("fp32", 256, 8, 4)
+        yield _merge("bf16", 64, 14, 8)
+        return
+    for dtype, d, heads, n in itertools.product(FLOATS, HEAD_DIMS, (1, 7, 32, 128), (None, 3, 8)):
+        yield _merge(dtype, d, heads, n)
+
+
 def cases(subset: bool = False):
     """``(label, make)`` pairs; ``make(capability)`` returns the launches the launchers plan for that device."""
-    for family in (attention_cases, write_cases, data_movement_cases, packed_cases):
+    for family in (attention_cases, write_cases, data_movement_cases, packed_cases, merge_cases, mla_cases):
         for label, make in family(subset):
             yield label, make
 

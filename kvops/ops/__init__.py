@@ -40,3 +40,13 @@ __all__ += ["quantize_kv", "dequantize_kv", "packed_attention"]
 from .mla import mla_attention, mla_cache_write  # noqa: E402
 
 __all__ += ["mla_cache_write", "mla_attention"]
+
+# merging attention states over disjoint key sets (merge.py; docs/cascade.md)
+from .merge import merge_attention_states, merge_attention_states_many  # noqa: E402
+
+__all__ += ["merge_attention_states", "merge_attention_states_many"]
+
+# cascade attention over shared prefixes (cascade.py; docs/cascade.md)
+from .cascade import CascadePlan, cascade_attention, plan_cascade  # noqa: E402
+
+__all__ += ["CascadePlan", "plan_cascade", "cascade_attention"]

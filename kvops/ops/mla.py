@@ -7,7 +7,8 @@ FlashInfer's ``BatchMLAPagedAttentionWrapper``): queries ``[T_q, H, kv_lora_rank
 latent rows, values are the rows' first ``kv_lora_rank`` columns. docs/mla.md.
 
 Schemas: ``kvops/_library.py``. Validators: ``kvops/_checks/mla.py``. CPU kernels: ``kvops/cpu/mla.py``. fp64
-oracle (tests): ``kvops/reference/mla.py``. A device's kernels are registered with :func:`register_kernels`, a module
+oracle (tests): ``kvops/reference/mla.py``. CUDA kernels: ``kvops/triton/mla.py``. Inductor lowering of the write:
+``lowering/inductor_mla.py``. A device's kernels are registered with :func:`register_kernels`, a module
 with ``mla_cache_write`` and ``mla_attention`` taking the CPU kernels' arguments (validated; ``sm_scale`` resolved).
 """
 
@@ -20,6 +21,7 @@ from .._checks import values
 from .._checks.common import int64_error
 from .._checks.mla import ATTN_OP, WRITE_OP, check_mla_attention, check_mla_cache_write
 from ..cpu import mla as cpu
+from ..triton import HAS_TRITON
 
 
 def _paged_view(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -191,3 +193,7 @@ def register_kernels(device: str, kernels) -> None:
 
 
 register_kernels("CPU", cpu)
+if HAS_TRITON:  # CUDA: kvops/triton/mla.py (docs/gpu.md, "MLA kernels")
+    from ..triton import mla as _triton_mla
+
+    register_kernels("CUDA", _triton_mla)

@@ -1,0 +1,72 @@
+"""Checks of ``kvops.plan_cascade`` (host-side planning) and ``kvops.cascade_attention`` (a plan against a step's
+tensors: shapes and Python ints only, so they also run while ``torch.compile`` traces the step). docs/cascade.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import as_int
+
+PLAN = "kvops.plan_cascade"
+OP = "kvops.cascade_attention"
+
+
+def check_plan_inputs(block_table, seq_lens, cu_seqlens_q, block_size) -> None:
+    """The planner's arguments: int32 ``block_table [B, max_blocks]``, ``seq_lens [B]``, ``cu_seqlens_q [B + 1]`` and
+    ``block_size >= 1``."""
+    for name, t, ndim, layout in (("block_table", block_table, 2, "[B, max_blocks]"), ("seq_lens", seq_lens, 1, "[B]"),
+                                  ("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]")):
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim or t.dtype != torch.int32:
+            got = f"shape {tuple(t.shape)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{PLAN}: {name} must be a {ndim}-D int32 tensor {layout} (the step's kvops.paged_attention "
+                f"argument), got {got}. Pass the tensor you pass to kvops.paged_attention."
+            )
+    b = block_table.shape[0]
+    if seq_lens.shape[0] != b or cu_seqlens_q.shape[0] != b + 1:
+        raise ValueError(
+            f"{PLAN}: inconsistent batch size: block_table has {b} rows, seq_lens {seq_lens.shape[0]} entries and "
+            f"cu_seqlens_q {cu_seqlens_q.shape[0]} (want B + 1 = {b + 1}). Pass the three tensors of one step."
+        )
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(
+            f"{PLAN}: block_size must be a positive int (the cache's tokens per block, k_cache.shape[1] for an NHD "
+            f"cache), got {block_size!r}."
+        )
+
+
+def check_cascade(plan, q, k_cache, block_table, seq_lens, kv_layout: str) -> None:
+    """A plan (``kvops.CascadePlan``) against one step's tensors: the batch size, the query rows and the cache's
+    ``block_size`` it was made for. Raises ``ValueError`` naming the value and the fix (replan)."""
+    from ..ops.cascade import CascadePlan
+
+    if not isinstance(plan, CascadePlan):
+        raise ValueError(
+            f"{OP}: plan must be a kvops.CascadePlan (from kvops.plan_cascade), got {type(plan).__name__}. Make one "
+            f"with kvops.plan_cascade(block_table, seq_lens, cu_seqlens_q, block_size)."
+        )
+    if kv_layout not in ("NHD", "HND"):  # (kvops.paged_attention names it too; this check needs the layout first)
+        raise ValueError(f"{OP}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}.")
+    block_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    if k_cache.dim() == 4 and block_size != plan.block_size:
+        raise ValueError(
+            f"{OP}: the plan was made for block_size {plan.block_size} but k_cache ({kv_layout}, shape "
+            f"{tuple(k_cache.shape)}) has block_size {as_int(block_size)}. Plan with this cache's block_size."
+        )
+    if block_table.dim() != 2 or block_table.shape[0] != plan.num_seqs or seq_lens.shape[0] != plan.num_seqs:
+        raise ValueError(
+            f"{OP}: the plan was made for {plan.num_seqs} sequences but block_table has shape "
+            f"{tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)}. Replan (kvops.plan_cascade) when the "
+            f"batch changes."
+        )
+    if block_table.shape[1] < plan.max_prefix_blocks:
+        raise ValueError(
+            f"{OP}: the plan's shared prefix spans {plan.max_prefix_blocks} blocks but block_table has only "
+            f"{as_int(block_table.shape[1])} columns. Pass the block_table the plan was made from (or a wider one)."
+        )
+    if q.dim() != 3 or q.shape[0] != plan.num_rows:
+        raise ValueError(
+            f"{OP}: the plan was made for {plan.num_rows} query rows but q has shape {tuple(q.shape)}. Replan "
+            f"(kvops.plan_cascade) when the query lengths change (e.g. between prefill and decode)."
+        )
