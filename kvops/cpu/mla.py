@@ -21,6 +21,7 @@ from ..reference.paged_write import quantize_fp8, scatter_rows
 from ..reference.rotary import apply_rotary
 
 _SCORE_BUDGET = 1 << 22  # fp32 scores of one query tile (16 MiB)
+_LOWEST = torch.finfo(torch.float32).min
 
 
 def _positions_error(positions: torch.Tensor, seqlen_ro: int) -> IndexError | None:
@@ -98,7 +99,9 @@ def mla_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q
     if t_q == 0 or block_table.shape[0] == 0:
         return out, lse
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    table = block_table.to(torch.int64)
     block_size = kv_cache.shape[1]
+    fp32_out = q.dtype == torch.float32 and out.is_contiguous()
     for b, seq_len in enumerate(lens):
         q0, q1 = cu[b], min(cu[b + 1], t_q)
         n = q1 - q0
@@ -107,7 +110,7 @@ def mla_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q
         first = seq_len - n  # position of the sequence's first query (causal)
         if causal and first + n <= 0:
             continue
-        blocks = block_table[b, : -(-seq_len // block_size)].to(torch.int64)
+        blocks = table[b, : -(-seq_len // block_size)]
         kv = _gather(kv_cache, blocks, seq_len, kv_scale)
         values = kv[:, :kv_lora_rank]
         tile = max(1, _SCORE_BUDGET // (num_heads * seq_len))
@@ -116,19 +119,20 @@ def mla_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q
             keys = min(seq_len, first + i1) if causal else seq_len  # what the tile's last query sees
             if keys <= 0:
                 continue
-            qt = q[q0 + i0 : q0 + i1].to(torch.float32).reshape(-1, width)  # rows (query, head)
-            s = torch.matmul(qt, kv[:keys].t()).mul_(sm_scale).view(i1 - i0, num_heads, keys)
+            qt = q[q0 + i0 : q0 + i1].reshape(-1, width).to(torch.float32) * sm_scale  # rows (query, head)
+            s = torch.matmul(qt, kv[:keys].t()).view(i1 - i0, num_heads, keys)
             if causal and first + i0 + 1 < keys:  # some query of the tile sees fewer keys than the last
                 pos = torch.arange(first + i0, first + i1, device=q.device)
                 hidden = torch.arange(keys, device=q.device)[None, :] > pos[:, None]
                 s.masked_fill_(hidden[:, None, :], float("-inf"))
-            m = s.amax(dim=-1, keepdim=True)
-            m = torch.where(m == float("-inf"), 0.0, m)  # a query with no visible key: exp(-inf) = 0 below
+            # a query with no visible key has m = -inf: clamped, its exp(-inf - m) is 0 and its denominator 0
+            m = s.amax(dim=-1, keepdim=True).clamp_(min=_LOWEST)
             p = s.sub_(m).exp_()
-            denom = p.sum(dim=-1)  # [tile, H]
-            o = torch.matmul(p.view(-1, keys), values[:keys]).view(i1 - i0, num_heads, kv_lora_rank)
-            empty = denom == 0  # (a NaN score of a visible key keeps the row NaN, as SDPA)
-            o.div_(torch.where(empty, 1.0, denom).unsqueeze(-1))
-            out[q0 + i0 : q0 + i1] = o.to(q.dtype)
-            lse[:, q0 + i0 : q0 + i1] = torch.where(empty, float("-inf"), m.squeeze(-1) + denom.log()).t()
+            denom = p.sum(dim=-1)  # [tile, H]: >= 1 with a visible key (its max scores exp(0)), else 0
+            o = out[q0 + i0 : q0 + i1] if fp32_out else torch.empty(i1 - i0, num_heads, kv_lora_rank)
+            torch.matmul(p.view(-1, keys), values[:keys], out=o.view(-1, kv_lora_rank))
+            o.div_(denom.clamp(min=1.0).unsqueeze(-1))  # exact: rows without keys stay 0
+            if not fp32_out:
+                out[q0 + i0 : q0 + i1] = o
+            lse[:, q0 + i0 : q0 + i1] = (m.squeeze(-1) + denom.log()).t()  # log(0) = -inf: no key
     return out, lse

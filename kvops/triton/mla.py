@@ -24,9 +24,10 @@ the softmax weights ``p`` (rounded to q's dtype, as FlashAttention and FlashMLA 
 costs 2 bytes per value in registers and shared memory, which is what keeps 16 heads x 512 columns spill-free.
 fp8 caches are decoded from their bits to q's dtype exactly (e4m3 / 256 is an fp16 value, and a bf16 one) and
 the per-tensor ``kv_scale`` (times 256) multiplies the scores and the output instead of every element. fp32
-operands use IEEE products. The softmax (max, exp, sums), the accumulator and the LSE are fp32. All offsets are int64; KV positions
-are int64 (``_lane`` offsets from a tile's int64 start). Slots at or beyond ``seq_len`` and table entries past it
-are never read.
+operands use IEEE products. The softmax (max, exp, sums), the accumulator and the LSE are fp32. On CPU tensors (the
+Triton interpreter, tests) bf16 products are taken in fp32 (``_dot``'s "upcast": the interpreter's bf16 ``tl.dot``
+is wrong), the same exact products. All offsets are int64; KV positions are int64 (``_lane`` offsets from a tile's
+int64 start). Slots at or beyond ``seq_len`` and table entries past it are never read.
 """
 
 from __future__ import annotations
@@ -324,7 +325,8 @@ def plan_mla_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, max_seq
     if not split:
         num_splits = 1
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=True)
-    prec = "ieee" if operands == "fp32" else "upcast" if q.device.type == "cpu" and q.dtype == torch.bfloat16 else "tf32"
+    interpreted_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    prec = "ieee" if operands == "fp32" else "upcast" if interpreted_bf16 else "tf32"
     constexprs = dict(CAUSAL=bool(causal), IS_FP8=is_fp8, SPLIT=split, PREC=prec,
                       BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p)
     sc = kv_scale if is_fp8 else seq_lens  # placeholder when not fp8

@@ -175,9 +175,22 @@ class TestMlaAttentionTriton(unittest.TestCase):
             self.check(make_attention(4, [19, 33, 2], [1, 1, 1], 1, heads=5, dtype=dtype), num_splits=2, block_n=16)
 
     def test_fp8_cache_with_per_tensor_scale(self):
-        for q_lens in ([3, 1], [1, 1]):
-            inputs = make_attention(5, [26, 11], q_lens, 16, dtype=torch.bfloat16, cache_dtype=FP8)
+        for q_lens, dtype in (([3, 1], torch.bfloat16), ([1, 1], torch.bfloat16), ([2, 2], torch.float32)):
+            inputs = make_attention(5, [26, 11], q_lens, 16, dtype=dtype, cache_dtype=FP8)
             self.check(inputs, block_n=16, block_m=16, num_splits=2)
+
+    def test_strided_q_and_cache(self):
+        """q a column slice of a wider tensor with heads outermost; the cache a column slice of a wider allocation."""
+        inputs = make_attention(6, [21, 4], [3, 1], 16)
+        t, h, w = inputs["q"].shape
+        wide_q = torch.randn(h, t, w + 5)
+        wide_q[..., :w] = inputs["q"].transpose(0, 1)
+        inputs["q"] = wide_q[..., :w].transpose(0, 1)
+        p, bs, _ = inputs["kv_cache"].shape
+        wide_c = torch.full((p, bs, w + 8), float("nan"))
+        wide_c[..., 3:w + 3] = inputs["kv_cache"]
+        inputs["kv_cache"] = wide_c[..., 3:w + 3]
+        self.check(inputs, block_n=16, block_m=16)
 
     def test_real_geometry_tiles_plan(self):
         """DeepSeek's geometry on meta tensors: the planned tiles and grids (the AOT check compiles them)."""
