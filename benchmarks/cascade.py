@@ -112,8 +112,8 @@ def composite_merge(o_a, lse_a, o_b, lse_b):
 def merge_table(report, args, clock) -> None:
     """``kvops.merge_attention_states`` against :func:`composite_merge` at decode (T = B) and chunk (T = 1024) rows."""
     table = report.table("merge: kvops.merge_attention_states vs the obvious torch composite",
-                         [("geometry", 13), ("dtype", 9), ("T", 5), ("composite us", 20), ("kvops us", 20),
-                          ("kvops/composite", 20), ("kernel/composite", 20)])
+                         [("geometry", 13), ("dtype", 9), ("T", 5), ("composite us", 22, "{:.0f}"),
+                          ("kvops us", 22, "{:.0f}"), ("kvops/composite", 20), ("kernel/composite", 17)])
     for geometry in args.geometries:
         h_q, _, d = GEOMETRIES[geometry]
         for dtype in args.dtypes:
