@@ -7,7 +7,8 @@ every sequence's whole table: the shared blocks are read once per sequence), **c
 with ``kvops.plan_cascade``'s plan, made once outside the timed region: the prefix read once for all B queries with
 GQA folded into one query block, then each suffix, merged; docs/cascade.md) and, as a lower bound of its parts,
 **prefix only** (level 1 alone) and **merge** (``kvops.merge_attention_states`` alone). Results agree (max |diff|
-printed per row). Value checks are off while timing (the kernels alone).
+printed per row). A second table times the merge (the public call, and its CPU kernel without the argument checks)
+against the obvious torch composite (``composite_merge``) at T = B and T = 1024 query rows. Value checks are off while timing (the kernels alone).
 
 Timing (benchmarks/_harness.py): 1 CPU thread by default, clock = the thread's CPU time; candidates interleaved
 (order rotated every round); each figure median [p25-p75] of the per-round values. Target (``TARGET``): cascade at
@@ -65,6 +66,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import kvops  # noqa: E402
+from kvops.cpu import merge as cpu_merge  # noqa: E402  (the merge's CPU kernel without the argument checks)
 from kvops.ops import cascade as _cascade  # noqa: E402  (level 1 alone, for the breakdown)
 
 
@@ -96,6 +98,37 @@ def candidates(a, plan):
                                                      scale, "NHD"),
         "merge": lambda: kvops.merge_attention_states(o, lse, o, lse),
     }
+
+
+def composite_merge(o_a, lse_a, o_b, lse_b):
+    """The obvious torch composite of the merge (no empty-part handling): the baseline of the merge table."""
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    s = w_a + w_b
+    c_a, c_b = (w_a / s).t().unsqueeze(-1), (w_b / s).t().unsqueeze(-1)
+    return (o_a.float() * c_a + o_b.float() * c_b).to(o_a.dtype), m + torch.log(s)
+
+
+def merge_table(report, args, clock) -> None:
+    """``kvops.merge_attention_states`` against :func:`composite_merge` at decode (T = B) and chunk (T = 1024) rows."""
+    table = report.table("merge: kvops.merge_attention_states vs the obvious torch composite",
+                         [("geometry", 13), ("dtype", 9), ("T", 5), ("composite us", 22, "{:.0f}"),
+                          ("kvops us", 22, "{:.0f}"), ("kvops/composite", 20), ("kernel/composite", 17)])
+    for geometry in args.geometries:
+        h_q, _, d = GEOMETRIES[geometry]
+        for dtype in args.dtypes:
+            for t in sorted({args.batches[0], 1024 if not args.quick else 64}):
+                g = torch.Generator().manual_seed(1)
+                o_a, o_b = (torch.randn(t, h_q, d, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+                lse_a, lse_b = torch.randn(h_q, t, generator=g), torch.randn(h_q, t, generator=g)
+                fns = {"composite": lambda: composite_merge(o_a, lse_a, o_b, lse_b),
+                       "kvops": lambda: kvops.merge_attention_states(o_a, lse_a, o_b, lse_b),
+                       "kernel": lambda: cpu_merge.merge_attention_states(o_a, lse_a, o_b, lse_b)}
+                timing = harness.interleave(fns, args.rounds * 3, clock=clock, min_sample_s=0.02)
+                r = timing.ratio("kvops", "composite")
+                table.row(geometry, dtype, t, timing.time("composite", 1e6), timing.time("kvops", 1e6), r,
+                          timing.ratio("kernel", "composite"))
+                report.finding(f"merge {geometry} {dtype} T={t}: kvops/composite {r}")
 
 
 MEANING = ("on this host, decode of {case} sequences sharing a prefix runs only {value:.2f}x faster with "
@@ -131,6 +164,7 @@ def main(args) -> None:
                 else:
                     report.target(f"plain / cascade >= {TARGET:g}", f"{geometry} {dtype} {case}", speedup, TARGET,
                                   ">=", MEANING.replace("{case}", str(b)))
+    merge_table(report, args, clock)
     report.finish()
 
 

@@ -31,12 +31,35 @@ lib.define(
     "int? cache_head_start=None, Tensor? k_scale=None, Tensor? v_scale=None, str kv_layout=\"NHD\") -> ()"
 )
 # kv_layout (both paged ops): "NHD" caches [P, block_size, H_kv, D] | "HND" caches [P, H_kv, block_size, D] (FlashInfer)
-# kvops::paged_attention is a torch.library.triton_op (kvops/ops/paged_attention.py): its schema is inferred from the
-# annotations there, and reads
-#   paged_attention(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor cu_seqlens_q, Tensor seq_lens,
-#                   Tensor block_table, SymInt max_seqlen_q, float? scale=None, bool causal=True,
-#                   SymInt window_left=-1, float softcap=0., Tensor? sinks=None, Tensor? k_scale=None,
-#                   Tensor? v_scale=None, str kv_layout="NHD") -> (Tensor, Tensor)
+# kvops::paged_attention is a torch.library.triton_op (kvops/ops/paged_attention.py), so torch.compile on CUDA sees
+# its Triton kernels; triton_op infers its schema from the function's annotations (it ignores a schema string), and
+# this is that schema, kept equal by tests/test_attention_features.py. The arguments after kv_layout are the fields
+# of AttnFeatures (kvops/_checks/features.py), in order.
+PAGED_ATTENTION = (
+    "(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
+    "SymInt max_seqlen_q, float? scale=None, bool causal=True, SymInt window_left=-1, float softcap=0., "
+    "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None, str kv_layout=\"NHD\", "
+    "Tensor? alibi_slopes=None, SymInt window_right=-1, Tensor? cache_leftpad=None, SymInt sink_tokens=0, "
+    "float? rope_theta=None, float rope_scale=1.) -> (Tensor, Tensor)"
+)
+# Its CPU kernel kvops::_paged_attention_native (kvops/native/paged_attention.cpp; the composite kvops/cpu kernel as
+# its CompositeExplicitAutograd fallback, kvops/native/__init__.py): validated, NHD, the resolved scale; the same
+# AttnFeatures fields after v_scale. Defined here at import, not by the build, so graphs that call it load in any
+# process that imports kvops.
+lib.define(
+    "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
+    "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
+    "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? alibi_slopes=None, SymInt window_right=-1, "
+    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0) "
+    "-> (Tensor, Tensor)"
+)
+# The one-pass value-contract check of eager CPU calls (kvops/_checks/values.py; kernel in paged_attention.cpp, only
+# called where the native build is available): True when a contract fails.
+lib.define(
+    "_paged_attention_values_bad(Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, int num_tokens, "
+    "int max_seqlen_q, int num_blocks, int block_size, int window_left=-1, int sink_tokens=0, "
+    "Tensor? cache_leftpad=None) -> bool"
+)
 
 # --- prefill->decode KV transfer staging (kvops/ops/transfer.py; docs/semantics.md §6) -------------------------
 # caches: the K caches of all layers, then their V caches (2 * L tensors [P, block_size, H_kv, D]);

@@ -30,6 +30,9 @@ Mapping (values are ONNX graphs; nothing here runs at import of kvops):
   dequantized with their scales. Returns ``(out, lse)`` as the op. Memory is ``T_q x max_blocks x block_size x H_kv
   x D`` (every query gathers its sequence's table): an export/verification path, not a fast kernel.
 
+- ``merge_attention_states(_many)`` -> elementwise ``Where``/``ReduceMax``/``Exp``/``ReduceSum``/``Log`` over the parts'
+  LSEs and a weighted sum of the parts in fp32 (``Cast``, ``CastLike`` back), as ``kvops/cpu/merge.py``.
+
 ``kv_layout="HND"`` caches ``[P, H_kv, block_size, D]`` are transposed to NHD inside the graph (a copy per call in
 the ONNX program; the written cache is transposed back). Not exported: symbolic ``window_left``/``softcap``/``scale`` (they must
 be Python numbers when the program is exported). Slot values ``>= P * block_size`` and block ids outside ``[0, P)``
@@ -275,11 +278,51 @@ def stream_positions(state, sink_tokens=None, kv_cache_size=None, **_):
     return op.Identity(state)
 
 
+def _merge_weights(lses, axis: int):
+    """``(c, lse)`` of docs/semantics.md §12 over ``axis`` of fp32 ``lses``: weights ``exp(lse_i - lse)`` (0 where
+    every part is empty; ``+inf`` read as ``-inf``) and the merged LSE, as ``kvops/cpu/merge.py``."""
+    inf = op.Constant(value=ir.tensor(math.inf, dtype=FLOAT))
+    neg_inf = op.Neg(inf)
+    zero = op.Constant(value=ir.tensor(0.0, dtype=FLOAT))
+    lses = op.Where(op.Equal(lses, inf), neg_inf, lses)
+    axes = op.Constant(value_ints=[axis])
+    m = op.ReduceMax(lses, axes, keepdims=1)
+    m = op.Where(op.Equal(m, neg_inf), zero, m)
+    w = op.Exp(op.Sub(lses, m))
+    s = op.ReduceSum(w, axes, keepdims=1)
+    lse = op.Squeeze(op.Add(op.Log(s), m), axes)
+    positive = op.Greater(s, zero)
+    c = op.Where(positive, op.Div(w, op.Where(positive, s, op.Constant(value=ir.tensor(1.0, dtype=FLOAT)))), zero)
+    return c, lse
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b):
+    """ONNX of ``kvops::merge_attention_states``: ``(out [T, H, D_v]`` in the parts' dtype, ``lse [H, T])``; fp32
+    math (``Cast``), weights transposed to ``[T, H, 1]``."""
+    c, lse = _merge_weights(op.Concat(op.Unsqueeze(lse_a, op.Constant(value_ints=[0])),
+                                      op.Unsqueeze(lse_b, op.Constant(value_ints=[0])), axis=0), 0)  # [2, H, T]
+    c = op.Unsqueeze(op.Transpose(c, perm=[0, 2, 1]), op.Constant(value_ints=[3]))  # [2, T, H, 1]
+    first, second = op.Split(c, num_outputs=2, axis=0)
+    axis0 = op.Constant(value_ints=[0])
+    out = op.Add(op.Mul(op.Cast(o_a, to=FLOAT), op.Squeeze(first, axis0)),
+                 op.Mul(op.Cast(o_b, to=FLOAT), op.Squeeze(second, axis0)))
+    return op.CastLike(out, o_a), lse
+
+
+def merge_attention_states_many(outs, lses):
+    """ONNX of ``kvops::merge_attention_states_many``: ``outs [N, T, H, D_v]``, ``lses [N, H, T]``."""
+    c, lse = _merge_weights(lses, 0)
+    c = op.Unsqueeze(op.Transpose(c, perm=[0, 2, 1]), op.Constant(value_ints=[3]))  # [N, T, H, 1]
+    out = op.ReduceSum(op.Mul(op.Cast(outs, to=FLOAT), c), op.Constant(value_ints=[0]), keepdims=0)
+    return op.CastLike(out, outs), lse
+
+
 def onnx_translation_table() -> dict:
     """``{op overload: onnxscript translation}`` to pass as ``torch.onnx.export(custom_translation_table=...)``.
 
     Keys: ``kvops::cache_write_functional``, ``kvops::cache_roll_functional``, ``kvops::paged_cache_write_functional``
-    (what ``kvops.export.functionalize`` turns the mutating writes into) and ``kvops::paged_attention``.
+    (what ``kvops.export.functionalize`` turns the mutating writes into), ``kvops::paged_attention`` and the merges
+    ``kvops::merge_attention_states(_many)``.
     """
     from kvops.export import functional  # noqa: F401  (defines the functional ops)
 
@@ -290,4 +333,6 @@ def onnx_translation_table() -> dict:
         ops.paged_cache_write_functional.default: paged_cache_write,
         ops.paged_attention.default: paged_attention,
         ops.stream_positions.default: stream_positions,
+        ops.merge_attention_states.default: merge_attention_states,
+        ops.merge_attention_states_many.default: merge_attention_states_many,
     }

@@ -19,6 +19,7 @@ import expecttest
 import torch
 
 import kvops
+from kvops._checks.features import AttnFeatures
 from kvops.reference.paged_attention import paged_attention as composite
 from tests.attention_reference import reference
 from tests.contract import _Wrap, raises_everywhere
@@ -112,7 +113,7 @@ class TestDocumentedCombinations(unittest.TestCase):
         native = kvops.paged_attention(q, kc, vc, cu, lens, table, 7, **kw)
         causal, left = kw.pop("causal", True), kw.pop("window_left", -1)
         comp, _ = composite(q, kc, vc, cu, lens, table, 7, q.shape[2] ** -0.5, causal, left, 0.0, None, None, None,
-                            **kw)
+                            AttnFeatures(**kw))
         return native, comp
 
     def test_window_right_with_causal_is_causal(self):

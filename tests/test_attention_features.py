@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 import kvops
+from kvops._checks.features import AttnFeatures
 from kvops.reference.paged_attention import paged_attention as composite
 from kvops.triton.paged_attention import _sincos
 from tests.attention_reference import reference
@@ -201,7 +202,8 @@ class TestPagedFeatures(unittest.TestCase):
         torch.testing.assert_close(lse.double(), want_lse, atol=TOL[dtype] * 4, rtol=0)
         fixed, feats = split_kernel_args(kw)
         out_c, _ = composite(q, *nhd, cu, lens, table, int((cu[1:] - cu[:-1]).max()), q.shape[2] ** -0.5,
-                             fixed["causal"], fixed["window_left"], fixed["softcap"], None, None, None, **feats)
+                             fixed["causal"], fixed["window_left"], fixed["softcap"], None, None, None,
+                             AttnFeatures(**feats))
         torch.testing.assert_close(out_c.double(), want, atol=TOL[dtype], rtol=0)
 
     def test_features_odd_shapes(self):
@@ -309,7 +311,8 @@ class TestTritonFeatures(unittest.TestCase):
                     feats = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in feats.items()}
                     out, lse = triton_attention(
                         *(t.to(dev) for t in (q, kc, vc, cu, lens, table)), max(q_lens), 16 ** -0.5,
-                        fixed["causal"], fixed["window_left"], fixed["softcap"], None, None, None, **feats, block_n=16)
+                        fixed["causal"], fixed["window_left"], fixed["softcap"], None, None, None, AttnFeatures(**feats),
+                        block_n=16)
                     torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=0)
                     torch.testing.assert_close(lse.cpu().double(), want_lse, atol=1e-4, rtol=0)
 
@@ -341,7 +344,7 @@ class TestTritonFeatures(unittest.TestCase):
         want, _ = reference(q, kc, vc, cu, lens, table, **kw)
         for qq, cu_, m in ((q, cu, 2), (q[1:], torch.tensor([0, 1], dtype=torch.int32), 1)):
             out, _ = triton_attention(qq, kc, vc, cu_, lens, table, m, 16 ** -0.5, True, 18, 0.0, None, None, None,
-                                      sink_tokens=4, rope_theta=1e4, block_n=16)
+                                      AttnFeatures(sink_tokens=4, rope_theta=1e4), block_n=16)
             torch.testing.assert_close(out.double(), want[-qq.shape[0]:], atol=2e-5, rtol=0)
 
 
@@ -443,3 +446,38 @@ class TestFeatureContracts(expecttest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestFeatureRecord(unittest.TestCase):
+    """The features travel as one record (``AttnFeatures``, kvops/_checks/features.py) whose fields are the last
+    arguments of both op schemas, in order; the triton_op's inferred schema is the string kept in kvops/_library.py."""
+
+    def test_public_schema_is_the_library_string(self):
+        from kvops import _library
+
+        self.assertEqual(str(torch.ops.kvops.paged_attention.default._schema),
+                         "kvops::paged_attention" + _library.PAGED_ATTENTION)
+
+    def test_schemas_end_with_the_record_fields(self):
+        n = len(AttnFeatures._fields)
+        for op in (torch.ops.kvops.paged_attention.default, torch.ops.kvops._paged_attention_native.default):
+            with self.subTest(op=str(op)):
+                names = [a.name for a in op._schema.arguments][-n:]
+                self.assertEqual(tuple(names), AttnFeatures._fields)
+                defaults = tuple(a.default_value for a in op._schema.arguments[-n:])
+                self.assertEqual(defaults, tuple(AttnFeatures()))
+
+    def test_validator_resolves_unbounded_values(self):
+        import sys
+
+        from kvops._checks.paged_attention import check_paged_attention
+
+        q, kc = torch.zeros(2, 4, 8), torch.zeros(2, 4, 2, 8)
+        cu, lens, table = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+                           torch.tensor([[0, 1]], dtype=torch.int32))
+        scale, left, feats = check_paged_attention(q, kc, kc, cu, lens, table, 2, None, False, sys.maxsize, 0.0, None,
+                                                   None, None, "NHD", AttnFeatures(window_right=sys.maxsize,
+                                                                                  sink_tokens=3))
+        # an unbounded window keeps every key: no window, so no sinks either (docs/attention_features.md)
+        self.assertEqual((scale, left, feats), (8 ** -0.5, -1, AttnFeatures()))
+        self.assertEqual((feats.used(), AttnFeatures(sink_tokens=3).used()), (False, True))

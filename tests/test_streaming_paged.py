@@ -12,6 +12,7 @@ import unittest
 import torch
 
 import kvops
+from kvops._checks.features import AttnFeatures
 from kvops.cache.paged import OutOfBlocksError
 from kvops.reference.paged_attention import paged_attention as composite
 
@@ -75,7 +76,8 @@ class TestStreamingPaged(unittest.TestCase):
                     fixed = dict(scale=D ** -0.5, causal=True, window_left=WINDOW - 1, softcap=0.0)
                     out_c, _ = composite(queries[ctx - 1:ctx], cache.k_caches[0], cache.v_caches[0],
                                          step.cu_seqlens_q, step.seq_lens, step.block_table, 1, *fixed.values(), None,
-                                         None, None, sink_tokens=SINKS, rope_theta=1e4 if use_rope else None)
+                                         None, None, AttnFeatures(sink_tokens=SINKS,
+                                                                  rope_theta=1e4 if use_rope else None))
                     torch.testing.assert_close(out_c, out, atol=2e-5, rtol=0)
 
     def test_long_decode_loop_bounded_memory(self):

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
 import expecttest  # noqa: E402
 
 import kvops  # noqa: E402
+from kvops._checks.features import AttnFeatures  # noqa: E402
 from kvops.reference.paged_attention import paged_attention as composite  # noqa: E402
 from tests.attention_reference import reference  # noqa: E402
 from tests.unhappy import check_failing_call, run_isolated  # noqa: E402
@@ -102,7 +103,7 @@ class TestNearInt32Lengths(unittest.TestCase):
             for force_prefill in (False, True) if q_len == 1 else (True,):
                 with self.subTest(name, prefill=force_prefill):
                     out, _ = triton_pa(*args, q_len, 8 ** -0.5, kw.get("causal", True), kw.get("window_left", -1),
-                                       0.0, None, None, None, force_prefill=force_prefill, **feats)
+                                       0.0, None, None, None, AttnFeatures(**feats), force_prefill=force_prefill)
                     self.assertLess(worst_error(out, want), 1e-5)
 
 
@@ -157,10 +158,10 @@ class TestUnboundedArguments(unittest.TestCase):
                        softcap=0.0, sinks=None, k_scale=None, v_scale=None)
             feats = {k: v for k, v in huge.items() if k not in pos}
             with self.subTest(name, backend="composite"):
-                out, _ = composite(*args, *pos.values(), **feats)
+                out, _ = composite(*args, *pos.values(), AttnFeatures(**feats))
                 self.assertLess(worst_error(out, want), 1e-5)
             with self.subTest(name, backend="triton"):
-                out, _ = triton_pa(*args, *pos.values(), **feats)
+                out, _ = triton_pa(*args, *pos.values(), AttnFeatures(**feats))
                 self.assertLess(worst_error(out, want), 1e-5)
             with self.subTest(name, backend="torch.ops.kvops._paged_attention_native"):
                 out, _ = torch.ops.kvops._paged_attention_native(

@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 import expecttest  # noqa: E402
 
 import kvops  # noqa: E402
+from kvops._checks.features import AttnFeatures  # noqa: E402
 from kvops.reference.paged_attention import paged_attention as composite  # noqa: E402
 from kvops.triton.paged_attention import paged_attention as triton_pa  # noqa: E402
 from tests.contract import raises_everywhere  # noqa: E402
@@ -56,8 +57,9 @@ def kernels():
 
     def plain(x, fn, **kw):
         scale = kw.pop("scale", 16 ** -0.5)
+        feats = AttnFeatures(**{k: kw.pop(k) for k in AttnFeatures._fields if k in kw})
         return fn(*args_of(x), scale, kw.pop("causal", True), kw.pop("window_left", -1), kw.pop("softcap", 0.0),
-                  kw.pop("sinks", None), None, None, **kw)
+                  kw.pop("sinks", None), None, None, feats, **kw)
 
     return {
         "native": op,

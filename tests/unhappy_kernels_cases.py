@@ -81,11 +81,12 @@ def _limit_cases():
         out.append(_case(f"paged_attention native: seq_len near 2^31, {name}", _pa, make, check=_close()))
 
         def triton(a):
+            from kvops._checks.features import AttnFeatures
             from kvops.triton.paged_attention import paged_attention as launch
             feats = {k: a[k] for k in ("alibi_slopes", "window_right", "cache_leftpad", "sink_tokens") if k in a}
             return launch(a["q"], a["k_cache"], a["v_cache"], a["cu_seqlens_q"], a["seq_lens"], a["block_table"],
                           a["max_seqlen_q"], 8 ** -0.5, a.get("causal", True), a.get("window_left", -1), 0.0, None,
-                          None, None, **feats)
+                          None, None, AttnFeatures(**feats))
 
         def make_t(make=make):  # (RoPE: Triton's fp32 angles are exact to ~2^24, not 2^31)
             a = make()
@@ -165,12 +166,13 @@ def _limit_cases():
 
 
 def _composite(a):
+    from kvops._checks.features import AttnFeatures
     from kvops.reference.paged_attention import paged_attention as composite
 
     feats = {k: a[k] for k in ("alibi_slopes", "window_right", "cache_leftpad", "sink_tokens", "rope_theta") if k in a}
     return composite(a["q"], a["k_cache"], a["v_cache"], a["cu_seqlens_q"], a["seq_lens"], a["block_table"],
                      a["max_seqlen_q"], 8 ** -0.5, a.get("causal", True), a.get("window_left", -1), 0.0, None, None,
-                     None, **feats)
+                     None, AttnFeatures(**feats))
 
 
 def _fi_plan(a):

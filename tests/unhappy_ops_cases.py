@@ -107,6 +107,14 @@ def _base_calls():
         return dict(key=_t(1, 2, 2, 8), value=_t(1, 2, 2, 8), k_cache=_t(1, 8, 2, 8), v_cache=_t(1, 8, 2, 8),
                     cursors=torch.tensor([4, 4]), current_chunk_start=torch.tensor(4))
     base["streaming_update"] = (lambda a: kvops.export.streaming_update(**a), su)
+
+    def mg():
+        return dict(o_a=_t(3, 4, 8), lse_a=_t(4, 3), o_b=_t(3, 4, 8), lse_b=_t(4, 3))
+    base["merge_attention_states"] = (lambda a: kvops.merge_attention_states(**a), mg)
+
+    def mgn():
+        return dict(outs=_t(2, 3, 4, 8), lses=_t(2, 4, 3))
+    base["merge_attention_states_many"] = (lambda a: kvops.merge_attention_states_many(**a), mgn)
     return base
 
 

@@ -33,6 +33,7 @@ def _cache(pages: int, block_size: int, heads: int, d: int, dtype, layout: str) 
 
 def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, flags: dict, mode: str,
                batch: int = 32, ctx: int = 4096, h_kv: int = H_KV):
+    from kvops._checks.features import AttnFeatures
     from kvops.triton.paged_attention import plan_paged_attention
 
     fp8 = dtype == "fp8"
@@ -53,7 +54,7 @@ def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, fla
         table = meta((batch, blocks), torch.int32)
         sc = meta((1,), torch.float32) if fp8 else None
         sinks = meta((h_kv * group,), torch.float32) if flags.get("sinks") else None
-        features = dict(  # docs/attention_features.md
+        features = AttnFeatures(  # docs/attention_features.md
             alibi_slopes=meta((h_kv * group,), torch.float32) if flags.get("alibi") else None,
             window_right=64 if flags.get("right") else -1,
             cache_leftpad=meta((batch,), torch.int32) if flags.get("leftpad") else None,
@@ -62,7 +63,7 @@ def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, fla
         launches, _, _ = plan_paged_attention(
             q, k, v, cu, seq, table, q_len, d**-0.5, bool(flags.get("causal", mode == "decode")),
             128 if flags.get("window") else -1, 30.0 if flags.get("softcap") else 0.0, sinks, sc, sc, cap,
-            **features)
+            features)
         return launches
 
     on = ",".join(k for k, v in flags.items() if v) or "-"

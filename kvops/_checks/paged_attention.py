@@ -15,6 +15,7 @@ import torch
 
 from .common import (FP8_DTYPE, as_int, check_fp8_scales, gqa_fix, index_fix, require_dim_match, require_finite,
                      require_ndim, require_same_device)
+from .features import NO_FEATURES, AttnFeatures, check_features, resolve
 from .paged_write import check_paged_caches, layout_hint
 
 OP = "kvops.paged_attention"
@@ -47,14 +48,11 @@ def check_paged_attention(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     kv_layout: str = "NHD",
-    alibi_slopes: torch.Tensor | None = None,
-    window_right: int = -1,
-    cache_leftpad: torch.Tensor | None = None,
-    sink_tokens: int = 0,
-    rope_theta: float | None = None,
-    rope_scale: float = 1.0,
-) -> float:
-    """Validate a paged attention call; returns the resolved softmax scale (``D ** -0.5`` when ``scale`` is None).
+    features: AttnFeatures = NO_FEATURES,
+) -> tuple[float, int, AttnFeatures]:
+    """Validate a paged attention call; returns what the kernels take: the softmax scale (``D ** -0.5`` when
+    ``scale`` is None), ``window_left`` and the :class:`~kvops._checks.features.AttnFeatures`, with windows and sink
+    counts beyond every int32 position resolved to "none" (:func:`~kvops._checks.features.resolve`).
 
     Raises ``ValueError`` (same type and message in eager, under ``torch.compile`` and ``torch.export``) for: a
     ``kv_layout`` other than "NHD"/"HND" (an error on ``num_kv_heads`` says when the cache may be in the other layout);
@@ -121,51 +119,6 @@ def check_paged_attention(
         require_same_device(OP, "sinks", sinks, "q", q)
 
     check_fp8_scales(OP, k_cache, k_scale, v_scale)
-    check_features(OP, q, batch, alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
-    return float(q.shape[2]) ** -0.5 if scale is None else scale
-
-
-def check_features(op, q, batch, alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta,
-                   rope_scale) -> None:
-    """The attention features of docs/attention_features.md (``ValueError`` naming the argument, value and fix):
-    ``alibi_slopes`` float32 ``[H_q]`` or ``[B, H_q]`` on q's device; ``window_right >= -1``; ``cache_leftpad``
-    int32 ``[B]`` on q's device; ``sink_tokens >= 0``; finite ``rope_theta > 0`` and ``rope_scale > 0`` with an
-    even ``head_dim``. (The contents of ``alibi_slopes``, NaN or infinite slopes, are a value contract:
-    ``kvops/_checks/values.py``.)"""
-    num_heads = q.shape[1]
-    if alibi_slopes is not None:
-        shape = tuple(alibi_slopes.shape)
-        if alibi_slopes.dtype != torch.float32 or shape not in ((num_heads,), (batch, num_heads)):
-            raise ValueError(
-                f"{op}: alibi_slopes must be a float32 tensor of shape [{as_int(num_heads)}] or "
-                f"[{as_int(batch)}, {as_int(num_heads)}] (one slope per query head, optionally per sequence), got "
-                f"shape {shape} and dtype {alibi_slopes.dtype}."
-            )
-        require_same_device(op, "alibi_slopes", alibi_slopes, "q", q)
-    if window_right < -1:
-        raise ValueError(f"{op}: window_right must be -1 (no right bound) or >= 0, got {as_int(window_right)}.")
-    if cache_leftpad is not None:
-        if cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (batch,):
-            raise ValueError(
-                f"{op}: cache_leftpad must be an int32 tensor of shape [{as_int(batch)}] (the first KV row of each "
-                f"sequence), got shape {tuple(cache_leftpad.shape)} and dtype {cache_leftpad.dtype}. "
-                + index_fix("cache_leftpad", cache_leftpad, 1, (torch.int32,),
-                            f"[{as_int(batch)}] (one row per sequence)")
-            )
-        require_same_device(op, "cache_leftpad", cache_leftpad, "q", q)
-    if sink_tokens < 0:
-        raise ValueError(f"{op}: sink_tokens must be >= 0 (0: none), got {as_int(sink_tokens)}.")
-    if rope_theta is not None:
-        if not rope_theta > 0 or not rope_scale > 0:
-            raise ValueError(
-                f"{op}: RoPE at read time needs rope_theta > 0 and rope_scale > 0, got rope_theta={rope_theta} and "
-                f"rope_scale={rope_scale} (FlashInfer's defaults: 1e4 and 1)."
-            )
-        for name, x in (("rope_theta", rope_theta), ("rope_scale", rope_scale)):
-            require_finite(op, name, x, "RoPE at read time turns position p by p / rope_scale * rope_theta ** "
-                           "(-2i / head_dim)", "Pass a finite value (FlashInfer's defaults: 1e4 and 1).")
-        if q.shape[2] % 2:
-            raise ValueError(
-                f"{op}: RoPE at read time rotates pairs (j, j + head_dim / 2) and needs an even head_dim, got "
-                f"{as_int(q.shape[2])}."
-            )
+    check_features(OP, q, batch, features)
+    window_left, features = resolve(window_left, features)
+    return (float(q.shape[2]) ** -0.5 if scale is None else scale), window_left, features

@@ -368,7 +368,7 @@ def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                 and checked[3] is kw["sinks"] and checked[4] == (args[0].shape, args[0].dtype, q_len, *scalars)):
             out = torch.ops.kvops._paged_attention_native(*args, checked[5], *scalars[1:], kw["sinks"], None, None)[0]
         else:
-            sm_scale = _pa.check_paged_attention(*args, *scalars, kw["sinks"], None, None, "NHD")
+            sm_scale = _pa.check_paged_attention(*args, *scalars, kw["sinks"], None, None, "NHD")[0]
             out = torch.ops.kvops._paged_attention_native(*args, sm_scale, *scalars[1:], kw["sinks"], None, None)[0]
             if k_tok._base is not None:  # a view of the cache (kept across steps), not a per-call copy
                 k_tok._kvops_checked = (v_tok, cu_seqlens, table, kw["sinks"],

@@ -15,8 +15,8 @@ builds ahead of time. It is not built at install time: the binary is specific to
 and to the torch it was compiled against, and a wheel or an install outlives both (torch upgrades, images moved
 between machines).
 
-The schema of ``kvops::_paged_attention_native`` is defined here at import, not by the build, with the composite
-kernel as its ``CompositeExplicitAutograd`` fallback: a graph that calls it (an Inductor graph reloaded from the
+The schema of ``kvops::_paged_attention_native`` is defined at import (``kvops/_library.py``), not by the build, with
+the composite kernel as its ``CompositeExplicitAutograd`` fallback (registered here): a graph that calls it (an Inductor graph reloaded from the
 on-disk FX graph cache, any program traced below ``kvops::paged_attention``) runs in any process that imports
 kvops, also one with ``KVOPS_NATIVE=0`` or without a compiler. The build adds its CPU kernel.
 (``kvops::_paged_write_native`` and ``kvops::_packed_attention_native`` are only called inside the CPU kernels of
@@ -46,6 +46,8 @@ import time
 import warnings
 
 import torch
+
+from .. import _library
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
 SOURCES = [
@@ -93,49 +95,42 @@ def build_name() -> str:
 
 
 # --- kvops::_paged_attention_native: always defined ---------------------------------------------------------------
-# The schema lives here, not in the C++ source, so every graph that calls it (an Inductor graph from the on-disk FX
-# graph cache, any program traced below kvops::paged_attention) loads in any process that imports kvops, including
-# one with KVOPS_NATIVE=0 or no C++ compiler. The build registers the CPU kernel; elsewhere the
+# The schema lives in kvops/_library.py, not in the C++ source, so every graph that calls it (an Inductor graph from
+# the on-disk FX graph cache, any program traced below kvops::paged_attention) loads in any process that imports
+# kvops, including one with KVOPS_NATIVE=0 or no C++ compiler. The build registers the CPU kernel; elsewhere the
 # CompositeExplicitAutograd kernel below runs: it builds the extension on first use and re-dispatches to it, or runs
 # the composite torch kernel (kvops/reference/paged_attention.py: the same attention, fp32 accumulation, slower).
-_lib = torch.library.Library("kvops", "FRAGMENT")
-_lib.define(
-    "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
-    "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
-    "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? alibi_slopes=None, SymInt window_right=-1, "
-    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0) -> (Tensor, Tensor)"
-)
+# Its arguments after v_scale are the fields of AttnFeatures (kvops/_checks/features.py): ``*features``.
 
 
 def _has_cpu_kernel() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(OP_NAME, "CPU")
 
 
-@torch.library.impl(_lib, "_paged_attention_native", "CompositeExplicitAutograd")
 def _without_build(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
-                   window_left, softcap, sinks, k_scale, v_scale, alibi_slopes=None, window_right=-1,
-                   cache_leftpad=None, sink_tokens=0, rope_theta=None, rope_scale=1.0):
+                   window_left, softcap, sinks, k_scale, v_scale, *features):
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
-            softcap, sinks, k_scale, v_scale, alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta,
-            rope_scale)
+            softcap, sinks, k_scale, v_scale)
     if q.is_cpu and available() and _has_cpu_kernel():  # built just now (first kvops call of this process)
-        return torch.ops.kvops._paged_attention_native.default(*args)
+        return torch.ops.kvops._paged_attention_native.default(*args, *features)
+    from .._checks.features import AttnFeatures
     from .._checks.paged_attention import check_paged_attention
     from ..reference.paged_attention import paged_attention as composite
 
     # a direct call (torch.ops.kvops._paged_attention_native) gets the op's contract, as the built kernel checks it
-    check_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
-                          window_left, softcap, sinks, k_scale, v_scale)
+    check_paged_attention(*args)
 
-    return composite(*args)
+    return composite(*args, AttnFeatures(*features))
 
 
-@torch.library.register_fake(OP_NAME)
 def _fake(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
-          softcap, sinks, k_scale, v_scale, alibi_slopes=None, window_right=-1, cache_leftpad=None, sink_tokens=0,
-          rope_theta=None, rope_scale=1.0):
+          softcap, sinks, k_scale, v_scale, *features):
     return (q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3]),
             q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
+
+
+_library.lib.impl("_paged_attention_native", _without_build, "CompositeExplicitAutograd")
+torch.library.register_fake(OP_NAME, _fake, lib=_library.lib)
 
 
 def build_directory(name: str | None = None) -> pathlib.Path:

@@ -1109,16 +1109,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
 }  // namespace
 }  // namespace kvops_native
 
-// The schema of kvops::_paged_attention_native is defined by kvops/native/__init__.py at import (with the composite
-// kernel as its CompositeExplicitAutograd fallback), so graphs calling it load in processes without this build;
-// this file gives it its CPU kernel.
-TORCH_LIBRARY_FRAGMENT(kvops, m) {
-  m.def(
-      "_paged_attention_values_bad(Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, int num_tokens, "
-      "int max_seqlen_q, int num_blocks, int block_size, int window_left=-1, int sink_tokens=0, "
-      "Tensor? cache_leftpad=None) -> bool");
-}
-
+// The schemas of kvops::_paged_attention_native and kvops::_paged_attention_values_bad are defined by kvops/_library.py
+// at import (with the composite kernel as _paged_attention_native's CompositeExplicitAutograd fallback, in
+// kvops/native/__init__.py), so graphs calling it load in processes without this build; this file gives the CPU
+// kernels.
 TORCH_LIBRARY_IMPL(kvops, CPU, m) {
   m.impl("_paged_attention_native", &kvops_native::paged_attention_native);
   m.impl("_paged_attention_values_bad", &kvops_native::paged_attention_values_bad);

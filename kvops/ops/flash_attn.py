@@ -14,6 +14,7 @@ import torch
 from .._checks import values
 from .._checks.common import index_fix
 from .._checks.flash_attn import OP, check_flash_attn_with_kvcache
+from .._checks.features import AttnFeatures
 from .._checks.paged_attention import check_paged_attention
 from .paged_attention import paged_attention
 from .paged_write import paged_cache_write
@@ -186,7 +187,7 @@ def flash_attn_with_kvcache(
     q_rows = q.reshape(batch * s_q, *q.shape[2:])
     # the attention's contract too, before anything is written (a failing call changes nothing)
     check_paged_attention(q_rows, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, s_q, softmax_scale,
-                          right == 0, left, softcap, None, k_scale, v_scale, "NHD", **features)
+                          right == 0, left, softcap, None, k_scale, v_scale, "NHD", AttnFeatures(**features))
     ok = values.check_kvcache(base, user_table, k_cache, s_new,  # value contract, docs/semantics.md §7
                               cache_leftpad=cache_leftpad)
     if alibi_slopes is not None:  # finite slopes (async: a failing call writes nothing either)

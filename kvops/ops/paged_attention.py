@@ -1,7 +1,8 @@
 """Paged attention: ``kvops::paged_attention`` (docs/semantics.md §4), decode and chunked prefill in one varlen batch.
 
 Registered with ``torch.library.triton_op`` (schema inferred from the annotations of ``_paged_attention_op``; it is
-written out in ``kvops/_library.py``). One function serves every face of the op:
+written out in ``kvops/_library.py`` as ``PAGED_ATTENTION``, checked equal by a test). The optional features (docs/attention_features.md) travel as one record, ``AttnFeatures`` (``kvops/_checks/features.py``),
+which the validator resolves and every kernel takes. One function serves every face of the op:
 
 * it first calls the validator (``kvops/_checks/paged_attention.py``), so eager calls, the fake rule (``triton_op``
   registers the function itself as the fake kernel) and ``torch.export`` raise the same errors;
@@ -22,9 +23,10 @@ from typing import Optional
 
 import torch
 
-from .. import _library  # noqa: F401  (other schemas; this op's schema is inferred by triton_op)
+from .. import _library
 from .._checks import values
-from .._checks.common import int64_error, resolve_bounds
+from .._checks.common import int64_error
+from .._checks.features import NO_FEATURES, AttnFeatures, resolve
 from .._checks.paged_attention import check_paged_attention
 from .._checks.paged_write import as_nhd
 from .. import native
@@ -35,6 +37,8 @@ if HAS_TRITON:
     from ..triton.paged_attention import paged_attention as _triton_paged_attention
 
 
+# (triton_op infers the schema from these annotations and ignores a schema string on the torch versions kvops supports:
+# kvops/_library.py keeps the string, PAGED_ATTENTION, and tests/test_attention_features.py checks the two agree.)
 @torch.library.triton_op("kvops::paged_attention", mutates_args=())
 def _paged_attention_op(
     q: torch.Tensor,
@@ -52,59 +56,40 @@ def _paged_attention_op(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     kv_layout: str = "NHD",
-    alibi_slopes: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,  # from here on: the fields of AttnFeatures, in order
     window_right: int = -1,
     cache_leftpad: Optional[torch.Tensor] = None,
     sink_tokens: int = 0,
     rope_theta: Optional[float] = None,
     rope_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _implementation(
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
-        sinks, k_scale, v_scale, kv_layout, alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta,
-        rope_scale,
-    )
+    features = AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
+    return _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
+                           window_left, softcap, sinks, k_scale, v_scale, kv_layout, features)
 
 
 def _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
-                    window_left, softcap, sinks, k_scale, v_scale, kv_layout, alibi_slopes=None, window_right=-1,
-                    cache_leftpad=None, sink_tokens=0, rope_theta=None, rope_scale=1.0, native_ok=None):
+                    window_left, softcap, sinks, k_scale, v_scale, kv_layout, features=NO_FEATURES, native_ok=None):
     """The op's body (validator, then the device's kernel): what ``kvops::paged_attention`` runs, and what an eager
-    CPU call runs directly (``_direct``, which passes ``native_ok=True``: it already knows the native kernel runs)."""
-    features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
-    sm_scale = check_paged_attention(
+    CPU call runs directly (``_direct``, which passes ``native_ok=True``: it already knows the native kernel runs).
+    The validator resolves the features into the record every kernel takes."""
+    sm_scale, window_left, features = check_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
-        sinks, k_scale, v_scale, kv_layout, *features,
+        sinks, k_scale, v_scale, kv_layout, features,
     )
     k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernels take strides
-    # windows / sink counts beyond every int32 position are "none": no backend computes with sys.maxsize
-    window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)
-    features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
+    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
+            softcap, sinks, k_scale, v_scale)
     if q.device.type == "cuda":
         if not HAS_TRITON:
             raise RuntimeError("kvops.paged_attention: CUDA tensors need triton; pip install triton.")
-        return _triton_paged_attention(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
-            softcap, sinks, k_scale, v_scale, *features,
-        )
+        return _triton_paged_attention(*args, features)
     # CPU: the native kernel (an opaque op with a fake rule, so compiled graphs call it too), else the composite
     if native_ok is None:
         native_ok = native.use_native()
-    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal, window_left,
-            softcap, sinks, k_scale, v_scale)
     if not native_ok:
-        return _cpu_paged_attention(*args, *features)
-    if not _has_features(features):  # the schema's defaults: graphs keep the call they had before the features
-        return torch.ops.kvops._paged_attention_native(*args)
+        return _cpu_paged_attention(*args, features)
     return torch.ops.kvops._paged_attention_native(*args, *features)
-
-
-def _has_features(features) -> bool:
-    """Whether any of (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale) differs from
-    its default (docs/attention_features.md)."""
-    alibi, right, leftpad, sink_tokens, theta, rope_scale = features
-    return (alibi is not None or leftpad is not None or theta is not None or right != -1 or sink_tokens != 0
-            or rope_scale != 1.0)
 
 
 def _direct(tensors) -> bool:
@@ -252,29 +237,31 @@ def paged_attention(
     if bad is not None:  # (torch's schema error gives no fix)
         raise bad
     # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md)
-    window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)
+    window_left, features = resolve(
+        window_left, AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale))
     if k_scale is not None and k_scale.dim() == 0:  # vLLM's per-tensor form: a 0-d scale is [1] (a view)
         k_scale = k_scale.reshape(1)
     if v_scale is not None and v_scale.dim() == 0:
         v_scale = v_scale.reshape(1)
-    features = (alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
-    if (window_left < -1 or window_right < -1 or sink_tokens < 0) and not torch.compiler.is_compiling():
-        check_paged_attention(*args, *features)  # the validator's error, before the value pass (traced: the op's)
+    if ((window_left < -1 or features.window_right < -1 or features.sink_tokens < 0)
+            and not torch.compiler.is_compiling()):
+        check_paged_attention(*args, features)  # the validator's error, before the value pass (traced: the op's)
     try:  # value contracts, docs/semantics.md §7
         values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout,
-                                     window_left=window_left, sink_tokens=sink_tokens, cache_leftpad=cache_leftpad)
+                                     window_left=window_left, sink_tokens=features.sink_tokens,
+                                     cache_leftpad=cache_leftpad)
         if alibi_slopes is not None:
             values.check_alibi_slopes(alibi_slopes)
     except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad values: it goes first
-        check_paged_attention(*args, *features)
+        check_paged_attention(*args, features)
         raise
-    if _has_features(features):
-        args = args + features
     if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,
                 cache_leftpad)):
-        out, lse = _implementation(*args, native_ok=True)
-    else:
+        out, lse = _implementation(*args, features, native_ok=True)
+    elif features.used():
+        out, lse = torch.ops.kvops.paged_attention(*args, *features)
+    else:  # the schema's defaults: graphs of calls without features keep their call of before the features
         out, lse = torch.ops.kvops.paged_attention(*args)
     return (out, lse) if return_lse else out

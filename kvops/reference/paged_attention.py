@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks.common import resolve_bounds
+from .._checks.features import NO_FEATURES, AttnFeatures, resolve
 
 _TILE_BUDGET = 1 << 22  # fp32 elements of one tile's scores plus its gathered K and V (16 MiB)
 
@@ -104,21 +104,17 @@ def paged_attention(
     sinks: torch.Tensor | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-    alibi_slopes: torch.Tensor | None = None,
-    window_right: int = -1,
-    cache_leftpad: torch.Tensor | None = None,
-    sink_tokens: int = 0,
-    rope_theta: float | None = None,
-    rope_scale: float = 1.0,
+    features: AttnFeatures = NO_FEATURES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged attention on validated arguments (see ``kvops.paged_attention``); returns ``(out, lse)``.
 
     ``out [T_q, H_q, D_v]`` in q's dtype, ``lse [H_q, T_q]`` fp32 (natural log, sinks included; ``-inf`` for a query
     with no visible key and no sink). The features of docs/attention_features.md (ALiBi, a right window, a per-sequence
     first row ``cache_leftpad``, StreamingLLM sink tokens, RoPE at read time) are masks, biases and rotations of the
-    same tiles.
+    same tiles; ``features`` is the validator's record of them (``kvops/_checks/features.py``).
     """
-    window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)  # (no overflow)
+    window_left, features = resolve(window_left, features)  # (no overflow; the validator's record is resolved)
+    alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale = features
     num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
     # sizes that define the computation (heads, head_dim, block_size) specialize under tracing; token counts, batch and
     # table width stay symbolic

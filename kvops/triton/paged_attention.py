@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks.common import resolve_bounds
+from .._checks.features import NO_FEATURES, AttnFeatures, resolve
 from .launch import Launch, capability_of, run
 
 _TARGET_PROGRAMS = 256  # decode: aim for about this many (sequence, KV head, split) programs (~2 per SM on H100/H200)
@@ -159,6 +159,36 @@ def _online_update(s, v, m_i, l_i, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _attend_tiles(
+    m_i, l_i, acc, q, lo, hi, lim, pos, start, slope, window_left, window_right, softcap,
+    k_ptr, v_ptr, bt_row, block_size, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, kv_head,
+    offs_d, part_d, offs_dv, head_dim, head_dim_v, k_scale_ptr, v_scale_ptr, rope_coef, rope_inv_scale,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr, IS_FP8: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The KV-tile loop of every kernel: keys ``[lo, hi)`` (int64 positions; ``lim``: one past the last readable row)
+    of one KV head, ``BLOCK_N`` at a time, read through the block table (``_load_kv``), turned by RoPE at read time
+    (positions counted from ``start``), scored (``_scores``) and folded into the online softmax ``(m_i, l_i, acc)``,
+    which it returns."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        in_seq = offs_n < _lane(lim, n0, BLOCK_N)
+        k = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d,
+                     head_dim, k_scale_ptr, IS_FP8)
+        if HAS_ROPE:
+            k_pair = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
+                              head_dim, k_scale_ptr, IS_FP8)
+            k = _rope(k, k_pair, n0 - start + offs_n, offs_d, head_dim, rope_coef, rope_inv_scale)
+        v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
+                     head_dim_v, v_scale_ptr, IS_FP8)
+        s = _scores(q, k, n0, offs_n, pos, lim, window_left, softcap, slope, window_right, CAUSAL, HAS_WINDOW,
+                    HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT, BLOCK_N)
+        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, k_scale_ptr, v_scale_ptr, part_o_ptr, part_lse_ptr,
     s_qt, s_qh, s_qd, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, s_bt,
@@ -194,7 +224,6 @@ def _decode_split_kernel(
 
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, kv_len)
-    offs_n = tl.arange(0, BLOCK_N)
     if HAS_WINDOW:
         lo = tl.maximum(lo, kv_len - 1 - window_left)
     if HAS_LEFTPAD:
@@ -203,8 +232,8 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    part_d = _partner(offs_d, head_dim)  # (RoPE's column pairs; unused without it)
     if HAS_ROPE:
-        part_d = _partner(offs_d, head_dim)
         q_pair = tl.load(q_off + part_d[None, :] * s_qd, mask=q_msk & (part_d[None, :] < head_dim),
                          other=0.0).to(tl.float32) * scale
     if HAS_SINK_TOKENS:  # StreamingLLM: split 0 also reads the sink rows [start, start + sink_tokens)
@@ -215,35 +244,19 @@ def _decode_split_kernel(
         if HAS_ROPE:  # the kept keys take contiguous positions: the query turns at pos - gap for the sinks
             gap = tl.maximum(kv_len - 1 - window_left - sink_end, 0)
             q_s = _rope(q, q_pair, pos - start - gap, offs_d, head_dim, rope_coef, rope_inv_scale)
-        for n0 in range(start, s_hi, BLOCK_N):
-            in_seq = offs_n < _lane(s_hi, n0, BLOCK_N)
-            k = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d,
-                         head_dim, k_scale_ptr, IS_FP8)
-            if HAS_ROPE:
-                k_pair = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head,
-                                  part_d, head_dim, k_scale_ptr, IS_FP8)
-                k = _rope(k, k_pair, n0 - start + offs_n, offs_d, head_dim, rope_coef, rope_inv_scale)
-            v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
-                         head_dim_v, v_scale_ptr, IS_FP8)
-            s = _scores(q_s, k, n0, offs_n, pos, s_hi, window_left, softcap, slope, 0, False, False, HAS_SOFTCAP,
-                        PREC, HAS_ALIBI, BLOCK_N=BLOCK_N)
-            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
+        m_i, l_i, acc = _attend_tiles(
+            m_i, l_i, acc, q_s, start, s_hi, s_hi, pos, start, slope, window_left, 0, softcap,
+            k_ptr, v_ptr, bt_row, block_size, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, kv_head,
+            offs_d, part_d, offs_dv, head_dim, head_dim_v, k_scale_ptr, v_scale_ptr, rope_coef, rope_inv_scale,
+            False, False, False, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, IS_FP8, PREC, BLOCK_N)
     if HAS_ROPE:
         q = _rope(q, q_pair, pos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
     hi = tl.where(q_len > 0, hi, lo)
-    for n0 in range(lo, hi, BLOCK_N):
-        in_seq = offs_n < _lane(hi, n0, BLOCK_N)
-        k = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d,
-                     head_dim, k_scale_ptr, IS_FP8)
-        if HAS_ROPE:
-            k_pair = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
-                              head_dim, k_scale_ptr, IS_FP8)
-            k = _rope(k, k_pair, n0 - start + offs_n, offs_d, head_dim, rope_coef, rope_inv_scale)
-        v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
-                     head_dim_v, v_scale_ptr, IS_FP8)
-        s = _scores(q, k, n0, offs_n, pos, hi, window_left, softcap, slope, 0, False, HAS_WINDOW, HAS_SOFTCAP, PREC,
-                    HAS_ALIBI, BLOCK_N=BLOCK_N)
-        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
+    m_i, l_i, acc = _attend_tiles(
+        m_i, l_i, acc, q, lo, hi, hi, pos, start, slope, window_left, 0, softcap,
+        k_ptr, v_ptr, bt_row, block_size, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, kv_head,
+        offs_d, part_d, offs_dv, head_dim, head_dim_v, k_scale_ptr, v_scale_ptr, rope_coef, rope_inv_scale,
+        False, HAS_WINDOW, False, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, IS_FP8, PREC, BLOCK_N)
 
     has = (l_i > 0) | (l_i != l_i)  # NaN: a visible key's NaN score (exp(NaN) joined l): the row is NaN, as SDPA
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -356,12 +369,11 @@ def _prefill_kernel(
         lo = tl.maximum(lo, start)
     live = tile * BLOCK_T < q_len  # programs past this sequence's queries do no work
     bt_row = bt_ptr + b * s_bt
-    offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    part_d = _partner(offs_d, head_dim)  # (RoPE's column pairs; unused without it)
     if HAS_ROPE:
-        part_d = _partner(offs_d, head_dim)
         q_pair = tl.load(q_off + part_d[None, :] * s_qd, mask=q_msk & (part_d[None, :] < head_dim),
                          other=0.0).to(tl.float32) * scale
     if HAS_SINK_TOKENS:  # StreamingLLM: the sink rows [start, start + sink_tokens) in a loop of their own
@@ -372,35 +384,19 @@ def _prefill_kernel(
         if HAS_ROPE:  # the kept keys take contiguous positions: each query turns at pos - gap for the sinks
             gap = tl.maximum(pos - window_left - sink_end, 0)
             q_s = _rope(q, q_pair, pos - start - gap, offs_d, head_dim, rope_coef, rope_inv_scale)
-        for n0 in range(start, s_hi, BLOCK_N):
-            in_seq = offs_n < _lane(s_hi, n0, BLOCK_N)
-            k = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d,
-                         head_dim, k_scale_ptr, IS_FP8)
-            if HAS_ROPE:
-                k_pair = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head,
-                                  part_d, head_dim, k_scale_ptr, IS_FP8)
-                k = _rope(k, k_pair, n0 - start + offs_n, offs_d, head_dim, rope_coef, rope_inv_scale)
-            v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
-                         head_dim_v, v_scale_ptr, IS_FP8)
-            s = _scores(q_s, k, n0, offs_n, pos, s_hi, window_left, softcap, slope, window_right, CAUSAL, False,
-                        HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT, BLOCK_N)
-            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
+        m_i, l_i, acc = _attend_tiles(
+            m_i, l_i, acc, q_s, start, s_hi, s_hi, pos, start, slope, window_left, window_right, softcap,
+            k_ptr, v_ptr, bt_row, block_size, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, kv_head,
+            offs_d, part_d, offs_dv, head_dim, head_dim_v, k_scale_ptr, v_scale_ptr, rope_coef, rope_inv_scale,
+            CAUSAL, False, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, IS_FP8, PREC, BLOCK_N)
     if HAS_ROPE:
         q = _rope(q, q_pair, pos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
     hi = tl.where(live, hi, lo)
-    for n0 in range(lo, hi, BLOCK_N):
-        in_seq = offs_n < _lane(kv_lim, n0, BLOCK_N)
-        k = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, offs_d,
-                     head_dim, k_scale_ptr, IS_FP8)
-        if HAS_ROPE:
-            k_pair = _load_kv(k_ptr, bt_row, n0, offs_n, in_seq, block_size, s_kp, s_kb, s_kh, s_kd, kv_head, part_d,
-                              head_dim, k_scale_ptr, IS_FP8)
-            k = _rope(k, k_pair, n0 - start + offs_n, offs_d, head_dim, rope_coef, rope_inv_scale)
-        v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
-                     head_dim_v, v_scale_ptr, IS_FP8)
-        s = _scores(q, k, n0, offs_n, pos, kv_lim, window_left, softcap, slope, window_right, CAUSAL, HAS_WINDOW,
-                    HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT, BLOCK_N)
-        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
+    m_i, l_i, acc = _attend_tiles(
+        m_i, l_i, acc, q, lo, hi, kv_lim, pos, start, slope, window_left, window_right, softcap,
+        k_ptr, v_ptr, bt_row, block_size, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, kv_head,
+        offs_d, part_d, offs_dv, head_dim, head_dim_v, k_scale_ptr, v_scale_ptr, rope_coef, rope_inv_scale,
+        CAUSAL, HAS_WINDOW, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, IS_FP8, PREC, BLOCK_N)
 
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + heads, mask=g < group, other=0.0)
@@ -437,12 +433,7 @@ def paged_attention(
     sinks: torch.Tensor | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-    alibi_slopes: torch.Tensor | None = None,
-    window_right: int = -1,
-    cache_leftpad: torch.Tensor | None = None,
-    sink_tokens: int = 0,
-    rope_theta: float | None = None,
-    rope_scale: float = 1.0,
+    features: AttnFeatures = NO_FEATURES,
     *,
     force_prefill: bool = False,
     num_splits: int | None = None,
@@ -451,6 +442,7 @@ def paged_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernels on validated arguments (see ``kvops.paged_attention``); returns ``(out, lse)``.
 
+    ``features``: the validator's record of the attention features (``kvops/_checks/features.py``).
     ``out [T_q, H_q, D_v]`` in q's dtype, ``lse [H_q, T_q]`` fp32 (natural log, sinks included). Batches with
     ``max_seqlen_q == 1`` use split-KV decode + merge (``num_splits`` defaults to a heuristic filling about
     ``_TARGET_PROGRAMS`` programs); others, or ``force_prefill=True``, use the prefill kernel. ``block_n`` (KV tile,
@@ -460,9 +452,8 @@ def paged_attention(
     """
     launches, out, lse = plan_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
-        sinks, k_scale, v_scale, capability_of(q), force_prefill=force_prefill, num_splits=num_splits,
-        block_n=block_n, block_m=block_m, alibi_slopes=alibi_slopes, window_right=window_right,
-        cache_leftpad=cache_leftpad, sink_tokens=sink_tokens, rope_theta=rope_theta, rope_scale=rope_scale,
+        sinks, k_scale, v_scale, capability_of(q), features, force_prefill=force_prefill, num_splits=num_splits,
+        block_n=block_n, block_m=block_m,
     )
     run(launches)
     return out, lse
@@ -557,14 +548,13 @@ def _tiles(kind: str, width: int, operands: str) -> dict:
 
 def plan_paged_attention(
     q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q: int, scale: float, causal: bool,
-    window_left: int, softcap: float, sinks, k_scale, v_scale, capability: tuple[int, int], *,
-    force_prefill: bool = False, num_splits: int | None = None, block_n: int | None = None,
-    block_m: int | None = None, alibi_slopes=None, window_right: int = -1, cache_leftpad=None, sink_tokens: int = 0,
-    rope_theta: float | None = None, rope_scale: float = 1.0,
+    window_left: int, softcap: float, sinks, k_scale, v_scale, capability: tuple[int, int],
+    features: AttnFeatures = NO_FEATURES, *, force_prefill: bool = False, num_splits: int | None = None,
+    block_n: int | None = None, block_m: int | None = None,
 ) -> tuple[list[Launch], torch.Tensor, torch.Tensor]:
     """The launches of :func:`paged_attention` for a device of compute ``capability`` (also run on ``meta`` tensors
     by the ahead-of-time check), with the allocated ``out`` and ``lse``."""
-    window_left, window_right, sink_tokens = resolve_bounds(window_left, window_right, sink_tokens)  # (no overflow)
+    window_left, features = resolve(window_left, features)  # (no overflow; the validator's record is resolved)
     num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
     # sizes that define the kernels specialize under tracing (constexpr tile sizes derive from them)
     num_heads, d = int(q.shape[1]), int(q.shape[2])
@@ -592,7 +582,7 @@ def plan_paged_attention(
     decode = max_seqlen_q == 1 and not force_prefill
     operands = "fp8" if is_fp8 else "fp32" if q.dtype == torch.float32 else "16bit"
     cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, operands, capability,
-                      rope=rope_theta is not None, group=group)
+                      rope=features.rope_theta is not None, group=group)
     block_n = cfg["block_n"] if block_n is None else block_n
     block_m = cfg["block_m"] if block_m is None else block_m
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=True)
@@ -600,18 +590,7 @@ def plan_paged_attention(
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, IS_FP8=is_fp8, PREC=prec,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
     )
-    # attention features (docs/attention_features.md): constexpr flags (and their arguments, passed by name), so
-    # calls without them launch (and compile ahead of time) as before
-    features = {}
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.contiguous()
-        features.update(alibi_ptr=alibi_slopes, s_ab=num_heads if alibi_slopes.dim() == 2 else 0, HAS_ALIBI=True)
-    if cache_leftpad is not None:
-        features.update(leftpad_ptr=cache_leftpad.contiguous(), HAS_LEFTPAD=True)
-    if sink_tokens > 0 and window_left >= 0:
-        features.update(sink_tokens=sink_tokens, HAS_SINK_TOKENS=True)
-    if rope_theta is not None:
-        features.update(rope_coef=-2.0 * math.log2(rope_theta) / d, rope_inv_scale=1.0 / rope_scale, HAS_ROPE=True)
+    feats = _feature_args(features, window_left, causal, not decode, num_heads, d)
     if decode:
         if num_splits is None:
             fill = triton.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
@@ -625,7 +604,7 @@ def plan_paged_attention(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_sc, v_sc, part_o, part_lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
             num_splits, block_size, capacity, group, d, d_v, tokens_per_split,
-            scale, softcap, window_left), {**common, **features}, **opts)
+            scale, softcap, window_left), {**common, **feats}, **opts)
         merge = Launch(_decode_merge_kernel, (batch, num_heads), (
             part_o, part_lse, sinks if sinks is not None else part_lse, cu_seqlens_q, out, lse,
             *out.stride(), lse.stride(0), num_splits, d_v),
@@ -640,7 +619,27 @@ def plan_paged_attention(
         sinks if sinks is not None else q, out, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(), lse.stride(0),
         block_size, capacity, group, d, d_v, scale, softcap, window_left),
-        dict(CAUSAL=causal, HAS_SINKS=sinks is not None, BLOCK_T=block_t, **common, **features,
-             **({"window_right": window_right, "HAS_RIGHT": True} if not causal and window_right >= 0 else {})),
-        **opts)
+        dict(CAUSAL=causal, HAS_SINKS=sinks is not None, BLOCK_T=block_t, **common, **feats), **opts)
     return [prefill], out, lse
+
+
+def _feature_args(features: AttnFeatures, window_left: int, causal: bool, prefill: bool, num_heads: int,
+                  head_dim: int) -> dict:
+    """The kernels' arguments and constexpr flags of the attention features (docs/attention_features.md), passed by
+    name and only for features in use, so calls without them launch (and compile ahead of time) as before. A right
+    window is an argument of the prefill kernel only (a decode query sits at the last position) and only without
+    ``causal`` (whose bound, 0, wins)."""
+    args = {}
+    if prefill and not causal and features.window_right >= 0:
+        args.update(window_right=features.window_right, HAS_RIGHT=True)
+    if features.alibi_slopes is not None:
+        alibi = features.alibi_slopes.contiguous()
+        args.update(alibi_ptr=alibi, s_ab=num_heads if alibi.dim() == 2 else 0, HAS_ALIBI=True)
+    if features.cache_leftpad is not None:
+        args.update(leftpad_ptr=features.cache_leftpad.contiguous(), HAS_LEFTPAD=True)
+    if features.sink_tokens > 0 and window_left >= 0:
+        args.update(sink_tokens=features.sink_tokens, HAS_SINK_TOKENS=True)
+    if features.rope_theta is not None:
+        args.update(rope_coef=-2.0 * math.log2(features.rope_theta) / head_dim,
+                    rope_inv_scale=1.0 / features.rope_scale, HAS_ROPE=True)
+    return args

@@ -131,6 +131,35 @@ class TestCascadeOracle(expecttest.TestCase):
     def test_gemm_prefix_hnd(self):
         self.check(torch.float32, True, "HND")
 
+    def test_two_groups_with_different_prefixes_around_a_sequence_that_shares_nothing(self):
+        # sequences 0-1 share 2 blocks, 2 shares nothing, 3-5 share 1 block (a prefill chunk among them): the level-1
+        # parts are concatenated around the gap and the suffix tables are shifted per sequence (a gather)
+        a = batch(6, 2, 24, 4, 8, [5, 3], [1, 1], seed=7, extra=[(9, 1)])
+        b = batch(6, 2, 24, 4, 4, [6, 2, 7], [1, 3, 1], seed=8)
+        pages = a["k_cache"].shape[0]
+        k = torch.cat((a["k_cache"], b["k_cache"]))
+        v = torch.cat((a["v_cache"], b["v_cache"]))
+        width = max(a["block_table"].shape[1], b["block_table"].shape[1])
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1)  # noqa: E731
+        table = torch.cat((pad(a["block_table"]), torch.where(pad(b["block_table"]) >= 0,
+                                                              pad(b["block_table"]) + pages, -1)))
+        cu_b = b["cu_seqlens_q"][1:] + a["cu_seqlens_q"][-1]
+        m = dict(q=torch.cat((a["q"], b["q"])), k_cache=k, v_cache=v,
+                 cu_seqlens_q=torch.cat((a["cu_seqlens_q"], cu_b)),
+                 seq_lens=torch.cat((a["seq_lens"], b["seq_lens"])), block_table=table, max_seqlen_q=3)
+        plan = make_plan(m)
+        self.assertEqual(plan.groups, ((0, 2, 0, 2, 2), (3, 6, 3, 8, 1)))
+        want_out, want_lse = oracle(m)
+        for gemm in (True, False):
+            saved = cascade_mod._GEMM
+            cascade_mod._GEMM = saved if gemm else None
+            try:
+                out, lse = run(m, plan)
+            finally:
+                cascade_mod._GEMM = saved
+            torch.testing.assert_close(out.double(), want_out, **TOL[torch.float32])
+            torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-4)
+
     def test_softcap_takes_the_paged_prefix(self):
         a = batch(4, 2, 16, 4, 8, [3, 5], [1, 1], seed=3)
         plan = make_plan(a)

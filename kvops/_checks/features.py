@@ -1,0 +1,106 @@
+"""The optional attention features of ``kvops::paged_attention`` (docs/attention_features.md) as one record.
+
+The validator (``kvops/_checks/paged_attention.py``) checks them and resolves them (:func:`resolve`) into an
+:class:`AttnFeatures`, which every backend takes as it is: the composite CPU kernel, the native op (its schema lists
+the record's fields in order after ``v_scale``: ``*features``), the Triton launcher (which turns it into kernel
+arguments and constexpr flags in one place, ``_feature_args``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .common import as_int, index_fix, require_finite, require_same_device, resolve_bounds
+
+
+class AttnFeatures(NamedTuple):
+    """ALiBi, a right window, per-sequence left padding, StreamingLLM sink tokens and RoPE at read time
+    (docs/attention_features.md); the defaults are "off". Field order is the order of these arguments in the op
+    schemas (``kvops/_library.py``), so ``*features`` is how a call passes them on.
+
+    Adding a feature touches, and only touches:
+
+    1. the validator: ``check_features`` below (its errors) and, for a bound that may be "unbounded", :func:`resolve`;
+    2. this record: one field with its "off" default (and :meth:`used`);
+    3. the oracle: ``kvops/reference/attention.py`` (the readable fp64 reference every test compares against);
+    4. each kernel: the composite CPU kernel (``kvops/cpu/paged_attention.py``: ``paged_attention``), the native
+       kernel (``kvops/native/paged_attention.cpp``: ``paged_attention_native``), and the Triton kernels
+       (``kvops/triton/paged_attention.py``: ``_feature_args`` for the launch, ``_decode_split_kernel`` /
+       ``_prefill_kernel`` and, for what a KV tile does, ``_attend_tiles`` / ``_scores``).
+
+    The op's public signature (``kvops.paged_attention``, the ``triton_op`` and its schema in ``kvops/_library.py``,
+    the native op's schema there) lists the fields as arguments: a new field is one more argument there, passed on
+    as ``*features`` without further edits.
+    """
+
+    alibi_slopes: Optional[torch.Tensor] = None  # float32 [H_q] or [B, H_q]
+    window_right: int = -1  # -1: no right bound (ignored under causal)
+    cache_leftpad: Optional[torch.Tensor] = None  # int32 [B]: first KV row of each sequence
+    sink_tokens: int = 0  # StreamingLLM sinks kept beside window_left
+    rope_theta: Optional[float] = None  # RoPE at read time; None: off
+    rope_scale: float = 1.0
+
+    def used(self) -> bool:
+        """Whether any feature differs from its default ("off")."""
+        return (self.alibi_slopes is not None or self.cache_leftpad is not None or self.rope_theta is not None
+                or self.window_right != -1 or self.sink_tokens != 0 or self.rope_scale != 1.0)
+
+
+NO_FEATURES = AttnFeatures()
+
+
+def resolve(window_left: int, features: AttnFeatures) -> tuple[int, AttnFeatures]:
+    """``(window_left, features)`` as the kernels take them: windows / sink counts beyond every int32 position are
+    "none" (``resolve_bounds``), so no backend computes with ``sys.maxsize``. Idempotent."""
+    window_left, window_right, sink_tokens = resolve_bounds(window_left, features.window_right, features.sink_tokens)
+    if window_right != features.window_right or sink_tokens != features.sink_tokens:
+        features = features._replace(window_right=window_right, sink_tokens=sink_tokens)
+    return window_left, features
+
+
+def check_features(op: str, q: torch.Tensor, batch, features: AttnFeatures) -> None:
+    """The attention features of docs/attention_features.md (``ValueError`` naming the argument, value and fix):
+    ``alibi_slopes`` float32 ``[H_q]`` or ``[B, H_q]`` on q's device; ``window_right >= -1``; ``cache_leftpad``
+    int32 ``[B]`` on q's device; ``sink_tokens >= 0``; finite ``rope_theta > 0`` and ``rope_scale > 0`` with an
+    even ``head_dim``. (The contents of ``alibi_slopes``, NaN or infinite slopes, are a value contract:
+    ``kvops/_checks/values.py``.)"""
+    alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale = features
+    num_heads = q.shape[1]
+    if alibi_slopes is not None:
+        shape = tuple(alibi_slopes.shape)
+        if alibi_slopes.dtype != torch.float32 or shape not in ((num_heads,), (batch, num_heads)):
+            raise ValueError(
+                f"{op}: alibi_slopes must be a float32 tensor of shape [{as_int(num_heads)}] or "
+                f"[{as_int(batch)}, {as_int(num_heads)}] (one slope per query head, optionally per sequence), got "
+                f"shape {shape} and dtype {alibi_slopes.dtype}."
+            )
+        require_same_device(op, "alibi_slopes", alibi_slopes, "q", q)
+    if window_right < -1:
+        raise ValueError(f"{op}: window_right must be -1 (no right bound) or >= 0, got {as_int(window_right)}.")
+    if cache_leftpad is not None:
+        if cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (batch,):
+            raise ValueError(
+                f"{op}: cache_leftpad must be an int32 tensor of shape [{as_int(batch)}] (the first KV row of each "
+                f"sequence), got shape {tuple(cache_leftpad.shape)} and dtype {cache_leftpad.dtype}. "
+                + index_fix("cache_leftpad", cache_leftpad, 1, (torch.int32,),
+                            f"[{as_int(batch)}] (one row per sequence)")
+            )
+        require_same_device(op, "cache_leftpad", cache_leftpad, "q", q)
+    if sink_tokens < 0:
+        raise ValueError(f"{op}: sink_tokens must be >= 0 (0: none), got {as_int(sink_tokens)}.")
+    if rope_theta is not None:
+        if not rope_theta > 0 or not rope_scale > 0:
+            raise ValueError(
+                f"{op}: RoPE at read time needs rope_theta > 0 and rope_scale > 0, got rope_theta={rope_theta} and "
+                f"rope_scale={rope_scale} (FlashInfer's defaults: 1e4 and 1)."
+            )
+        for name, x in (("rope_theta", rope_theta), ("rope_scale", rope_scale)):
+            require_finite(op, name, x, "RoPE at read time turns position p by p / rope_scale * rope_theta ** "
+                           "(-2i / head_dim)", "Pass a finite value (FlashInfer's defaults: 1e4 and 1).")
+        if q.shape[2] % 2:
+            raise ValueError(
+                f"{op}: RoPE at read time rotates pairs (j, j + head_dim / 2) and needs an even head_dim, got "
+                f"{as_int(q.shape[2])}."
+            )
