@@ -65,14 +65,15 @@ lib.define(
 # caches: the K caches of all layers, then their V caches (2 * L tensors [P, block_size, H_kv, D]);
 # staging: [2, L, num_tokens, num_heads, D], contiguous (K layers then V layers).
 lib.define(
-    "paged_kv_gather(Tensor[] caches, Tensor block_table, Tensor(a!) staging, SymInt start, int head_start) -> ()"
+    "paged_kv_gather(Tensor[] caches, Tensor block_table, Tensor(a!) staging, SymInt start, "
+    "int cache_head_start) -> ()"
 )
 lib.define(
     "paged_kv_scatter(Tensor staging, Tensor(a!)[] caches, Tensor block_table, SymInt start, "
     "int cache_head_start) -> ()"
 )
 
-# --- packed (quantized) K/V (kvops/packed/ops.py; layouts: kvops.packed.packed_layout) -------------------------
+# --- packed (quantized) K/V (kvops/ops/packed.py; layouts: kvops.packed.packed_layout) ---------------------------
 lib.define(
     "quantize_kv(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? zeros, Tensor(d!)? centroids, "
     "Tensor(e!)? cluster_ids, str quant, int kmeans_iters=4) -> ()"
@@ -95,7 +96,7 @@ lib.define(
 # (the kernel reads the values on the host; Inductor lowers the op to device-side asserts, lowering/inductor_checks.py).
 lib.define("stream_positions(Tensor state, int sink_tokens, int kv_cache_size) -> Tensor")
 
-# --- attention over a packed window (kvops/packed/attention.py; docs/semantics.md §2) ---------------------------
+# --- attention over a packed window (kvops/ops/packed_attention.py; docs/semantics.md §2) -----------------------
 # q [B, T, H_q, D]; k_dense/v_dense: dense segments [B, n_i, H_kv, D] / [B, n_i, H_kv, D_v]; k_packed/v_packed: the
 # stored tensors of every packed segment in kvops.packed.packed_layout's order (codes, scales[, zeros[, centroids,
 # cluster_ids]]: 2 per segment for int8/fp8, 3 for int4, 5 for int2), segments one after another; quant: their format

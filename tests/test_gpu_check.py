@@ -3,6 +3,7 @@ benchmarks/gpu_check.py --out OUT``) runs its CPU stages, reports every CUDA sta
 under ``--out``; the GPU stages' own checks (tools/gpu_stages.py) run on CPU where they can, so they do not rot
 between the rare sessions that are lent a GPU (docs/gpu.md)."""
 
+import itertools
 import json
 import os
 import pathlib
@@ -68,11 +69,20 @@ class TestGpuStagesOnCpu(unittest.TestCase):
         self.assertEqual({c[5] for c in attn}, {"NHD", "HND"})
         self.assertEqual({c[6] for c in attn}, {"decode", "prefill"})
         self.assertEqual({f for c in attn for f in c[7]}, {"window", "softcap", "sinks", *gpu_oracle.FEATURES})
-        self.assertEqual({c[0] for c in cases},
-                         {"attention", "paged_write", "rotary_write", "transfer", "cache_write", "packed"})
+        self.assertEqual({c[0] for c in cases}, {"attention", "paged_write", "rotary_write", "transfer", "cache_write",
+                                                 "packed", "mla", "mla_write"})
         self.assertEqual({c[1] for c in cases if c[0] == "packed"}, {"int8", "fp8", "int4", "int2"})
-        # interleaved: the first 12 cases already call every family
-        self.assertEqual({c[0] for c in cases[:12]}, {c[0] for c in cases})
+        mla = [c for c in cases if c[0] == "mla"]
+        self.assertEqual({(c[1], c[3]) for c in mla}, set(itertools.product(("fp16", "bf16", "fp32", "fp8"),
+                                                                            ("decode", "prefill"))))
+        # interleaved: the first 16 cases already call every family
+        self.assertEqual({c[0] for c in cases[:16]}, {c[0] for c in cases})
+
+    def test_mla_cases_pass_on_cpu(self):
+        # the MLA families on kvops' CPU kernels: the oracle and the comparisons agree with the semantics
+        for case in (("mla", "fp32", 16, "prefill"), ("mla", "fp8", 1, "decode"), ("mla_write", "bf16", 16, "neox")):
+            ok, detail = gpu_oracle.run_case(case, "cpu", seed=7)
+            self.assertTrue(ok, (case, detail))
 
     def test_oracle_fails_a_wrong_kernel(self):
         # the attention check must catch a kernel that is off by a little (an fp32 output shifted by 1e-3)

@@ -12,8 +12,8 @@ import torch
 from kvops import native
 from kvops.cache import PackedCausalKVCache
 from kvops.packed import FORMATS, dequantize_kv, materialize, packed_attention, quantize_kv
-from kvops.packed import reference as composite
-from kvops.packed.attention import _split
+from kvops.cpu import packed as composite
+from kvops.ops.packed_attention import _split
 from tests.contract import raises_everywhere
 from tests.test_packed_ops import kv_like
 
@@ -155,7 +155,7 @@ class TestFusedAgainstReference(unittest.TestCase):
         import os
 
         self.assertTrue(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-        from kvops.packed import triton_attention as ta
+        from kvops.triton import packed_attention as ta
 
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         for quant in ("int4", "int2"):

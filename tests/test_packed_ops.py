@@ -11,7 +11,7 @@ import torch
 
 from kvops.packed import FORMATS, default_group_size, dequantize_kv, empty_packed
 from kvops.packed import packed_layout, quantize_kv
-from kvops.packed import reference as kernels
+from kvops.cpu import packed as kernels
 from tests.contract import raises_everywhere
 
 

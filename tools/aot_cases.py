@@ -192,8 +192,8 @@ def data_movement_cases(subset: bool):
 
 def _packed_attention(fmt: str | None, dtype: str, d: int, group: int, t: int, n: int, counts: bool,
                       group_size: int = 64, stages: int = 1):
-    from kvops.packed._checks import packed_layout
-    from kvops.packed.triton_attention import plan_packed_attention
+    from kvops._checks.packed import packed_layout
+    from kvops.triton.packed_attention import plan_packed_attention
 
     def make(cap):
         b, h_kv = 2, 8
@@ -215,8 +215,8 @@ def _packed_attention(fmt: str | None, dtype: str, d: int, group: int, t: int, n
 
 
 def _quant(fmt: str, dtype: str, d: int, group_size: int = 64, stages: int = 1, direction: str = "quantize"):
-    from kvops.packed._checks import packed_layout
-    from kvops.packed.triton_quant import plan_dequantize, plan_quantize
+    from kvops._checks.packed import packed_layout
+    from kvops.triton.packed_quant import plan_dequantize, plan_quantize
 
     def make(cap):
         b, t, h = 2, 4096, 8

@@ -9,6 +9,9 @@ on a device, against an oracle, over dtypes, head dims, GQA groups, block sizes,
 - Data movement (``_paged_scatter_kernel``, ``_rotary_scatter_kernel``, ``_copy_rows_kernel``, ``_staging_kernel``,
   the packed ``_int*_quant``/``_int*_dequant`` kernels) against kvops' CPU kernels on the same inputs, bit for bit
   (the rotary write within one rounding of its dtype, dequantization within fp32 rounding).
+- MLA (``kvops/ops/mla.py``: ``_mla_attention_kernel`` with the split-KV merge, ``_mla_write_kernel``): attention at
+  DeepSeek's widths against :func:`attention_oracle` over the latent rows as one KV head, the write against the CPU
+  kernel as the paged write.
 
 Caches start as NaN (or random bits) everywhere a kernel must not read or write. Axes: fp16/bf16/fp32 and fp8 e4m3
 caches; head dims 64, 128, 256; GQA groups 1, 4, 7, 8; block sizes 1, 16, 64; NHD and HND; causal, window, softcap,
@@ -299,7 +302,7 @@ def check_transfer(device, dtype, d, bs, seed):
     staging = torch.zeros((2, layers, n, h, d), dtype=cache_dtype)
 
     def gather(st, t, *cs):
-        kvops.paged_kv_gather(cs[:layers], cs[layers:], t, st, start=5, head_start=1)
+        kvops.paged_kv_gather(cs[:layers], cs[layers:], t, st, start=5, cache_head_start=1)
     cpu, dev = _both(device, gather, staging, table, *caches)
     ok = _same_bits(cpu[0], dev[0])
     new = _random_bits(staging.shape, cache_dtype, gen)
@@ -314,7 +317,7 @@ def check_transfer(device, dtype, d, bs, seed):
 def check_packed(device, fmt, dtype, d, group, t, seed):
     """quantize (the CPU kernel's codes bit for bit), dequantize (within fp32 rounding) and attention (fp64)."""
     from kvops.packed import packed_attention
-    from kvops.packed.ops import dequantize_kv, quantize_kv
+    from kvops.ops.packed import dequantize_kv, quantize_kv
 
     gen = _gen(seed)
     b, n, h_kv = 2, 96, 2
@@ -345,6 +348,74 @@ def check_packed(device, fmt, dtype, d, group, t, seed):
     ok = ok_deq and ok_q and ok_o and ok_l
     return ok, (f"codes {'=' if ok_q else '!='} CPU kernel's, dequantized {'within' if ok_deq else 'NOT within'} 1e-6; "
                 f"attention max |out - fp64| {e_o:.2e}, |lse - fp64| {e_l:.2e}")
+
+
+def check_mla(device, dtype, bs, mode, seed):
+    """``kvops.ops.mla.mla_attention`` at DeepSeek's widths (rank 512 + rope 64, 16 heads: one head block) against
+    :func:`attention_oracle` over the latent rows as one KV head (values: their first 512 columns)."""
+    from kvops.ops.mla import mla_attention
+
+    gen, fp8 = _gen(seed), dtype == "fp8"
+    q_dtype = torch.bfloat16 if fp8 else FLOATS[dtype]
+    rank, width, heads = 512, 576, 16
+    seq_lens = [1, 77, 300, 0, 5]
+    q_lens = [1, 1, 1, 0, 1] if mode == "decode" else [1, 20, 300, 0, 8]  # 8 > 5: causal positions below 0
+    blocks = [-(-n // bs) for n in seq_lens]
+    pages = sum(blocks) + 2
+    perm = torch.randperm(pages, generator=gen).tolist()
+    table = torch.full((len(seq_lens), max(blocks) + 1), -1, dtype=torch.int32)
+    cache = torch.full((pages, bs, width), math.nan)
+    for b, nb in enumerate(blocks):
+        for j in range(nb):
+            table[b, j] = perm.pop()
+            rows = min(bs, seq_lens[b] - j * bs)
+            cache[table[b, j], :rows] = torch.randn(rows, width, generator=gen)
+    kv_scale = torch.tensor(0.02) if fp8 else None
+    cache = ((cache / kv_scale).clamp(-448, 448) if fp8 else cache).to(FP8 if fp8 else q_dtype)
+    q = _randn((sum(q_lens) + 1, heads, width), gen, q_dtype)  # one row past cu_seqlens_q[-1]
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    dev = [t.to(device) for t in (q, cache, cu, lens, table)]
+    out, lse = mla_attention(*dev, max(q_lens), rank, kv_scale=None if kv_scale is None else kv_scale.to(device))
+    c4 = cache.unsqueeze(2)
+    sc = None if kv_scale is None else kv_scale.reshape(1)
+    want, want_lse = attention_oracle(q, c4, c4[..., :rank], cu, lens, table, scale=width ** -0.5, k_scale=sc,
+                                      v_scale=sc)
+    atol, rtol = TOL[q_dtype]
+    ok_out, e_out = _err(out, want, atol, rtol)
+    ok_lse, e_lse = _err(lse, want_lse, LSE_TOL, LSE_TOL)
+    return ok_out and ok_lse, f"max |out - fp64| {e_out:.2e}, |lse - fp64| {e_lse:.2e}"
+
+
+def check_mla_write(device, dtype, bs, rotary, seed):
+    """``kvops.ops.mla.mla_cache_write`` on ``device`` against the CPU kernel on the same inputs: bit for bit, the
+    rotated ``k_pe`` within one rounding of its dtype (two fp8 codes)."""
+    from kvops.ops.mla import mla_cache_write
+
+    gen, fp8 = _gen(seed), dtype == "fp8"
+    src = torch.bfloat16 if fp8 else FLOATS[dtype]
+    n, rank, rope, pages = 37, 512, 64, -(-64 // bs) + 2
+    cache = _random_bits((pages, bs, rank + rope), FP8 if fp8 else src, gen)
+    kv_c, k_pe = _randn((n + 3, rank), gen, src), _randn((n + 3, rope), gen, src)
+    slots = torch.randperm(pages * bs, generator=gen)[:n]
+    slots[::5] = -1
+    scale = torch.tensor(0.01) if fp8 else None
+    rot = (None, None, None)
+    if rotary is not None:
+        ang = torch.arange(512, dtype=torch.float32)[:, None] * 10000.0 ** (-torch.arange(rope // 2) * 2.0 / rope)
+        rot = (torch.randint(0, 512, (n + 3,), generator=gen), ang.cos().to(src), ang.sin().to(src))
+
+    def fn(c, p, kc, sl, ks, pos, cos, sin):
+        mla_cache_write(c, p, kc, sl, ks, pos, cos, sin, rotary == "gptj")
+    cpu, dev = _both(device, fn, kv_c, k_pe, cache, slots, scale, *rot)
+    same = _same_bits(cpu[2], dev[2])
+    got, want = dev[2].cpu().to(torch.float32), cpu[2].to(torch.float32)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[src] * (4 if fp8 else 1)
+    fin = ~want.isnan()
+    close = bool(((got[fin] - want[fin]).abs() <= tol * (want[fin].abs() + 1) * (448 if fp8 else 1)).all())
+    ok = same or (rotary is not None and close and _same_bits(cpu[2][..., :rank], dev[2][..., :rank])
+                  and torch.equal(got.isnan(), want.isnan()))
+    return ok, "bit-exact" if same else "k_pe within one rounding of the CPU kernel" if ok else "differs"
 
 
 # --- the sweep -----------------------------------------------------------------------------------------------------
@@ -379,7 +450,12 @@ def movement_cases():
     packed = [("packed", fmt, dtype, d, group, (1, 16)[group % 2]) for _, fmt, dtype, d, group in zip(
         range(24), itertools.cycle(("int8", "fp8", "int4", "int2")), itertools.cycle(FLOATS),
         itertools.cycle(HEAD_DIMS), itertools.cycle((1, 4, 8)))]
-    for group in itertools.zip_longest(writes, rotary, transfer, contiguous, packed):
+    # MLA (kvops/ops/mla.py): attention per (dtype, mode), block sizes 1/16/64 turning; the write per dtype
+    mla = [("mla", dtype, BLOCK_SIZES[k % 3], mode)
+           for k, (mode, dtype) in enumerate(itertools.product(("decode", "prefill"), (*FLOATS, "fp8")))]
+    mla_write = [("mla_write", dtype, BLOCK_SIZES[k % 3], (None, "neox", "gptj")[k % 3])
+                 for k, dtype in enumerate((*FLOATS, "fp8"))]
+    for group in itertools.zip_longest(writes, rotary, transfer, contiguous, packed, mla, mla_write):
         yield from (c for c in group if c is not None)
 
 
@@ -400,7 +476,7 @@ def label(case) -> str:
 def run_case(case, device, seed: int):
     kind, *rest = case
     fn = dict(attention=check_attention, paged_write=check_paged_write, transfer=check_transfer,
-              cache_write=check_cache_write, packed=check_packed,
+              cache_write=check_cache_write, packed=check_packed, mla=check_mla, mla_write=check_mla_write,
               rotary_write=lambda dev, dtype, d, bs, rot, seed: check_paged_write(dev, dtype, d, bs, "NHD", seed,
                                                                                   rotary=rot))[kind]
     return fn(device, *rest, seed)

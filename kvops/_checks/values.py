@@ -255,18 +255,21 @@ def _raise_attention(v, q, num_blocks, block_size, cu_seqlens_q, seq_lens, block
     )
 
 
+# kvops.native.available, set by kvops/ops/__init__.py: the native build is a layer above the validators (CONTRIBUTING.md,
+# "Layers"), so this module asks it through the callable the ops layer hands down instead of importing it.
+native_available = None
+
+
 def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_blocks, block_size, window_left=-1,
                   sink_tokens=0, cache_leftpad=None) -> bool:
     """Eager CPU fast path: True when the native kernel's one-pass check (``kvops/native/paged_attention.cpp``, the
     same contracts as ``_attention_violations``) finds every contract held. False when one is violated (the torch
     path then finds it and raises) or the fast path does not apply (not CPU/int32, no native build)."""
-    from .. import native
-
     if q.device.type != "cpu" or not all(t.dtype == torch.int32 for t in (cu_seqlens_q, seq_lens, block_table)):
         return False
     if cache_leftpad is not None and (cache_leftpad.dtype != torch.int32 or cache_leftpad.device != q.device):
         return False
-    if not native.available():
+    if native_available is None or not native_available():
         return False
     if cache_leftpad is not None and bool((cache_leftpad > seq_lens).any()):  # not in the native pass
         return False
