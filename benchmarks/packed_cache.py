@@ -61,7 +61,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvops.cache import CausalKVCache, PackedCausalKVCache  # noqa: E402
 from kvops.packed import PackedKV, default_group_size, dequantize_kv, materialize, packed_attention  # noqa: E402
-from kvops.packed import packed_layout, quantize_kv, reference  # noqa: E402
+from kvops.packed import packed_layout, quantize_kv  # noqa: E402
+from kvops.cpu import packed as reference  # noqa: E402
 
 FRAME_TOKENS, CHUNK_FRAMES = 1560, 3  # 480x832 latents, 2x2 patches; Quant VideoGen's / LingBot's chunk
 FORMATS = [  # label, quant, format kwargs

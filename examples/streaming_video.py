@@ -85,7 +85,7 @@ class AtenCausalCache:
             self.k, self.v = (torch.zeros(batch, size, HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in "kv")
         self.sink, self.global_end, self.local_end = sink_tokens, 0, 0
 
-    def reset_indices(self) -> None:
+    def reset(self) -> None:
         self.global_end = self.local_end = 0
 
     def update_and_get_attention_kv(self, k: torch.Tensor, v: torch.Tensor, current_chunk_start: int):
@@ -203,7 +203,7 @@ class TensorCursorCache(NamedTuple):
     v: torch.Tensor
     cursors: torch.Tensor
 
-    def reset_indices(self) -> None:
+    def reset(self) -> None:
         self.cursors.zero_()  # a new stream (the rows hold finite values: streaming_update's contract)
 
 
@@ -226,7 +226,7 @@ class PackagedStep(AOTPackage):
     sha256 recorded beside it at build time (``check_package``: a changed or corrupted package is refused, naming
     the file and the cure): the warm start torch.compile's caches do not give a frozen graph in torch 2.13
     (docs/compile.md). Each call stores the returned cursors in place, so
-    ``reset_indices`` (which zeros them) starts a new stream."""
+    ``reset`` (which zeros them) starts a new stream."""
 
     def __init__(self, model: StreamingModel, args, config: tuple[int, int, int], directory: str):
         update = aten_streaming_update if args.impl == "aten" else streaming_update
@@ -358,7 +358,7 @@ def main() -> None:
                 order = [("eager", model, eager_caches), ("compiled", compiled, compiled_caches)]
                 for label, fn, caches in order if r % 2 == 0 else order[::-1]:
                     for cache in caches:  # a stream on the same (reset) caches reuses the compiled graphs
-                        cache.reset_indices()
+                        cache.reset()
                     out, times = stream(fn, caches, latents, chunk_tokens, args.steps, sync)
                     pair[label] = 1e3 * statistics.median(times[warm])
                     if label == "compiled":

@@ -40,7 +40,8 @@ PAGED_ATTENTION = (
     "SymInt max_seqlen_q, float? scale=None, bool causal=True, SymInt window_left=-1, float softcap=0., "
     "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None, str kv_layout=\"NHD\", "
     "Tensor? alibi_slopes=None, SymInt window_right=-1, Tensor? cache_leftpad=None, SymInt sink_tokens=0, "
-    "float? rope_theta=None, float rope_scale=1.) -> (Tensor, Tensor)"
+    "float? rope_theta=None, float rope_scale=1., Tensor? custom_mask=None, Tensor? packed_custom_mask=None) "
+    "-> (Tensor, Tensor)"
 )
 # Its CPU kernel kvops::_paged_attention_native (kvops/native/paged_attention.cpp; the composite kvops/cpu kernel as
 # its CompositeExplicitAutograd fallback, kvops/native/__init__.py): validated, NHD, the resolved scale; the same
@@ -50,8 +51,8 @@ lib.define(
     "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
     "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
     "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? alibi_slopes=None, SymInt window_right=-1, "
-    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0) "
-    "-> (Tensor, Tensor)"
+    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0, "
+    "Tensor? custom_mask=None, Tensor? packed_custom_mask=None) -> (Tensor, Tensor)"
 )
 # The one-pass value-contract check of eager CPU calls (kvops/_checks/values.py; kernel in paged_attention.cpp, only
 # called where the native build is available): True when a contract fails.
@@ -65,14 +66,15 @@ lib.define(
 # caches: the K caches of all layers, then their V caches (2 * L tensors [P, block_size, H_kv, D]);
 # staging: [2, L, num_tokens, num_heads, D], contiguous (K layers then V layers).
 lib.define(
-    "paged_kv_gather(Tensor[] caches, Tensor block_table, Tensor(a!) staging, SymInt start, int head_start) -> ()"
+    "paged_kv_gather(Tensor[] caches, Tensor block_table, Tensor(a!) staging, SymInt start, "
+    "int cache_head_start) -> ()"
 )
 lib.define(
     "paged_kv_scatter(Tensor staging, Tensor(a!)[] caches, Tensor block_table, SymInt start, "
     "int cache_head_start) -> ()"
 )
 
-# --- packed (quantized) K/V (kvops/packed/ops.py; layouts: kvops.packed.packed_layout) -------------------------
+# --- packed (quantized) K/V (kvops/ops/packed.py; layouts: kvops.packed.packed_layout) ---------------------------
 lib.define(
     "quantize_kv(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? zeros, Tensor(d!)? centroids, "
     "Tensor(e!)? cluster_ids, str quant, int kmeans_iters=4) -> ()"
@@ -95,7 +97,7 @@ lib.define(
 # (the kernel reads the values on the host; Inductor lowers the op to device-side asserts, lowering/inductor_checks.py).
 lib.define("stream_positions(Tensor state, int sink_tokens, int kv_cache_size) -> Tensor")
 
-# --- attention over a packed window (kvops/packed/attention.py; docs/semantics.md §2) ---------------------------
+# --- attention over a packed window (kvops/ops/packed_attention.py; docs/semantics.md §2) -----------------------
 # q [B, T, H_q, D]; k_dense/v_dense: dense segments [B, n_i, H_kv, D] / [B, n_i, H_kv, D_v]; k_packed/v_packed: the
 # stored tensors of every packed segment in kvops.packed.packed_layout's order (codes, scales[, zeros[, centroids,
 # cluster_ids]]: 2 per segment for int8/fp8, 3 for int4, 5 for int2), segments one after another; quant: their format

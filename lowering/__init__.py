@@ -41,13 +41,14 @@ LOWERING_SOURCES = (
 
 def schema_sources() -> tuple:
     """The kvops files that decide what a traced graph calls: every schema (``kvops/_library.py``, the native op's in
-    ``kvops/native/__init__.py``), the public ops' traced bodies (``kvops/ops/*.py``, ``kvops/packed/ops.py``) and the
-    decompositions (packed dequantize: ``kvops/packed/_lowering.py``; merge: ``kvops/cpu/merge.py``). An AOTAutograd
-    cache hit keyed on a graph of the public ops would otherwise replay code that calls an op with an older schema
-    (e.g. ``_paged_attention_native expected 14 args, received 20`` after the attention features added arguments)."""
+    ``kvops/native/__init__.py``), the public ops' traced bodies (``kvops/ops/*.py``) and the bodies of the
+    decompositions (packed dequantize: ``kvops/cpu/packed.py``; merge: ``kvops/cpu/merge.py``; their registrations,
+    ``lowering/inductor_*.py``, are ``LOWERING_SOURCES``). An AOTAutograd cache hit keyed on a graph of the public ops
+    would otherwise replay code that calls an op with an older schema (e.g. ``_paged_attention_native expected 14
+    args, received 20`` after the attention features added arguments)."""
     root = pathlib.Path(sys.modules["kvops"].__file__).parent  # kvops may be half imported: no import of its parts
     return (root / "_library.py", root / "native" / "__init__.py", *sorted((root / "ops").glob("*.py")),
-            root / "packed" / "ops.py", root / "packed" / "_lowering.py", root / "cpu" / "merge.py")
+            root / "cpu" / "packed.py", root / "cpu" / "merge.py")
 
 
 def cache_key_tag(sources=None) -> str:
@@ -90,6 +91,9 @@ def register() -> None:
     from . import inductor_checks  # kvops::stream_positions (kvops.export.streaming_update)
 
     inductor_checks.register(register_lowering)
+    from . import inductor_packed  # kvops::dequantize_kv: a decomposition, fused with its consumer
+
+    inductor_packed.register()
     from . import inductor_merge  # kvops::merge_attention_states(_many): decompositions (pure pointwise ops)
 
     inductor_merge.register()

@@ -230,7 +230,7 @@ class Harness:
 
     def reset(self):
         self.oracle.reset()
-        self.cache.reset_indices()
+        self.cache.reset()
 
 
 # --- hypothesis schedules ----------------------------------------------------------------------------------------
@@ -554,7 +554,7 @@ class TestFocused(unittest.TestCase):
         c = CausalKVCache(torch.zeros(1, 4, 1, 1), torch.zeros(1, 4, 1, 1), sink_tokens=1)
         c.update_and_get_attention_kv(tokens(1, 2), tokens(1, 2), 0)
         c.pin_current_chunk(2)
-        c.reset_indices()
+        c.reset()
         self.assertEqual((c.global_end, c.local_end, c.pinned_start, c.pinned_len), (0, 0, -1, 0))
         r = c.update_and_get_attention_kv(tokens(7), tokens(7), 0)
         self.assertEqual(ids(r.k), [7])
@@ -592,7 +592,7 @@ class TestErrors(expecttest.TestCase):
         c.update_and_get_attention_kv(torch.zeros(1, 2, 2, 1), torch.zeros(1, 2, 2, 1), 0, cache_head_start=0)
         msg = self.check(ValueError, lambda k, v: c.update_and_get_attention_kv(k, v, 0, 1), torch.zeros(1, 2, 2, 1),
                          torch.zeros(1, 2, 2, 1))
-        self.assertExpectedInline(msg, """CausalKVCache: head slice [1, 3) overlaps head slice [0, 2), which holds tokens (global_end=2). Writers must use disjoint head slices (or the same one); call reset_indices() before streaming with another slicing of the heads.""")
+        self.assertExpectedInline(msg, """CausalKVCache: head slice [1, 3) overlaps head slice [0, 2), which holds tokens (global_end=2). Writers must use disjoint head slices (or the same one); call reset() before streaming with another slicing of the heads.""")
 
     def test_rewrite_of_evicted_chunk(self):
         c = streamed()  # rows [3, 4, 5, 6], global_end 6

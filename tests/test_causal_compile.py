@@ -167,7 +167,7 @@ class TestGraphCount(CompileCase):
         first = stream(compiled, caches)
         graphs = counter.frame_count
         for cache in caches:
-            cache.reset_indices()
+            cache.reset()
         second = stream(compiled, caches)
         self.assertEqual(counter.frame_count, graphs)
         self.assertTrue(all(torch.equal(a, b) for a, b in zip(first, second)))

@@ -69,6 +69,8 @@ def test_tag_covers_the_schemas():
     # A warm AOTAutograd cache keyed on a graph of public ops replayed code calling kvops::_paged_attention_native
     # with its older 14-argument schema after the attention features added arguments: schemas are part of the tag.
     names = {str(p.relative_to(pathlib.Path(kvops.__file__).parent)) for p in lowering.schema_sources()}
-    assert {"_library.py", "native/__init__.py", "ops/paged_attention.py", "packed/_lowering.py"} <= names, names
+    expected = {"_library.py", "native/__init__.py", "ops/paged_attention.py", "ops/packed.py", "cpu/packed.py"}
+    assert expected <= names, names
+    assert "inductor_packed.py" in {p.name for p in lowering.LOWERING_SOURCES}  # the dequantize decomposition
     assert lowering.cache_key_tag() == lowering.cache_key_tag((*lowering.LOWERING_SOURCES,
                                                                *lowering.schema_sources()))

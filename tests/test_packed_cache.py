@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvops.cache import CausalKVCache, PackedCausalKVCache
 from kvops.packed import dequantize_kv, materialize, packed_attention
-from kvops.packed._plan import pool_slot
+from kvops.cache._packed_pool import pool_slot
 from tests.contract import raises_everywhere
 
 UNSUPPORTED = torch._dynamo.exc.Unsupported  # how Dynamo (fullgraph) reports an exception raised by traced Python
@@ -226,9 +226,9 @@ class TestRandomSchedules(unittest.TestCase):
                     end <= config["size"] and config["sink"] > 0
                 p.chunk_steps(i * config["chunk"], steps=steps, recent=recent, slices=slices, pin=pin)
             if reset:
-                p.dense.reset_indices()
-                p.packed.reset_indices()
-                p.segs.reset_indices()
+                p.dense.reset()
+                p.packed.reset()
+                p.segs.reset()
 
 
 class TestStorage(unittest.TestCase):

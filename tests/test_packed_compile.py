@@ -135,7 +135,7 @@ class TestInductor(unittest.TestCase):
         """A compiled stream (default Inductor backend) writes every quantized chunk into its own pool slot: the
         packed codes, scales, dense rows and returned windows equal eager's. torch 2.13 regenerates a mutated
         ``pool[i]`` view with an offset of 0 (no Inductor lowering for aten.sym_storage_offset); the pool slots
-        are slices instead (kvops/packed/_plan.py)."""
+        are slices instead (kvops/cache/_packed_pool.py)."""
         def make():
             return [PackedCausalKVCache.allocate(B, 9, H, D, chunk_tokens=2, quant="int8", keep_recent_chunks=0,
                                                  sink_tokens=1, dtype=torch.float32),

@@ -9,7 +9,7 @@ import unittest
 import torch
 
 from kvops.packed import empty_packed
-from kvops.packed import reference as cpu
+from kvops.cpu import packed as cpu
 from tests.test_packed_ops import kv_like
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -21,7 +21,7 @@ class TestTritonQuant(unittest.TestCase):
         self.assertTrue(DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
     def test_quantize_and_dequantize_match_the_cpu_kernels(self):
-        from kvops.packed import triton_quant as tk
+        from kvops.triton import packed_quant as tk
 
         cases = [("int8", 80, None, 1, torch.bfloat16), ("int8", 64, None, 1, torch.float32),
                  ("int4", 64, 32, 1, torch.bfloat16), ("int4", 128, 128, 1, torch.float32),
@@ -49,8 +49,8 @@ class TestTritonPackedAttention(unittest.TestCase):
         self.assertTrue(DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
     def test_matches_the_reference(self):
-        from kvops.packed import triton_attention as ta
-        from kvops.packed.attention import _split
+        from kvops.triton import packed_attention as ta
+        from kvops.ops.packed_attention import _split
         from tests.test_packed_attention import dense_window, reference, window
 
         cases = [("int8", 1, 5, 80, None, {}, torch.float32), ("fp8", 2, 2, 64, None, {}, torch.bfloat16),

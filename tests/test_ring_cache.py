@@ -81,7 +81,7 @@ class TestAgainstRollLayout(unittest.TestCase):
         g = 0  # the roll cache's global end (read after each whole lockstep step)
         for kind, back, n, recent in ops:
             if kind == "reset":
-                roll.reset_indices(), ring.reset_indices()
+                roll.reset(), ring.reset()
                 g = 0
                 continue
             start = g + (0 if back == 0 else -back) if kind == "rewrite" else g + (1 if back == 5 else 0)

@@ -161,7 +161,7 @@ class TestContracts(expecttest.TestCase):
         self.assertExpectedInline(self.gather(staging=torch.empty(2, 3, 5, 2, 8)), """kvops.paged_kv_gather: staging shape (2, 3, 5, 2, 8) must be [2, num_layers=2, num_tokens, num_heads, head_dim=8] ([2, num_layers, num_tokens, num_heads, head_dim]: K layers then V layers).""")  # noqa: B950
         self.assertExpectedInline(self.gather(staging=torch.empty(2, 2, 5, 8, 2).transpose(3, 4)), """kvops.paged_kv_gather: staging of shape (2, 2, 5, 2, 8) and strides (160, 80, 16, 1, 2) is not contiguous; it is sent as one buffer. Allocate it with torch.empty(shape) (or a contiguous slice of a larger buffer).""")  # noqa: B950
         self.assertExpectedInline(self.gather(staging=self.staging.half()), """kvops.paged_kv_gather: staging dtype torch.float16 does not match the caches' dtype torch.float32; the transfer moves bits unchanged. Allocate staging as torch.float32.""")  # noqa: B950
-        self.assertExpectedInline(self.gather(h0=3), """kvops.paged_kv_gather: head slice [3, 5) is outside the caches' heads [0, 4). Pass 0 <= head_start <= 2 for 2 staged heads.""")  # noqa: B950
+        self.assertExpectedInline(self.gather(h0=3), """kvops.paged_kv_gather: head slice [3, 5) is outside the caches' heads [0, 4). Pass 0 <= cache_head_start <= 2 for 2 staged heads.""")  # noqa: B950
 
     def test_scatter(self):
         expanded = [torch.zeros(6, 1, 4, 8).expand(6, 4, 4, 8)] + self.ks[1:]

@@ -1,4 +1,4 @@
-"""The transfer planner (kvops.transfer.plan): worked cases of docs/semantics.md §6, exhaustively checked invariants."""
+"""The transfer planner (kvops.transfer.routing): worked cases of docs/semantics.md §6, exhaustively checked invariants."""
 
 import itertools
 import unittest
@@ -12,7 +12,7 @@ from kvops.transfer import (
     check_transfer_metadata,
     compute_grid_segments,
     compute_head_slice_params,
-    plan_for_writer,
+    routes_for_writer,
     rank_head_range,
     resolve_total_kv_heads,
     staging_grid_tokens,
@@ -45,7 +45,7 @@ class TestWorkedCases(expecttest.TestCase):
     def test_prefill_replication_8_2_2(self):
         # each head lives on 4 prefill ranks; one writer per head, no duplicate bytes
         self.assertEqual(writers(8, 2, 2), [(HeadSlice(0, 0, 1, 0),), (HeadSlice(4, 0, 1, 0),)])
-        senders = [p for p in range(8) if plan_for_writer(8, 2, p, 2)]
+        senders = [p for p in range(8) if routes_for_writer(8, 2, p, 2)]
         self.assertEqual(senders, [0, 4])
 
     def test_4_1_8_and_equal(self):
@@ -96,15 +96,15 @@ class TestWorkedCases(expecttest.TestCase):
 
     def test_rank_is_taken_modulo_the_tp_group(self):
         """sglang's rule (``src_tp_rank % src_attn_tp_size``, ``dst_tp_rank % dst_attn_tp_size``): a global rank maps
-        to its rank in the TP group, on the prefill side (plan_for_writer) as on the decode side."""
+        to its rank in the TP group, on the prefill side (routes_for_writer) as on the decode side."""
         for p_tp, d_tp, heads in ((4, 2, 8), (2, 4, 8), (1, 4, 2), (8, 2, 2), (4, 8, 2), (4, 4, 8)):
             for rank in range(3 * p_tp):
-                self.assertEqual(plan_for_writer(p_tp, d_tp, rank, heads),
-                                 plan_for_writer(p_tp, d_tp, rank % p_tp, heads))
+                self.assertEqual(routes_for_writer(p_tp, d_tp, rank, heads),
+                                 routes_for_writer(p_tp, d_tp, rank % p_tp, heads))
                 self.assertEqual(rank_head_range(heads, p_tp, rank), rank_head_range(heads, p_tp, rank % p_tp))
-        self.assertEqual(plan_for_writer(4, 2, 5, 8), ((0, HeadSlice(1, 0, 2, 2)),))  # global 5 = prefill TP rank 1
+        self.assertEqual(routes_for_writer(4, 2, 5, 8), ((0, HeadSlice(1, 0, 2, 2)),))  # global 5 = prefill TP rank 1
         with self.assertRaises(ValueError) as cm:
-            plan_for_writer(4, 2, -1, 8)
+            routes_for_writer(4, 2, -1, 8)
         self.assertExpectedInline(str(cm.exception), """prefill tp_rank=-1 must be a non-negative int (a TP rank, or a global rank, which is taken modulo prefill tp_size=4 as sglang does).""")  # noqa: B950
         with self.assertRaises(ValueError) as cm:
             rank_head_range(8, 4, 1.0)

@@ -214,8 +214,8 @@ class TestPackedAttention(unittest.TestCase):
 
     def test_every_kernel_and_format(self):
         import kvops.packed as kp
-        from kvops.packed import reference as pref
-        from kvops.packed import triton_attention
+        from kvops.cpu import packed as pref
+        from kvops.triton import packed_attention as triton_attention
 
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, 2, 4, 16, generator=g)

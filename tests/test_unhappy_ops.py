@@ -257,7 +257,8 @@ class TestPacked(expecttest.TestCase):
         -- the value itself (fp8: a NaN code), its (token, head) row (int8: a NaN scale) or its group (int4, int2: a
         NaN scale) -- as attention over a dense cache holding it gives NaN; every other value is as without it. CPU
         kernels and the Triton kernels (interpreter)."""
-        from kvops.packed import reference, triton_quant
+        from kvops.cpu import packed as reference
+        from kvops.triton import packed_quant as triton_quant
 
         x = torch.randn(1, 16, 2, 32)
         bad = x.clone()
@@ -295,8 +296,8 @@ class TestPacked(expecttest.TestCase):
         msg = check_failing_call(self, lambda: kp.dequantize_kv(p._replace(cluster_ids=ids)), RuntimeError,
                                  ["cluster_ids[0, 3, 1] = 200"])
         self.assertExpectedInline(msg, """kvops.dequantize_kv: cluster_ids[0, 3, 1] = 200 is not a centroid of its segment: cluster ids must be in [0, 16) (centroids [B, H, 16, D]). Pass the cluster_ids that kvops.packed.quantize_kv wrote with those centroids.""")  # noqa: B950
-        import kvops.packed.reference as ref
-        from kvops.packed._checks import split_segments  # noqa: F401  (the composite's layout)
+        import kvops.cpu.packed as ref
+        from kvops._checks.packed import split_segments  # noqa: F401  (the composite's layout)
 
         q = torch.randn(1, 2, 4, 16)
         bad = p._replace(cluster_ids=ids)

@@ -293,7 +293,8 @@ def _triton_pa(a):
 def _quant(quant, kernel):
     def fn(a):
         import kvops.packed as kp
-        from kvops.packed import reference, triton_quant
+        from kvops.cpu import packed as reference
+        from kvops.triton import packed_quant as triton_quant
 
         x = a["x"].clone()
         x[0, 3, 0, 5], x[0, 7, 1, 9], x[0, 9, 0, 1] = INF, NAN, -INF

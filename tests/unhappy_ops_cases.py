@@ -81,7 +81,7 @@ def _base_calls():
 
     def gather():
         return dict(k_caches=[_t(4, 4, 2, 8)], v_caches=[_t(4, 4, 2, 8)], block_table=torch.tensor([0, 2]),
-                    staging=_t(2, 1, 6, 2, 8), start=1, head_start=0)
+                    staging=_t(2, 1, 6, 2, 8), start=1, cache_head_start=0)
     base["paged_kv_gather"] = (lambda a: kvops.paged_kv_gather(**a), gather)
 
     def scatter():

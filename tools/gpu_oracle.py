@@ -302,7 +302,7 @@ def check_transfer(device, dtype, d, bs, seed):
     staging = torch.zeros((2, layers, n, h, d), dtype=cache_dtype)
 
     def gather(st, t, *cs):
-        kvops.paged_kv_gather(cs[:layers], cs[layers:], t, st, start=5, head_start=1)
+        kvops.paged_kv_gather(cs[:layers], cs[layers:], t, st, start=5, cache_head_start=1)
     cpu, dev = _both(device, gather, staging, table, *caches)
     ok = _same_bits(cpu[0], dev[0])
     new = _random_bits(staging.shape, cache_dtype, gen)
@@ -317,7 +317,7 @@ def check_transfer(device, dtype, d, bs, seed):
 def check_packed(device, fmt, dtype, d, group, t, seed):
     """quantize (the CPU kernel's codes bit for bit), dequantize (within fp32 rounding) and attention (fp64)."""
     from kvops.packed import packed_attention
-    from kvops.packed.ops import dequantize_kv, quantize_kv
+    from kvops.ops.packed import dequantize_kv, quantize_kv
 
     gen = _gen(seed)
     b, n, h_kv = 2, 96, 2

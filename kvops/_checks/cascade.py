@@ -36,12 +36,11 @@ def check_plan_inputs(block_table, seq_lens, cu_seqlens_q, block_size) -> None:
         )
 
 
-def check_cascade(plan, q, k_cache, block_table, seq_lens, kv_layout: str) -> None:
-    """A plan (``kvops.CascadePlan``) against one step's tensors: the batch size, the query rows and the cache's
+def check_cascade(plan, q, k_cache, block_table, seq_lens, kv_layout: str, plan_type: type) -> None:
+    """A plan (``kvops.CascadePlan``, passed as ``plan_type`` by kvops/ops/cascade.py: the validators are a layer
+    below the ops, CONTRIBUTING.md) against one step's tensors: the batch size, the query rows and the cache's
     ``block_size`` it was made for. Raises ``ValueError`` naming the value and the fix (replan)."""
-    from ..ops.cascade import CascadePlan
-
-    if not isinstance(plan, CascadePlan):
+    if not isinstance(plan, plan_type):
         raise ValueError(
             f"{OP}: plan must be a kvops.CascadePlan (from kvops.plan_cascade), got {type(plan).__name__}. Make one "
             f"with kvops.plan_cascade(block_table, seq_lens, cu_seqlens_q, block_size)."

@@ -16,8 +16,8 @@ from .rolling import RollingKVCache  # noqa: E402
 
 __all__ += ["RollingKVCache"]
 
-# --- packed (quantized) streaming cache (kvops/packed/cache.py, docs/semantics.md §2) ---------------------------------
-from ..packed.cache import PackedCausalKVCache, PackedKVView  # noqa: E402
+# --- packed (quantized) streaming cache (packed.py, docs/semantics.md §2) ----------------------------------------------
+from .packed import PackedCausalKVCache, PackedKVView  # noqa: E402
 
 __all__ += ["PackedCausalKVCache", "PackedKVView"]
 
@@ -25,3 +25,8 @@ __all__ += ["PackedCausalKVCache", "PackedKVView"]
 from .ring import RingCausalKVCache, RingKVView  # noqa: E402
 
 __all__ += ["RingCausalKVCache", "RingKVView"]
+
+# --- MLA latent caches with the paged block manager (mla.py, docs/mla.md) ------------------------------------------
+from .mla import PagedMLACache  # noqa: E402
+
+__all__ += ["PagedMLACache"]

@@ -15,7 +15,7 @@ The clamps below are built from ``abs`` and ``//`` instead (``max(0, x) = (x + |
 ``abs``/``//`` on ``SymInt``s compare nothing, so a stored guard adds back exactly itself and the warm run compiles
 the cold run's graphs. Nested clamps make Inductor's sympy work grow quickly (its loop tiling simplifies sizes that
 contain them), so callers keep every clamp's argument linear in the cursors where they can (one level; see
-``kvops.cache._plan``). On Python ints they are exact (the values of ``max``/``min``); there is no fast path for them,
+``kvops.cache._placement``). On Python ints they are exact (the values of ``max``/``min``); there is no fast path for them,
 because under Dynamo a ``SymInt`` passes ``isinstance(x, int)`` and fails ``isinstance(x, torch.SymInt)``.
 """
 

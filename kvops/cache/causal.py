@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 
 from .._checks.contiguous import check_cache_write, check_caches
+from .._deprecation import renamed_method
 from ..ops.contiguous import cache_roll, cache_write
 from ._alloc import allocate
 from ._clamp import smax
-from ._plan import CausalKVView, _Cursors, eviction_moves, eviction_moves_with_pin, plan_rows, raise_write_range
+from ._placement import CausalKVView, _Cursors, eviction_moves, eviction_moves_with_pin, place_rows, raise_write_range
 from ._validate import check_update_args, check_window_mode
 from ._window import visible_rows
 
@@ -60,7 +61,7 @@ class CausalKVCache:
     build them outside it. Dynamo then treats their int cursors (and ``current_chunk_start``) as inputs: after one
     recompile they become dynamic ``SymInt``s. (A cache can also be built and used inside a compiled or exported
     function, e.g. an exported step that wraps given buffers; its cursors are then trace-time constants of that
-    graph.) The bookkeeping is branch-free (``kvops.cache._plan``: clamps built from ``abs`` and ``//``), so
+    graph.) The bookkeeping is branch-free (``kvops.cache._placement``: clamps built from ``abs`` and ``//``), so
     appends, rewrites and evictions run the same graph; the loop compiles a small fixed set of graphs during the
     first chunks and none after (measured on torch 2.13, tests/test_causal_compile.py):
 
@@ -210,7 +211,7 @@ class CausalKVCache:
 
     @property
     def global_end(self) -> int:
-        """``G``: tokens generated so far (0 after :meth:`reset_indices`)."""
+        """``G``: tokens generated so far (0 after :meth:`reset`)."""
         return self._common("global_end")
 
     @property
@@ -228,13 +229,15 @@ class CausalKVCache:
         """Rows of the pinned chunk (0 without a pin)."""
         return self._common("pinned_len")
 
-    def reset_indices(self) -> None:
+    def reset(self) -> None:
         """Forget every cursor and the pin (a new stream starts at position 0); the buffers are not touched.
 
         The cursor objects are zeroed in place, so a compiled stream loop reuses its graphs for the next stream.
         """
         for c in self._cursors.values():
             c.global_end, c.local_end, c.pinned_start, c.pinned_len, c.ring_offset = 0, 0, -1, 0, 0
+
+    reset_indices = renamed_method("reset_indices", "reset")
 
     def can_direct_current_attention(self, num_new_tokens: int) -> bool:
         """True when ``K == 0`` and ``S == W == num_new_tokens``: the chunk alone is the visible window, so the
@@ -295,7 +298,7 @@ class CausalKVCache:
                 raise ValueError(
                     f"{self.name}: head slice [{h0}, {h1}) overlaps head slice [{a}, {b}), which holds tokens "
                     f"(global_end={other.global_end}). Writers must use disjoint head slices (or the same one); "
-                    f"call reset_indices() before streaming with another slicing of the heads."
+                    f"call reset() before streaming with another slicing of the heads."
                 )
         return _Cursors(), stale
 
@@ -356,32 +359,33 @@ class CausalKVCache:
                 would land on the sink rows (``sink + n > S``), or when ``s > G`` (an append that would leave
                 positions ``[G, s)`` unwritten).
         """
-        h0, h1, c, plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens,
+        h0, h1, c, placement = self._place(key, value, current_chunk_start, cache_head_start, recent_window_tokens,
                                      debug_name)
         g, l = c.global_end, c.local_end
         unsettled_pin = c.pinned_len > 0 and c.pinned_start != self.global_sink_tokens
-        if plan.capacity != self.cache_size:
-            self._grow(plan.capacity)
+        if placement.capacity != self.cache_size:
+            self._grow(placement.capacity)
         if unsettled_pin:
             moves, pinned_start = eviction_moves_with_pin(
-                plan, l, self.global_sink_tokens, c.pinned_start, c.pinned_len
+                placement, l, self.global_sink_tokens, c.pinned_start, c.pinned_len
             )
         else:
-            moves, pinned_start = eviction_moves(plan, l, self._effective_sink(c)), c.pinned_start
+            moves, pinned_start = eviction_moves(placement, l, self._effective_sink(c)), c.pinned_start
         for src, dst, count in moves:
             if torch.compiler.is_compiling() or count > 0:  # count is 0 unless rows are evicted
                 cache_roll(self.k, self.v, src, dst, count, h0, h1 - h0)
         head_start = None if cache_head_start is None else h0
-        cache_write(key, value, self.k, self.v, plan.ls, head_start)
-        c.global_end, c.local_end, c.pinned_start = g + plan.added, l + plan.added - plan.evicted, pinned_start
+        cache_write(key, value, self.k, self.v, placement.ls, head_start)
+        added, evicted = placement.added, placement.evicted
+        c.global_end, c.local_end, c.pinned_start = g + added, l + added - evicted, pinned_start
 
-        k, v = self._visible(c, plan.ls, c.local_end, recent_window_tokens, h0, h1, head_start is not None)
-        return CausalKVView(k, v, plan.ls, plan.le, c.local_end, c.global_end)
+        k, v = self._visible(c, placement.ls, c.local_end, recent_window_tokens, h0, h1, head_start is not None)
+        return CausalKVView(k, v, placement.ls, placement.le, c.local_end, c.global_end)
 
-    def _plan(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens, debug_name=None):
-        """Validate one update (nothing is written) and return ``(h0, h1, cursors, plan)``: the head slice, its
-        cursors and the :class:`kvops.cache._plan.Plan` (the chunk's rows after the update, the tokens appended and
-        rows evicted, the capacity after a planned growth). Shared with :class:`kvops.cache.ring.RingCausalKVCache`.
+    def _place(self, key, value, current_chunk_start, cache_head_start, recent_window_tokens, debug_name=None):
+        """Validate one update (nothing is written) and return ``(h0, h1, cursors, placement)``: the head slice, its
+        cursors and the :class:`kvops.cache._placement.Placement` (the chunk's rows after the update, the tokens
+        appended and rows evicted, the capacity after a growth). Shared with :class:`kvops.cache.ring.RingCausalKVCache`.
         """
         name = self.name if debug_name is None else debug_name
         check_update_args(name, key, value, self.k.shape[2], current_chunk_start, cache_head_start, recent_window_tokens)
@@ -389,20 +393,20 @@ class CausalKVCache:
         h0 = check_cache_write(key, value, self.k, self.v, 0, cache_head_start, op=name, check_rows=False)
         h1 = h0 + key.shape[2]
         c, stale = self._find_slice_cursors(h0, h1)
-        # Branch-free (kvops.cache._plan): a rewrite, an append and an append that evicts run the same graph; only
+        # Branch-free (kvops.cache._placement): a rewrite, an append and an append that evicts run the same graph; only
         # the pin's state (none/unsettled/settled) and the shape of the visible window (a view or a cat) are Python
         # branches. Rows [0, protected) never follow position = G - L + row.
         protected = self.global_sink_tokens if c.pinned_len > 0 else self._effective_sink(c)
         s, g, l = current_chunk_start, c.global_end, c.local_end
-        plan, ok = plan_rows(key.shape[1], s, g, l, self.cache_size, self.allow_growth, protected)
+        placement, ok = place_rows(key.shape[1], s, g, l, self.cache_size, self.allow_growth, protected)
         if not ok:
-            raise_write_range(name, plan, s, g, l, protected)
+            raise_write_range(name, placement, s, g, l, protected)
         # Validated: only now may a new head slicing replace the cursors of slices that never held tokens.
         if stale is not None:
             for old in stale:
                 del self._cursors[old]
             self._cursors[(h0, h1)] = c
-        return h0, h1, c, plan
+        return h0, h1, c, placement
 
     def _grow(self, new_size: int) -> None:
         """Reallocate the buffers with ``new_size`` rows, copying the rows in use (all heads) through the write op."""

@@ -3,7 +3,7 @@
 Rows ``[0, E)`` hold the sink; rows ``[E, S)`` form a ring of ``R = S - E`` rows, so an evicting append overwrites
 the evicted rows in place: it writes the new chunk only (one or two ``kvops.cache_write`` calls, two when the chunk
 wraps past row ``S - 1``) and nothing moves (no ``kvops.cache_roll``). The cursors, errors and returned indices are
-those of :class:`~kvops.cache.causal.CausalKVCache` (it shares its validation, ``CausalKVCache._plan``): the
+those of :class:`~kvops.cache.causal.CausalKVCache` (it shares its validation, ``CausalKVCache._place``): the
 *logical* row ``E + j`` of the roll layout is stored at the *physical* row ``E + (offset + j) % R``, where ``offset``
 advances by the evicted rows on every eviction.
 """
@@ -135,9 +135,9 @@ class RingCausalKVCache(CausalKVCache):
         :meth:`CausalKVCache.update_and_get_attention_kv`; the chunk's logical rows ``[ls, le)`` are written at
         their physical ring rows, after the ring offset advanced by the evicted rows. Returns a :class:`RingKVView`.
         """
-        h0, h1, c, plan = self._plan(key, value, current_chunk_start, cache_head_start, recent_window_tokens,
+        h0, h1, c, placement = self._place(key, value, current_chunk_start, cache_head_start, recent_window_tokens,
                                      debug_name)
-        ls, le, added, evicted = plan.ls, plan.le, plan.added, plan.evicted
+        ls, le, added, evicted = placement.ls, placement.le, placement.added, placement.evicted
         sink = self._effective_sink(c)
         ring = self.cache_size - sink
         offset = (c.ring_offset + evicted) % ring  # committed with the cursors, after the writes

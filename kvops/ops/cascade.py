@@ -191,7 +191,7 @@ def cascade_attention(
     made for another batch size, number of query rows or ``block_size`` (replan), or ``block_table`` is narrower
     than the plan's prefix.
     """
-    check_cascade(plan, q, k_cache, block_table, seq_lens, kv_layout)
+    check_cascade(plan, q, k_cache, block_table, seq_lens, kv_layout, CascadePlan)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     kw = dict(softcap=softcap, k_scale=k_scale, v_scale=v_scale, return_lse=True, kv_layout=kv_layout)

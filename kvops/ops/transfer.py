@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
+from .._deprecation import renamed_keyword
 from .._checks.common import int64_error
 from .._checks.transfer import check_paged_kv_transfer
 from ..cpu import transfer as cpu
@@ -37,11 +38,11 @@ def paged_kv_gather(
     block_table: torch.Tensor,
     staging: torch.Tensor,
     start: int = 0,
-    head_start: int = 0,
+    cache_head_start: int = 0,
 ) -> None:
     """Copy one request's KV head slice, all layers, from paged caches into a contiguous staging buffer (in place).
 
-    ``staging[0, l, i] = k_caches[l][b, r, head_start : head_start + h]`` and ``staging[1, l, i]`` likewise from
+    ``staging[0, l, i] = k_caches[l][b, r, cache_head_start : cache_head_start + h]`` and ``staging[1, l, i]`` likewise from
     ``v_caches[l]``, where token ``p = start + i`` sits in block ``b = block_table[p // block_size]``, row
     ``r = p % block_size``. Bit-exact (any dtype, fp8 included); the caches are only read, never copied.
 
@@ -53,7 +54,8 @@ def paged_kv_gather(
         block_table: ``[num_blocks_of_request]`` int32/int64, the request's physical blocks in order.
         staging: ``[2, L, n, h, D]``, contiguous, the caches' dtype; ``n`` tokens and ``h`` heads come from its shape.
         start: first token position of the request to gather (a grid segment's start). SymInt.
-        head_start: first head of the slice in the caches (the writer's ``src_head_start``).
+        cache_head_start: first head of the slice in the caches (the writer's ``src_head_start``; ``head_start``,
+            its name before kvops 0.1, still works with a ``DeprecationWarning``: docs/names.md).
 
     Raises:
         ValueError: bad list lengths, ranks, mismatched caches, ``block_table`` dtype/rank, a staging buffer of the
@@ -63,10 +65,13 @@ def paged_kv_gather(
             compile/export).
         IndexError: (CPU kernel, eager) a used block id outside ``[0, P)``.
     """
-    bad = int64_error("kvops.paged_kv_gather", {"start": start, "head_start": head_start})
+    bad = int64_error("kvops.paged_kv_gather", {"start": start, "cache_head_start": cache_head_start})
     if bad is not None:  # (torch's schema error gives no fix)
         raise bad
-    torch.ops.kvops.paged_kv_gather(list(k_caches) + list(v_caches), block_table, staging, start, head_start)
+    torch.ops.kvops.paged_kv_gather(list(k_caches) + list(v_caches), block_table, staging, start, cache_head_start)
+
+
+paged_kv_gather = renamed_keyword(paged_kv_gather, "head_start", "cache_head_start")
 
 
 def paged_kv_scatter(
@@ -100,8 +105,8 @@ def paged_kv_scatter(
 
 # --- fake rules: the contract at trace time ---------------------------------------------------------------------
 @torch.library.register_fake("kvops::paged_kv_gather")
-def _gather_fake(caches, block_table, staging, start, head_start):
-    check_paged_kv_transfer(GATHER, caches, block_table, staging, start, head_start, "head_start", False)
+def _gather_fake(caches, block_table, staging, start, cache_head_start):
+    check_paged_kv_transfer(GATHER, caches, block_table, staging, start, cache_head_start, "cache_head_start", False)
 
 
 @torch.library.register_fake("kvops::paged_kv_scatter")
@@ -112,9 +117,10 @@ def _scatter_fake(staging, caches, block_table, start, cache_head_start):
 # --- kernels ----------------------------------------------------------------------------------------------------
 def _register(device: str, kernels) -> None:
     @torch.library.impl("kvops::paged_kv_gather", device)
-    def _gather(caches, block_table, staging, start, head_start):
-        check_paged_kv_transfer(GATHER, caches, block_table, staging, start, head_start, "head_start", False)
-        kernels.paged_kv_gather(caches, block_table, start, head_start, staging)
+    def _gather(caches, block_table, staging, start, cache_head_start):
+        check_paged_kv_transfer(GATHER, caches, block_table, staging, start, cache_head_start, "cache_head_start",
+                                False)
+        kernels.paged_kv_gather(caches, block_table, start, cache_head_start, staging)
 
     @torch.library.impl("kvops::paged_kv_scatter", device)
     def _scatter(staging, caches, block_table, start, cache_head_start):

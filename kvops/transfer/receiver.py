@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ..ops.transfer import paged_kv_scatter
 from . import wire
-from .plan import check_transfer_metadata, compute_grid_segments, compute_head_slice_params
+from .routing import check_transfer_metadata, compute_grid_segments, compute_head_slice_params
 from .transport import KVTransferError, TransferGroups, TransferStats, _check_request, _Endpoint
 
 

@@ -9,12 +9,12 @@ import torch.distributed as dist
 
 from ..ops.transfer import paged_kv_gather
 from . import wire
-from .plan import check_transfer_metadata, compute_grid_segments, plan_for_writer
+from .routing import check_transfer_metadata, compute_grid_segments, routes_for_writer
 from .transport import KVTransferError, TransferGroups, TransferStats, _check_request, _Endpoint
 
 
 class KVSender(_Endpoint):
-    """Prefill side: sends one request's KV (its head slices, all layers) to the decode ranks the plan assigns.
+    """Prefill side: sends one request's KV (its head slices, all layers) to the decode ranks its routes name.
 
     Args:
         groups: the world's prefill and decode ranks. tp_rank: this rank's index in ``groups.prefill_ranks``.
@@ -31,7 +31,7 @@ class KVSender(_Endpoint):
                  chunked_prefill_size: int | None = 8192, timeout_s: float = 30.0, checksum: bool = False) -> None:
         super().__init__(groups, tp_rank, k_caches, v_caches, total_kv_heads, chunked_prefill_size, timeout_s,
                          checksum)
-        self.targets = plan_for_writer(self.prefill_tp, self.decode_tp, tp_rank, total_kv_heads)
+        self.targets = routes_for_writer(self.prefill_tp, self.decode_tp, tp_rank, total_kv_heads)
         self._slices = sorted({(s.src_head_start, s.num_heads) for _, s in self.targets})
 
     def connect(self, timeout_s: float | None = None) -> None:

@@ -5,8 +5,8 @@ The protocol and the parts both endpoints share; the endpoints are :class:`~kvop
 
 One world holds a prefill TP group and a decode TP group (their global ranks are given by :class:`TransferGroups`).
 Each prefill rank runs a :class:`KVSender` over its paged caches, each decode rank a :class:`KVReceiver` over its
-``kvops.PagedKVCache``. Both sides compute the same plan (``kvops.transfer.plan``) and first exchange
-:class:`~kvops.transfer.plan.KVArgs` with every peer (:meth:`connect`): a layout mismatch raises ``ValueError`` on
+``kvops.PagedKVCache``. Both sides compute the same routes (``kvops.transfer.routing``) and first exchange
+:class:`~kvops.transfer.routing.KVArgs` with every peer (:meth:`connect`): a layout mismatch raises ``ValueError`` on
 both sides before any KV byte moves. The protocol per request (``docs/transfer.md``; wire format:
 :mod:`kvops.transfer.wire`):
 
@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from ..ops.transfer import staging_shape
 from . import wire
-from .plan import KVArgs, heads_per_rank, rank_head_range, staging_grid_tokens, writer_bytes
+from .routing import KVArgs, heads_per_rank, rank_head_range, staging_grid_tokens, writer_bytes
 
 _HANDSHAKE_TAG = 2**30
 MAX_REQUEST_ID = 2**30 - 1

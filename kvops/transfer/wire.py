@@ -28,7 +28,7 @@ import zlib
 
 import torch
 
-from .plan import _DTYPES
+from .routing import _DTYPES
 
 try:  # the same CRC-32 (zlib's polynomial), vectorized with PCLMULQDQ / AVX-512: ~5x zlib's (optional extra)
     from isal.isal_zlib import crc32 as _crc32

@@ -1,6 +1,6 @@
 """One launch of a Triton kernel, as planned by a launcher: kernel, grid, arguments and compile options.
 
-Every launcher in ``kvops/triton/`` and ``kvops/packed/triton_*.py`` is split in two: a ``plan_*`` function that
+Every launcher in ``kvops/triton/`` and ``kvops/triton/packed_*.py`` is split in two: a ``plan_*`` function that
 computes the grid, ``num_warps``, ``num_stages`` and the ``BLOCK_*`` constexprs from the arguments' shapes, dtypes and
 the target's compute capability and returns :class:`Launch` records, and the launcher proper, which runs them. The
 ahead-of-time check (``tools/aot.py``, ``python benchmarks/gpu_check.py --aot``) calls the same ``plan_*``

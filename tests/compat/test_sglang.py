@@ -3,7 +3,7 @@
 - The planner: the cases of sglang's ``test_staging_buffer`` unit tests for ``compute_head_slice_params`` (gather
   (4, 2, 8), scatter (2, 4, 8), GQA replication (1, 4, 2), equal TP, the count contract, and
   ``test_rank_is_taken_modulo_the_tp_group``) through ``kvops.transfer`` (sglang's per-pair function is kvops'
-  ``plan_for_writer``/``compute_head_slice_params`` pair; docs/transfer.md).
+  ``routes_for_writer``/``compute_head_slice_params`` pair; docs/transfer.md).
 - The dense causal cache: ``CausalKVCache(window_mode="tail")`` against a plain model of sglang's
   ``CausalSelfAttentionKVCache.update_and_get_attention_kv`` written here from its documented behaviour (append,
   evict after the sink, rewrite of chunks still in the cache, growth, the tail window ``max(0, L - W)``), over seeded
@@ -22,12 +22,12 @@ import torch
 
 import kvops
 from kvops.packed import PackedCausalKVCache
-from kvops.transfer import HeadSlice, compute_head_slice_params, plan_for_writer
+from kvops.transfer import HeadSlice, compute_head_slice_params, routes_for_writer
 
 
 class TestHeadSliceParams(unittest.TestCase):
     def test_gather_each_prefill_rank_sends_its_own_two_heads(self):  # (src 4, dst 2, H 8)
-        sends = [plan_for_writer(4, 2, r, 8) for r in range(4)]
+        sends = [routes_for_writer(4, 2, r, 8) for r in range(4)]
         for r, pairs in enumerate(sends):
             ((decode, s),) = pairs
             self.assertEqual((decode, s.writer, s.src_head_start, s.num_heads), (r // 2, r, 0, 2))
@@ -35,7 +35,7 @@ class TestHeadSliceParams(unittest.TestCase):
 
     def test_rank_is_taken_modulo_the_tp_group(self):
         for r in range(4):
-            self.assertEqual(plan_for_writer(4, 2, r + 4, 8), plan_for_writer(4, 2, r, 8))
+            self.assertEqual(routes_for_writer(4, 2, r + 4, 8), routes_for_writer(4, 2, r, 8))
         for d in range(2):
             self.assertEqual(compute_head_slice_params(4, 2, d + 2, 8), compute_head_slice_params(4, 2, d, 8))
 

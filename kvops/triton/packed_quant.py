@@ -2,7 +2,7 @@
 
 One program per (batch, token, head) row of ``D`` values. Covered: int8 and int4 quantize and dequantize, int2
 dequantize (centroid gather + every residual stage in one pass). The fp8 quantize (a per-head amax over all tokens)
-and the int2 quantize (k-means) run as torch ops on the GPU (``kvops/packed/reference.py``). The arithmetic follows
+and the int2 quantize (k-means) run as torch ops on the GPU (``kvops/cpu/packed.py``). The arithmetic follows
 the reference exactly (IEEE division ``div_rn``, round-half-to-even, fp16-rounded scales, int8 zero points in
 eighths of a step: ``x ≈ (code - zero / 8) · scale``), so the codes are equal; non-finite inputs too (scales from the
 finite values, a NaN scale for the row or group that holds one: docs/semantics.md §2.0).
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton.launch import Launch, capability_of, run
-from . import reference
+from ..cpu import packed as reference
+from .launch import Launch, capability_of, run
 
 SCALE_MIN, SCALE_MAX = reference.SCALE_MIN, reference.SCALE_MAX
 

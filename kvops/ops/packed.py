@@ -1,9 +1,9 @@
 """``kvops::quantize_kv`` / ``kvops::dequantize_kv``: pack dense K or V ``[B, T, H, D]`` into a quantized format.
 
-Schema: ``kvops/_library.py``. Validators and layouts: ``kvops/packed/_checks.py``. CPU kernels:
-``kvops/packed/reference.py``. CUDA: Triton kernels (``kvops/packed/triton_quant.py``) for int8/fp8/int4 and the
+Schema: ``kvops/_library.py``. Validators and layouts: ``kvops/_checks/packed.py``. CPU kernels:
+``kvops/cpu/packed.py``. CUDA: Triton kernels (``kvops/triton/packed_quant.py``) for int8/fp8/int4 and the
 int2 dequantize; the int2 k-means runs as torch ops on CUDA. Attention over packed segments (reads the packed bytes
-directly): ``kvops/packed/attention.py``.
+directly): ``kvops/ops/packed_attention.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from ..triton import HAS_TRITON
 from .._checks.common import ADDRESSABLE
-from . import reference
-from ._checks import check_dequantize_kv, check_format, check_quantize_kv, packed_layout
+from ..cpu import packed as reference
+from .._checks.packed import check_dequantize_kv, check_format, check_quantize_kv, packed_layout
 
 
 class PackedKV(NamedTuple):
@@ -65,6 +65,19 @@ class PackedKV(NamedTuple):
             None if self.centroids is None else self.centroids[:, h0:h1],
             None if self.cluster_ids is None else self.cluster_ids[:, :, h0:h1],
         )
+
+
+class PackedSegments(NamedTuple):
+    """The visible window of K or V as the cache's whole storage and a row mask (:meth:`PackedCausalKVCache.update`).
+
+    ``segments``: every storage slot in a fixed order (the same list on every call of one cache), each a dense view
+    ``[B, n_i, H_in, D]`` or a :class:`PackedKV` of ``n_i`` rows. ``row_counts``: int32 ``[sum n_i]``, how many
+    times each stored row (segments concatenated in list order) is in the window, 0 for rows not visible. Pass it to
+    :func:`kvops.packed.packed_attention` as is (``packed_attention(q, view.k, view.v)``).
+    """
+
+    segments: list
+    row_counts: torch.Tensor
 
 
 def default_group_size(head_dim: int) -> int:
@@ -154,6 +167,19 @@ def dequantize_kv(packed: PackedKV, dtype: torch.dtype = torch.bfloat16) -> torc
     return torch.ops.kvops.dequantize_kv(*packed[1:], packed.quant, dtype)
 
 
+def materialize(segments, dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[B, V, H, D]`` of a list of segments (a view when there is one dense segment) or of
+    :class:`PackedSegments` (the visible rows, each repeated ``row_counts`` times, in storage order; eager only: the
+    row count is data dependent)."""
+    items = segments.segments if isinstance(segments, PackedSegments) else segments
+    parts = [dequantize_kv(x, dtype) if isinstance(x, PackedKV) else x for x in items]
+    dense = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    if isinstance(segments, PackedSegments):
+        rows = torch.arange(dense.shape[1], device=dense.device).repeat_interleave(segments.row_counts.long())
+        dense = dense.index_select(1, rows)
+    return dense
+
+
 # --- fake rules: the contract at trace time ---------------------------------------------------------------------
 @torch.library.register_fake("kvops::quantize_kv")
 def _quantize_fake(x, codes, scales, zeros, centroids, cluster_ids, quant, kmeans_iters=4):
@@ -181,7 +207,7 @@ def _register(device: str, quantize, dequantize) -> None:
 
 _register("CPU", reference.quantize, reference.dequantize)
 if HAS_TRITON:
-    from . import triton_quant as _triton
+    from ..triton import packed_quant as _triton
 
     _register("CUDA", _triton.quantize, _triton.dequantize)
 else:  # pragma: no cover - CUDA builds without triton

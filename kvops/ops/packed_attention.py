@@ -8,12 +8,12 @@ loop -- so the bytes read per call shrink with the format and no dense copy of a
 softmax across segments is the LSE merge of FlashAttention's KV splits, done incrementally).
 
 Schema: ``kvops/_library.py``. Validator (shared by the kernels and the fake rule): ``check_packed_attention`` in
-``kvops/packed/_checks.py``. Kernels:
+``kvops/_checks/packed.py``. Kernels:
 
 * CPU: native C++ (``kvops/native/packed_attention.cpp``, built on first use with the paged-attention kernel; where it
-  cannot be built -- one warning -- or ``KVOPS_NATIVE=0``, the composite ``kvops.packed.reference.packed_attention``:
+  cannot be built -- one warning -- or ``KVOPS_NATIVE=0``, the composite ``kvops.cpu.packed.packed_attention``:
   one segment dequantized at a time, torch's flash SDPA, LSE merge);
-* CUDA: Triton (``kvops/packed/triton_attention.py``; one launch per segment carrying the softmax state).
+* CUDA: Triton (``kvops/triton/packed_attention.py``; one launch per segment carrying the softmax state).
 
 Under ``torch.compile`` the op is an extern call (its fake rule gives the shapes), so a compiled step never
 materializes the window either.
@@ -26,10 +26,9 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .. import native
 from ..triton import HAS_TRITON
-from . import reference
-from ._checks import check_packed_attention, check_row_count_values
-from .cache import PackedSegments
-from .ops import PackedKV
+from .._checks.packed import check_packed_attention, check_row_count_values
+from ..cpu import packed as reference
+from .packed import PackedKV, PackedSegments
 
 
 def _split(segments: list) -> tuple[list, list]:
@@ -147,6 +146,6 @@ def _cuda(q, k_dense, v_dense, k_packed, v_packed, quant=None, scale=None, row_c
     check_row_count_values(row_counts)
     if not HAS_TRITON:  # pragma: no cover - CUDA builds without triton
         return reference.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale, row_counts)
-    from . import triton_attention
+    from ..triton import packed_attention as triton_attention
 
     return triton_attention.packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, sm_scale, row_counts)

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton.launch import Launch, capability_of, run
-from ._checks import split_segments
+from .._checks.packed import split_segments
+from .launch import Launch, capability_of, run
 
 _KIND = {None: 0, "int8": 1, "fp8": 2, "int4": 3, "int2": 4}
 

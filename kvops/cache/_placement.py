@@ -50,7 +50,7 @@ class _Cursors:
         self.ring_offset = 0
 
 
-class Plan(NamedTuple):
+class Placement(NamedTuple):
     """One update's rows: the chunk at rows ``[ls, le)`` after it; ``added`` tokens appended, ``evicted`` rows
     evicted (``max(0, over)``), ``capacity`` the rows after a planned growth; ``evicting`` is ``1`` when rows are
     evicted, else ``0`` (an int, so that it multiplies a move's row count without a branch)."""
@@ -65,11 +65,11 @@ class Plan(NamedTuple):
     capacity: int
 
 
-def plan_rows(n, s, g, l, capacity, allow_growth, protected) -> tuple[Plan, bool]:
+def place_rows(n, s, g, l, capacity, allow_growth, protected) -> tuple[Placement, bool]:
     """The rows of writing ``n`` tokens at global position ``s`` into a cache at ``G = g``, ``L = l`` with
     ``capacity`` rows (``L <= capacity``) and rows ``[0, protected)`` that never follow ``position = G - L + row``
-    (the sink; the global sink when a chunk is pinned). Returns ``(plan, ok)``; ``ok`` is False when the write range
-    is invalid (:func:`raise_write_range` says why)."""
+    (the sink; the global sink when a chunk is pinned). Returns ``(placement, ok)``; ``ok`` is False when the write
+    range is invalid (:func:`raise_write_range` says why)."""
     e = s + n
     added = relu(e - g)  # tokens appended (0 for a rewrite)
     if allow_growth and l + added > capacity:
@@ -87,16 +87,16 @@ def plan_rows(n, s, g, l, capacity, allow_growth, protected) -> tuple[Plan, bool
         or not any_negative(g - e, ls, protected - 1 - ls, g - l - 1)
         or not any_negative(evicted - 1, protected - 1 - ls)
     )
-    return Plan(n, ls, le, added, evicted, positive(over), over, capacity), ok
+    return Placement(n, ls, le, added, evicted, positive(over), over, capacity), ok
 
 
-def raise_write_range(name, plan: Plan, s, g, l, protected) -> None:
-    """Raise the ``Invalid {name} write range`` error of an update :func:`plan_rows` rejected (concrete values).
+def raise_write_range(name, placement: Placement, s, g, l, protected) -> None:
+    """Raise the ``Invalid {name} write range`` error of an update :func:`place_rows` rejected (concrete values).
 
     The message starts with sglang's wording (``Invalid {name} write range: local=[ls, le), ...``) and ends with the
     reason and the fix in parentheses."""
-    ls, le, g, l, capacity, s = (int(x) for x in (plan.ls, plan.le, g, l, plan.capacity, s))
-    n, e = plan.n, s + plan.n
+    ls, le, g, l, capacity, s = (int(x) for x in (placement.ls, placement.le, g, l, placement.capacity, s))
+    n, e = placement.n, s + placement.n
     oldest = g - l + protected if g > l else g - l  # oldest position a rewrite may address (rows past the sink)
     if s < 0:
         reason = (f"current_start is negative: token positions start at 0; pass current_start >= 0 "
@@ -128,13 +128,13 @@ def raise_write_range(name, plan: Plan, s, g, l, protected) -> None:
     )
 
 
-def eviction_moves(plan: Plan, l, sink):
+def eviction_moves(placement: Placement, l, sink):
     """The row move ``(src, dst, count)`` of an eviction without an unsettled pin: rows ``[E + ev, L)`` move down to
     ``E`` (``count`` is 0 unless rows are evicted; ``src``/``dst`` are in range either way)."""
-    return [(sink + plan.evicted, sink, (l - plan.evicted - sink) * plan.evicting)]
+    return [(sink + placement.evicted, sink, (l - placement.evicted - sink) * placement.evicting)]
 
 
-def eviction_moves_with_pin(plan: Plan, l, global_sink, pinned_start, pinned_len):
+def eviction_moves_with_pin(placement: Placement, l, global_sink, pinned_start, pinned_len):
     """Eviction moves when a pinned chunk sits past the global sink, and the pin's new start.
 
     The rows between the global sink and the pin are evicted first (the pin moves down with the rows after it); once
@@ -142,9 +142,9 @@ def eviction_moves_with_pin(plan: Plan, l, global_sink, pinned_start, pinned_len
     """
     pin_end = pinned_start + pinned_len
     gap = pinned_start - global_sink  # >= 1: rows between the global sink and an unsettled pin
-    after = relu(plan.over - gap)  # evicted after the pin: max(0, evicted - gap), one level of clamps
-    before = plan.evicted - after  # = min(evicted, gap), evicted between the global sink and the pin
+    after = relu(placement.over - gap)  # evicted after the pin: max(0, evicted - gap), one level of clamps
+    before = placement.evicted - after  # = min(evicted, gap), evicted between the global sink and the pin
     return [
-        (global_sink + before, global_sink, (pin_end - global_sink - before) * plan.evicting),
-        (pin_end + after, pin_end - before, relu(l - pin_end - after) * plan.evicting),
+        (global_sink + before, global_sink, (pin_end - global_sink - before) * placement.evicting),
+        (pin_end + after, pin_end - before, relu(l - pin_end - after) * placement.evicting),
     ], pinned_start - before

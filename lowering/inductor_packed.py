@@ -20,10 +20,10 @@ def register() -> None:
         return
     from torch._inductor.decomposition import decompositions
 
-    from . import reference
+    from kvops.cpu import packed as cpu
 
     def dequantize(codes, scales, zeros, centroids, cluster_ids, quant, dtype):
-        return reference.dequantize(codes, scales, zeros, centroids, cluster_ids, quant, dtype)
+        return cpu.dequantize(codes, scales, zeros, centroids, cluster_ids, quant, dtype)
 
     decompositions[torch.ops.kvops.dequantize_kv.default] = dequantize
     _registered = True

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import PackedKV, dequantize_kv, empty_packed
+from ..ops.packed import PackedKV, dequantize_kv, empty_packed
 
 
 def alloc_pool(quant: str, slots: int, b: int, n: int, h: int, d: int, *, device=None, **fmt) -> PackedKV:

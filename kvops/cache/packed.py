@@ -4,7 +4,7 @@ Storage is chunk-aligned: chunk ``c`` holds global positions ``[c·N, (c+1)·N)`
 chunk and the newest ``keep_recent_chunks`` completed chunks live in a dense ring (``R`` slots, chunk ``c`` in slot
 ``c % R``); when a chunk leaves the ring it is quantized once into a preallocated packed pool (``P`` slots, chunk
 ``c`` in slot ``c % P``; K, V, packed sink chunks, a packed pinned chunk and one scratch slot share one allocation,
-slots being slices of it: kvops/packed/_plan.py) and its dense slot is reused by the next chunk. Sink chunks (those
+slots being slices of it: kvops/cache/_packed_pool.py) and its dense slot is reused by the next chunk. Sink chunks (those
 holding positions ``< max(sink_tokens, global_sink_tokens)``) live in their own dense buffer (or, with
 ``quantize_sink=True``, go through the ring and packed sink slots). A pinned chunk is copied aside (dense, or packed
 with ``quantize_sink``). Nothing is allocated after construction: ``nbytes`` is what a stream holds, all of it.
@@ -23,28 +23,16 @@ import torch
 
 from .._checks.common import as_int
 from .._checks.contiguous import check_cache_write
-from ..cache._alloc import check_size
-from ..cache._clamp import positive, relu, smin
-from ..cache.causal import CausalKVView
+from .._deprecation import renamed_method
 from ..ops.contiguous import cache_write
-from ..cache._validate import check_update_args, check_window_mode
-from ..cache._window import visible_rows
-from ._plan import alloc_pool, gather_window, pool_slot, row_positions, window_counts
-from .ops import PackedKV, dequantize_kv, quantize_kv
+from ..ops.packed import PackedKV, PackedSegments, dequantize_kv, quantize_kv
+from ._alloc import check_size
+from ._clamp import positive, relu, smin
+from ._packed_pool import alloc_pool, gather_window, pool_slot, row_positions, window_counts
+from ._placement import CausalKVView
+from ._validate import check_update_args, check_window_mode
+from ._window import visible_rows
 
-
-
-class PackedSegments(NamedTuple):
-    """The visible window of K or V as the cache's whole storage and a row mask (:meth:`PackedCausalKVCache.update`).
-
-    ``segments``: every storage slot in a fixed order (the same list on every call of one cache), each a dense view
-    ``[B, n_i, H_in, D]`` or a :class:`PackedKV` of ``n_i`` rows. ``row_counts``: int32 ``[sum n_i]``, how many
-    times each stored row (segments concatenated in list order) is in the window, 0 for rows not visible. Pass it to
-    :func:`kvops.packed.packed_attention` as is (``packed_attention(q, view.k, view.v)``).
-    """
-
-    segments: list
-    row_counts: torch.Tensor
 
 
 class PackedKVView(NamedTuple):
@@ -97,7 +85,7 @@ class PackedCausalKVCache:
     Under ``torch.compile(fullgraph=True)`` use it as ``CausalKVCache`` (caches passed as an argument of the
     compiled function, built outside it): the cursors become dynamic ``SymInt``s and nothing reads a tensor to decide
     where to write. :meth:`update_and_get_attention_kv` gathers the visible rows by tensor arithmetic on the cursors
-    (:func:`kvops.packed._plan.gather_window`) and an append and a rewrite run the same graph (a rewrite quantizes
+    (:func:`kvops.cache._packed_pool.gather_window`) and an append and a rewrite run the same graph (a rewrite quantizes
     into a scratch slot), so a stream compiles a few graphs whatever the window's length (measured on torch 2.13,
     tests/test_packed_compile.py, windows of 3, 6 and 10 chunks): 3 without a sink, 5 with one, 6 with a packed
     sink and a recent window or with a sink and a pinned chunk; none per chunk after the first 4 chunks. All within
@@ -257,9 +245,11 @@ class PackedCausalKVCache:
         ``chunk_tokens - first_chunk_tokens`` once ``p >= first_chunk_tokens`` (branch-free)."""
         return p + self._pad * positive(p - self.first_chunk_tokens + 1) if self._pad else p
 
-    def reset_indices(self) -> None:
+    def reset(self) -> None:
         """Start a new stream at position 0 and forget the pin (the buffers are not touched)."""
         self.global_end, self.current_start, self.pinned_position, self.pinned_len = 0, -1, -1, 0
+
+    reset_indices = renamed_method("reset_indices", "reset")
 
     def can_direct_current_attention(self, num_new_tokens: int) -> bool:
         """True when ``K == 0`` and ``S == W == num_new_tokens`` (as ``CausalKVCache``)."""
@@ -331,7 +321,7 @@ class PackedCausalKVCache:
         return self._slot("pool", 0, slot), self._slot("pool", 1, slot)
 
     def _storage(self, kv: int) -> list:
-        """K (``kv = 0``) or V storage in row order (:func:`kvops.packed._plan.storage_segments`): ``[(part, [rows,
+        """K (``kv = 0``) or V storage in row order (:func:`kvops.cache._packed_pool.storage_segments`): ``[(part, [rows,
         ...]), ...]``."""
         pick = lambda pair: pair[kv]  # noqa: E731
         parts = []
@@ -517,16 +507,3 @@ class PackedCausalKVCache:
         k, v = gather_window(self, rows, lambda r: row_positions(r, sink, shift, pin), cur, h0, h1,
                              h1 - h0 != self.num_kv_heads)
         return CausalKVView(k, v, ls, local_end, local_end, g)
-
-
-def materialize(segments, dtype: torch.dtype) -> torch.Tensor:
-    """Dense ``[B, V, H, D]`` of a list of segments (a view when there is one dense segment) or of
-    :class:`PackedSegments` (the visible rows, each repeated ``row_counts`` times, in storage order; eager only: the
-    row count is data dependent)."""
-    items = segments.segments if isinstance(segments, PackedSegments) else segments
-    parts = [dequantize_kv(x, dtype) if isinstance(x, PackedKV) else x for x in items]
-    dense = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    if isinstance(segments, PackedSegments):
-        rows = torch.arange(dense.shape[1], device=dense.device).repeat_interleave(segments.row_counts.long())
-        dense = dense.index_select(1, rows)
-    return dense

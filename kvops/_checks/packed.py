@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks.common import require_finite
+from .common import require_finite
 
 FORMATS = ("int8", "fp8", "int4", "int2")
 GROUP_SIZES = (32, 64, 128)
@@ -296,7 +296,7 @@ def check_packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale
 
 def check_row_count_values(row_counts) -> None:
     """Values of ``packed_attention``'s ``row_counts`` (kvops/_checks/values.py modes): every count ``>= 0``."""
-    from .._checks import values
+    from . import values
 
     if row_counts is None or row_counts.numel() == 0:
         return

@@ -203,7 +203,7 @@ def packed_attention(q, k_dense, v_dense, k_packed, v_packed, quant, scale: floa
     segment (at most a chunk) at a time; with ``row_counts`` its rows repeated that often (0: dropped) -- attended
     with torch's flash SDPA, partial results merged by their LSE in fp32. ``(out [B, T, H_q, D_v] q.dtype, lse
     [B, H_q, T] fp32)``; no rows at all: zeros and ``-inf``."""
-    from ._checks import split_segments
+    from .._checks.packed import split_segments
 
     b, t, hq, d = q.shape
     segments = list(zip(k_dense, v_dense))
