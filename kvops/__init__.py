@@ -19,7 +19,7 @@ from .triton import quiet_without_triton as _quiet_without_triton
 with _quiet_without_triton():
     from . import _library  # noqa: F401
     from ._checks.values import get_value_checks, set_value_checks, value_checks  # docs/semantics.md §7
-    from .cache import CausalKVCache, PagedKVCache, RingCausalKVCache
+    from .cache import CausalKVCache, PagedKVCache, PagedMLACache, RingCausalKVCache
     from .ops import (
         CascadePlan,
         apply_rotary,
@@ -74,6 +74,7 @@ __all__ = [
     "CausalKVCache",
     "RingCausalKVCache",
     "PagedKVCache",
+    "PagedMLACache",
     "onnx_translation_table",
 ]
 __version__ = "0.1.0"

@@ -25,3 +25,8 @@ __all__ += ["PackedCausalKVCache", "PackedKVView"]
 from .ring import RingCausalKVCache, RingKVView  # noqa: E402
 
 __all__ += ["RingCausalKVCache", "RingKVView"]
+
+# --- MLA latent caches with the paged block manager (mla.py, docs/mla.md) ------------------------------------------
+from .mla import PagedMLACache  # noqa: E402
+
+__all__ += ["PagedMLACache"]

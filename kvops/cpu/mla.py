@@ -85,6 +85,51 @@ def _gather(kv_cache, blocks: torch.Tensor, seq_len: int, kv_scale) -> torch.Ten
     return rows.to(torch.float32)
 
 
+def _batched_decode(active, cu, lens, t_q, num_heads, width) -> bool:
+    """Whether to run a decode batch (one query per sequence) as batched GEMMs over rows padded to the longest
+    sequence: at least two sequences, padding under a quarter of the rows, scores and rows within 4 tiles' budget."""
+    if len(active) < 2 or any(min(cu[b + 1], t_q) - cu[b] != 1 for b in active):
+        return False
+    longest, total = max(lens[b] for b in active), sum(lens[b] for b in active)
+    return 4 * len(active) * longest <= 5 * total and len(active) * longest * (num_heads + width) <= 4 * _SCORE_BUDGET
+
+
+def _decode(q, kv_cache, table, active, cu, lens, kv_lora_rank, sm_scale, kv_scale, out, lse) -> None:
+    """One query per sequence of ``active`` (each sees all its rows, causal or not): the rows gathered padded to the
+    longest, ``[B, S]``, then batched GEMMs over all heads. Padding rows are redirected to the sequence's row 0 (a
+    written row: whatever an unused slot or block holds is never read) and masked."""
+    block_size = kv_cache.shape[1]
+    whole = len(active) == table.shape[0]
+    idx = slice(None) if whole else torch.tensor(active, device=q.device)
+    seq = torch.tensor([lens[b] for b in active], device=q.device)
+    j = torch.arange(max(lens[b] for b in active), device=q.device)
+    visible = j[None, :] < seq[:, None]  # [B, S]
+    j = torch.where(visible, j[None, :], 0)
+    blocks = table[idx].gather(1, j // block_size)
+    cache = kv_cache.view(torch.uint8) if kv_cache.dtype.itemsize == 1 else kv_cache  # (no fp8 CPU indexing)
+    if cache.shape[0] == 1 or block_size == 1 or cache.stride(0) == block_size * cache.stride(1):
+        flat = cache.view(-1, cache.shape[2])  # [P * block_size, W]: one row gather (a memcpy per row)
+        kv = flat.index_select(0, (blocks * block_size + j % block_size).flatten()).view(*j.shape, -1)
+    else:
+        kv = cache[blocks, j % block_size]  # [B, S, W]
+    if cache is not kv_cache:
+        kv = kv.view(kv_cache.dtype).to(torch.float32) * kv_scale.to(torch.float32).reshape(())
+    else:
+        kv = kv.to(torch.float32)
+    first = [cu[b] for b in active]
+    # a plain decode batch owns query rows r0, r0 + 1, ...: slices, not index ops
+    rows = slice(first[0], first[-1] + 1) if first == list(range(first[0], first[0] + len(first))) else \
+        torch.tensor(first, device=q.device)
+    qb = q[rows].to(torch.float32) * sm_scale  # [B, H, W]
+    s = torch.bmm(qb, kv.transpose(1, 2)).masked_fill_(~visible[:, None, :], float("-inf"))  # [B, H, S]
+    m = s.amax(dim=-1, keepdim=True)  # finite: every active sequence has a row
+    p = s.sub_(m).exp_()
+    denom = p.sum(dim=-1)  # [B, H]
+    o = torch.bmm(p, kv[..., :kv_lora_rank]).div_(denom.unsqueeze(-1))
+    out[rows] = o.to(out.dtype)
+    lse[:, rows] = (m.squeeze(-1) + denom.log()).t()
+
+
 def mla_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_lora_rank: int, sm_scale: float,
                   causal: bool, kv_scale) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T_q, H, kv_lora_rank] in q's dtype, lse [H, T_q] float32)`` on validated arguments.
@@ -102,6 +147,10 @@ def mla_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q
     table = block_table.to(torch.int64)
     block_size = kv_cache.shape[1]
     fp32_out = q.dtype == torch.float32 and out.is_contiguous()
+    active = [b for b, n in enumerate(lens) if n > 0 and min(cu[b + 1], t_q) > cu[b]]
+    if _batched_decode(active, cu, lens, t_q, num_heads, width):
+        _decode(q, kv_cache, table, active, cu, lens, kv_lora_rank, sm_scale, kv_scale, out, lse)
+        return out, lse
     for b, seq_len in enumerate(lens):
         q0, q1 = cu[b], min(cu[b + 1], t_q)
         n = q1 - q0

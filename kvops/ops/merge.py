@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
-from .._checks.merge import check_merge_attention_states, check_merge_attention_states_many
+from .._checks.merge import OP_MANY, check_merge_attention_states, check_merge_attention_states_many
 from ..cpu import merge as cpu
 from ..triton import HAS_TRITON
 
@@ -75,16 +75,34 @@ def merge_attention_states_many(outs: torch.Tensor | Sequence[torch.Tensor],
 
     Raises:
         ValueError: ``outs`` not 4-D float32/bfloat16/float16 or with ``N = 0``; ``lses`` not float32 of shape
-        ``[N, H, T]`` or on another device. Raised by the fake rule too; a failing call changes nothing.
+        ``[N, H, T]`` or on another device; a sequence whose parts differ in shape or dtype (naming the part).
+        Raised by the fake rule too; a failing call changes nothing.
     """
     if not isinstance(outs, torch.Tensor):
-        outs = torch.stack(tuple(outs))
+        outs = _stack("outs", outs)
     if not isinstance(lses, torch.Tensor):
-        lses = torch.stack(tuple(lses))
+        lses = _stack("lses", lses)
     if _direct((outs, lses)):
         check_merge_attention_states_many(outs, lses)
         return cpu.merge_attention_states_many(outs, lses)
     return torch.ops.kvops.merge_attention_states_many(outs, lses)
+
+
+def _stack(name: str, parts) -> torch.Tensor:
+    """``torch.stack`` of a sequence of parts, with an error naming the part that differs (torch's names none)."""
+    parts = tuple(parts)
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"{OP_MANY}: {name}[{i}] is a {type(p).__name__}, not a tensor. Pass tensors.")
+        if i and (p.shape != parts[0].shape or p.dtype != parts[0].dtype):
+            raise ValueError(
+                f"{OP_MANY}: {name}[{i}] has shape {tuple(p.shape)} and dtype {p.dtype} but {name}[0] has shape "
+                f"{tuple(parts[0].shape)} and dtype {parts[0].dtype}. Pass parts of one shape and dtype (or a "
+                f"stacked tensor)."
+            )
+    if not parts:
+        raise ValueError(f"{OP_MANY}: {name} holds no parts; pass at least one part (N >= 1).")
+    return torch.stack(parts)
 
 
 def _direct(tensors) -> bool:

@@ -169,6 +169,17 @@ class TestCascadeOracle(expecttest.TestCase):
         torch.testing.assert_close(out, want[0], **TOL[torch.float32])
         torch.testing.assert_close(lse, want[1], **TOL[torch.float32])
 
+    def test_fp8_caches_take_the_paged_prefix(self):
+        a = batch(8, 2, 32, 16, 32, [9, 20, 3], [1, 2, 1], seed=9)
+        fp8 = dict(a, k_cache=a["k_cache"].nan_to_num().to(torch.float8_e4m3fn),
+                   v_cache=a["v_cache"].nan_to_num().to(torch.float8_e4m3fn))
+        scales = dict(k_scale=torch.full((2,), 0.5), v_scale=torch.ones(1))
+        out, lse = run(fp8, make_plan(fp8), **scales)
+        want = kvops.paged_attention(fp8["q"], fp8["k_cache"], fp8["v_cache"], fp8["cu_seqlens_q"], fp8["seq_lens"],
+                                     fp8["block_table"], fp8["max_seqlen_q"], return_lse=True, **scales)
+        torch.testing.assert_close(out, want[0], **TOL[torch.float32])
+        torch.testing.assert_close(lse, want[1], **TOL[torch.float32])
+
     def test_no_shared_prefix_is_one_pass(self):
         a = batch(4, 2, 16, 4, 0, [3, 5], [1, 1], seed=4)
         plan = make_plan(a)

@@ -206,6 +206,21 @@ class TestMergeContracts(expecttest.TestCase):
         self.assertExpectedInline(self.many(self.o, self.lse), """kvops.merge_attention_states_many: outs must be 4-D [N, T, H, D_v] (kvops.paged_attention's out), got shape (3, 4, 8). Pass the attention output of each part with shape [N, T, H, D_v].""")  # noqa: B950
         self.assertExpectedInline(self.many(torch.empty(0, 3, 4, 8), torch.empty(0, 4, 3)), """kvops.merge_attention_states_many: outs holds no parts (shape (0, 3, 4, 8)); pass at least one part (N >= 1).""")  # noqa: B950
 
+    def test_many_parts_of_different_shapes(self):
+        with self.assertRaises(ValueError) as cm:
+            kvops.merge_attention_states_many([self.o, self.o[:2]], [self.lse, self.lse])
+        self.assertExpectedInline(str(cm.exception), """kvops.merge_attention_states_many: outs[1] has shape (2, 4, 8) and dtype torch.float32 but outs[0] has shape (3, 4, 8) and dtype torch.float32. Pass parts of one shape and dtype (or a stacked tensor).""")  # noqa: B950
+
+    def test_a_dispatch_mode_still_sees_the_op(self):
+        # the eager fast path (no dispatcher) steps aside when a mode watches
+        from tests.contract import OpLog
+
+        with OpLog() as log:
+            kvops.merge_attention_states(self.o, self.lse, self.o, self.lse)
+            kvops.merge_attention_states_many(self.o[None], self.lse[None])
+        self.assertIn("kvops.merge_attention_states.default", log.ops)
+        self.assertIn("kvops.merge_attention_states_many.default", log.ops)
+
     def test_many_lse_layout(self):
         outs, lses = self.o.expand(2, 3, 4, 8), self.lse.expand(2, 4, 3)
         self.assertExpectedInline(self.many(outs, lses.transpose(1, 2)), """kvops.merge_attention_states_many: lses must have shape [N, H, T] = (2, 4, 3) to match outs of shape (2, 3, 4, 8), got (2, 3, 4). This is FlashInfer's [T, H] layout: pass its transposed view lses.transpose(-1, -2) (no copy).""")  # noqa: B950

@@ -161,6 +161,17 @@ class TestAttention(unittest.TestCase):
                     # the last sequence's first two queries sit at positions -2, -1: no key, out 0, lse -inf
                     self.assertTrue((out[-3:-1] == 0).all() and (lse[:, -3:-1] == float("-inf")).all())
 
+    def test_decode_batch(self):
+        """Decode batches (one query per sequence, lengths alike: the batched path; skewed: per sequence), NaN in
+        every unused slot, an empty sequence among them."""
+        for dtype in DTYPES:
+            for block_size in (1, 16):
+                with self.subTest(dtype=dtype, block_size=block_size):
+                    self.check([9, 12, 0, 11, 10], [1, 1, 1, 1, 1], 32, 16, block_size, 4, dtype)
+                    self.check([9, 40, 3], [1, 1, 1], 32, 16, block_size, 4, dtype, causal=False)
+        self.check([30, 33], [1, 1], 32, 16, 16, 4, torch.bfloat16, fp8=True)
+        self.check([30, 33, 31], [1, 1, 1], 512, 64, 16, 128, torch.float32, scale=192 ** -0.5)
+
     def test_not_causal(self):
         self.check([9, 4], [3, 4], 32, 16, 4, 4, torch.float32, causal=False, scale=0.3)
 

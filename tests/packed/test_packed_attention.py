@@ -11,25 +11,16 @@ import torch
 
 from kvops import native
 from kvops.cache import PackedCausalKVCache
-from kvops.packed import FORMATS, dequantize_kv, materialize, packed_attention, quantize_kv
+from kvops.packed import FORMATS, materialize, packed_attention, quantize_kv
 from kvops.cpu import packed as composite
+from kvops.reference import packed as oracle
 from kvops.ops.packed_attention import _split
 from tests.contract import raises_everywhere
 from tests.packed.test_packed_ops import kv_like
 
 
-def reference(q, k, v, scale=None):
-    """fp64 softmax attention, query head h reading KV head h // (H_q / H_kv): (out, LSE [B, H_q, T])."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.double().repeat_interleave(group, 2), v.double().repeat_interleave(group, 2)
-    s = torch.einsum("bthd,bshd->bhts", q.double(), k) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    return torch.einsum("bhts,bshd->bthd", s.softmax(-1), v), s.logsumexp(-1)
-
-
-def dense_window(segments):
-    """The window in fp32 (packed segments dequantized in fp32): what the fused kernel attends to."""
-    return torch.cat([dequantize_kv(s, torch.float32) if not isinstance(s, torch.Tensor) else s.float()
-                      for s in segments], dim=1)
+reference = oracle.attention  # fp64 softmax attention, GQA: (out, LSE [B, H_q, T])
+dense_window = oracle.window  # the window in fp64 (packed segments dequantized by the oracle)
 
 
 def streamed_view(quant, heads, dim, dtype, chunks=6, **kwargs):

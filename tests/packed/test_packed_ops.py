@@ -12,6 +12,7 @@ import torch
 from kvops.packed import FORMATS, default_group_size, dequantize_kv, empty_packed
 from kvops.packed import packed_layout, quantize_kv
 from kvops.cpu import packed as kernels
+from kvops.reference import packed as oracle
 from tests.contract import raises_everywhere
 
 
@@ -106,6 +107,22 @@ class TestQuantizeReference(unittest.TestCase):
         for bits in (2, 4):
             c = torch.randint(0, 2**bits, (3, 5, 64), dtype=torch.uint8)
             self.assertTrue(torch.equal(kernels._unpack(kernels._pack(c, bits), bits).to(torch.uint8), c))
+
+
+class TestOracle(unittest.TestCase):
+    def test_kernels_dequantize_as_the_oracle(self):
+        """kvops.dequantize_kv (fp32 math) against the fp64 oracle of kvops/reference/packed.py, every format, at odd
+        shapes (3 tokens, 3 heads, head_dim 80 / 48)."""
+        for quant, d in itertools.product(FORMATS, (80, 48)):
+            with self.subTest(quant=quant, head_dim=d):
+                packed = quantize_kv(kv_like(2, 3, 3, d, seed=d), quant)
+                got = dequantize_kv(packed, torch.float32).double()
+                torch.testing.assert_close(got, oracle.dequantize(packed), rtol=1e-6, atol=1e-6)
+
+    def test_unpack_reads_the_low_bits_first(self):
+        packed = torch.tensor([0b11100100], dtype=torch.uint8)
+        self.assertEqual(oracle.unpack(packed, 2).tolist(), [0, 1, 2, 3])
+        self.assertEqual(oracle.unpack(packed, 4).tolist(), [0b0100, 0b1110])
 
 
 class TestInt2PRQ(unittest.TestCase):
