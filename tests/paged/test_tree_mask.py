@@ -199,7 +199,9 @@ class TestKernels(TestCase):
 
     def test_mask_replaces_causal_whatever_causal_says(self):
         c = _case([5, 3], [4, 0])
-        call = lambda **kw: kvops.paged_attention(c["q"], c["k"], c["v"], c["cu"], c["lens"], c["table"], 5, **kw)  # noqa: E731
+        def call(**kw):
+            return kvops.paged_attention(c["q"], c["k"], c["v"], c["cu"], c["lens"], c["table"], 5, **kw)
+
         self.assertTrue(torch.equal(call(custom_mask=c["mask"]), call(custom_mask=c["mask"], causal=False)))
         lower = torch.cat([torch.ones(n, n, dtype=torch.bool).tril().flatten() for n in (5, 3)])
         self.assertTrue(torch.allclose(call(custom_mask=lower), call(), atol=1e-6))  # the causal rule itself
