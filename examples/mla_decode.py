@@ -172,7 +172,8 @@ def main():
     print(f"geometry {args.geometry}: {heads} heads, kv_lora_rank {rank}, rope {rope}; latent cache {rank + rope} "
           f"values per token vs {heads * (nope + rope + v)} for MHA ({cache_ratio(heads, rank, rope, nope, v):.1f}x "
           f"smaller)")
-    print(f"kvops absorbed MLA vs transformers eager: max |diff| {r['max_abs_diff']:.2e} ({'match' if ok else 'MISMATCH'})"
+    verdict = "match" if ok else "MISMATCH"
+    print(f"kvops absorbed MLA vs transformers eager: max |diff| {r['max_abs_diff']:.2e} ({verdict})"
           + (f"; decode compiled in {r['graphs']} graph(s)" if args.compile else ""))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"geometry": args.geometry, "max_abs_diff": r["max_abs_diff"],

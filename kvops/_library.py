@@ -40,7 +40,8 @@ PAGED_ATTENTION = (
     "SymInt max_seqlen_q, float? scale=None, bool causal=True, SymInt window_left=-1, float softcap=0., "
     "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None, str kv_layout=\"NHD\", "
     "Tensor? alibi_slopes=None, SymInt window_right=-1, Tensor? cache_leftpad=None, SymInt sink_tokens=0, "
-    "float? rope_theta=None, float rope_scale=1.) -> (Tensor, Tensor)"
+    "float? rope_theta=None, float rope_scale=1., Tensor? custom_mask=None, Tensor? packed_custom_mask=None) "
+    "-> (Tensor, Tensor)"
 )
 # Its CPU kernel kvops::_paged_attention_native (kvops/native/paged_attention.cpp; the composite kvops/cpu kernel as
 # its CompositeExplicitAutograd fallback, kvops/native/__init__.py): validated, NHD, the resolved scale; the same
@@ -50,8 +51,8 @@ lib.define(
     "_paged_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
     "Tensor block_table, SymInt max_seqlen_q, float scale, bool causal, SymInt window_left, float softcap, "
     "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? alibi_slopes=None, SymInt window_right=-1, "
-    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0) "
-    "-> (Tensor, Tensor)"
+    "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0, "
+    "Tensor? custom_mask=None, Tensor? packed_custom_mask=None) -> (Tensor, Tensor)"
 )
 # The one-pass value-contract check of eager CPU calls (kvops/_checks/values.py; kernel in paged_attention.cpp, only
 # called where the native build is available): True when a contract fails.

@@ -193,13 +193,15 @@ def _gather_kv(cache, slots, scale, h: int, d: int):
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale=None, causal=True,
                     window_left=-1, softcap=0.0, sinks=None, k_scale=None, v_scale=None, kv_layout=None,
-                    alibi_slopes=None, window_right=-1, cache_leftpad=None, sink_tokens=0, rope_theta=None, **_):
+                    alibi_slopes=None, window_right=-1, cache_leftpad=None, sink_tokens=0, rope_theta=None,
+                    custom_mask=None, packed_custom_mask=None, **_):
     """ONNX of ``kvops::paged_attention``: returns ``(out [T_q, H_q, D_v], lse [H_q, T_q])`` as the op does.
     The attention features of docs/attention_features.md (ALiBi, a right window, cache_leftpad, sink tokens, RoPE at
-    read time) have no translation yet: exporting a call that uses one raises."""
+    read time) and custom masks (docs/tree-mask.md) have no translation yet: exporting a call that uses one raises."""
     used = [name for name, x, default in (("alibi_slopes", alibi_slopes, None), ("window_right", window_right, -1),
                                           ("cache_leftpad", cache_leftpad, None), ("sink_tokens", sink_tokens, 0),
-                                          ("rope_theta", rope_theta, None))
+                                          ("rope_theta", rope_theta, None), ("custom_mask", custom_mask, None),
+                                          ("packed_custom_mask", packed_custom_mask, None))
             if (x is not None if default is None else x != default)]
     if used:
         raise NotImplementedError(f"kvops ONNX export: paged_attention with {', '.join(used)} has no translation.")

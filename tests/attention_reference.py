@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from kvops.reference.custom_mask import custom_mask_offsets, visible
+
 
 def rope_rotate(x: torch.Tensor, position: float, theta: float, scale: float) -> torch.Tensor:
     """fp64 ``x [..., D]`` rotated GPT-NeoX style (FlashInfer's ROPE_LLAMA) at ``position``."""
@@ -19,7 +21,8 @@ def rope_rotate(x: torch.Tensor, position: float, theta: float, scale: float) ->
 
 def reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale=None, causal=True, window_left=-1,
               softcap=0.0, sinks=None, k_scale=None, v_scale=None, alibi_slopes=None, window_right=-1,
-              cache_leftpad=None, sink_tokens=0, rope_theta=None, rope_scale=1.0):
+              cache_leftpad=None, sink_tokens=0, rope_theta=None, rope_scale=1.0, custom_mask=None,
+              packed_custom_mask=None):
     """``(out [T, H_q, D_v] fp64, lse [H_q, T] fp64)``; NHD caches. Rows a query cannot see are never gathered."""
     t_q, h_q, d = q.shape
     bs, h_kv, d_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
@@ -28,6 +31,10 @@ def reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale
     out = torch.zeros(t_q, h_q, d_v, dtype=torch.float64)
     lse = torch.full((h_q, t_q), -math.inf, dtype=torch.float64)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    packed = packed_custom_mask is not None
+    mask = (packed_custom_mask if packed else custom_mask)
+    mask = None if mask is None else mask.tolist()
+    offsets = custom_mask_offsets([cu[b + 1] - cu[b] for b in range(len(lens))], packed)
     for b in range(len(lens)):
         q_len, kv_len = cu[b + 1] - cu[b], lens[b]
         start = 0 if cache_leftpad is None else int(cache_leftpad[b])
@@ -35,14 +42,12 @@ def reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, scale
             pos = kv_len - q_len + i
             keys = []
             # candidates: the sinks, then the window (rows no mask admits are skipped: lengths near 2^31 stay cheap)
-            hi = kv_len if causal is False and window_right < 0 else min(kv_len, pos + 1 + (0 if causal else
-                                                                                          window_right))
+            hi = kv_len if mask is not None or (causal is False and window_right < 0) else min(
+                kv_len, pos + 1 + (0 if causal else window_right))
             lo = start if window_left < 0 else max(start, pos - window_left)
             sinks_end = min(start + sink_tokens, lo) if window_left >= 0 else start
             for j in [*range(start, sinks_end), *range(lo, hi)]:
-                if causal and j > pos:
-                    continue
-                if not causal and window_right >= 0 and j > pos + window_right:
+                if not visible(j, pos, kv_len, q_len, causal, window_right, mask, packed, offsets[b], i):
                     continue
                 in_window = window_left < 0 or j >= pos - window_left
                 is_sink = j < start + sink_tokens

@@ -59,7 +59,10 @@ def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, fla
             window_right=64 if flags.get("right") else -1,
             cache_leftpad=meta((batch,), torch.int32) if flags.get("leftpad") else None,
             sink_tokens=4 if flags.get("sink_tokens") else 0,
-            rope_theta=10000.0 if flags.get("rope") else None)
+            rope_theta=10000.0 if flags.get("rope") else None,
+            # docs/tree-mask.md: each sequence's q_len x q_len mask, as bools or as bits padded to whole bytes
+            custom_mask=meta((batch * q_len * q_len,), torch.bool) if flags.get("mask") else None,
+            packed_custom_mask=meta((batch * -(-q_len * q_len // 8),), torch.uint8) if flags.get("packed") else None)
         launches, _, _ = plan_paged_attention(
             q, k, v, cu, seq, table, q_len, d**-0.5, bool(flags.get("causal", mode == "decode")),
             128 if flags.get("window") else -1, 30.0 if flags.get("softcap") else 0.0, sinks, sc, sc, cap,
@@ -72,6 +75,7 @@ def _attention(dtype: str, d: int, group: int, block_size: int, layout: str, fla
 
 
 FEATURES = dict(alibi=True, leftpad=True, sink_tokens=True, rope=True)  # docs/attention_features.md
+MASKS = ("mask", "packed")  # custom masks (docs/tree-mask.md): the prefill kernel, in either form
 
 
 def on(targets: str, case):
@@ -108,15 +112,23 @@ def attention_cases(subset: bool):
                                                                   "sinks": True, **FEATURES, "right": True},
                                      "prefill"))
         yield on("sm_86", _attention("fp16", 128, 8, 16, "NHD", {**all_on, **FEATURES}, "decode"))
+        # custom masks (docs/tree-mask.md) with every flag and feature a mask combines with, at the heaviest tiles
+        yield on("sm_86", _attention("fp32", 256, 8, 16, "NHD", {**all_on, **FEATURES, "mask": True}, "prefill"))
+        yield on("sm_80", _attention("bf16", 128, 8, 16, "NHD", {**all_on, **FEATURES, "packed": True}, "prefill"))
+        yield on("sm_90", _attention("bf16", 256, 1, 16, "NHD", {**all_on, **FEATURES, "packed": True}, "prefill"))
+        yield on("sm_90", _attention("fp8", 128, 7, 1, "HND", {**all_on, "mask": True}, "prefill"))
         return
     for mode, dtype, d, group, bs, layout in itertools.product(
             ("decode", "prefill"), (*FLOATS, "fp8"), HEAD_DIMS, GROUPS, BLOCK_SIZES, ("NHD", "HND")):
         for flags in (off, all_on):
             yield _attention(dtype, d, group, bs, layout, flags, mode)
-    for mode, dtype, name in itertools.product(("decode", "prefill"), (*FLOATS, "fp8"), (*all_on, *FEATURES, "right")):
+    for mode, dtype, name in itertools.product(("decode", "prefill"), (*FLOATS, "fp8"),
+                                               (*all_on, *FEATURES, "right", *MASKS)):
         yield _attention(dtype, 256, 8, 16, "NHD", {**off, name: True}, mode)
     for mode, dtype, d in itertools.product(("decode", "prefill"), (*FLOATS, "fp8"), HEAD_DIMS):
         yield _attention(dtype, d, 8, 16, "NHD", {**all_on, **FEATURES}, mode)
+    for dtype, d, mask in itertools.product((*FLOATS, "fp8"), HEAD_DIMS, MASKS):
+        yield _attention(dtype, d, 8, 16, "NHD", {**all_on, **FEATURES, mask: True}, "prefill")
     for dtype, d, (batch, ctx, h_kv) in itertools.product(
             (*FLOATS, "fp8"), HEAD_DIMS, ((1, 131072, 1), (1, 131072, 8), (4, 32768, 8), (256, 2048, 8))):
         yield _attention(dtype, d, 8, 16, "NHD", all_on, "decode", batch=batch, ctx=ctx, h_kv=h_kv)

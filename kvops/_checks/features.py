@@ -16,9 +16,10 @@ from .common import as_int, index_fix, require_finite, require_same_device, reso
 
 
 class AttnFeatures(NamedTuple):
-    """ALiBi, a right window, per-sequence left padding, StreamingLLM sink tokens and RoPE at read time
-    (docs/attention_features.md); the defaults are "off". Field order is the order of these arguments in the op
-    schemas (``kvops/_library.py``), so ``*features`` is how a call passes them on.
+    """ALiBi, a right window, per-sequence left padding, StreamingLLM sink tokens, RoPE at read time
+    (docs/attention_features.md) and a custom mask among the new keys (docs/tree-mask.md); the defaults are "off".
+    Field order is the order of these arguments in the op schemas (``kvops/_library.py``), so ``*features`` is how a
+    call passes them on.
 
     Adding a feature touches, and only touches:
 
@@ -41,11 +42,18 @@ class AttnFeatures(NamedTuple):
     sink_tokens: int = 0  # StreamingLLM sinks kept beside window_left
     rope_theta: Optional[float] = None  # RoPE at read time; None: off
     rope_scale: float = 1.0
+    custom_mask: Optional[torch.Tensor] = None  # bool [sum_b q_len_b ** 2] among the new keys (docs/tree-mask.md)
+    packed_custom_mask: Optional[torch.Tensor] = None  # uint8: the same mask as little-endian bits, per-sequence bytes
 
     def used(self) -> bool:
         """Whether any feature differs from its default ("off")."""
         return (self.alibi_slopes is not None or self.cache_leftpad is not None or self.rope_theta is not None
-                or self.window_right != -1 or self.sink_tokens != 0 or self.rope_scale != 1.0)
+                or self.window_right != -1 or self.sink_tokens != 0 or self.rope_scale != 1.0
+                or self.mask() is not None)
+
+    def mask(self) -> Optional[torch.Tensor]:
+        """The custom mask in whichever form was given (None: none); :attr:`packed_custom_mask` says which."""
+        return self.packed_custom_mask if self.packed_custom_mask is not None else self.custom_mask
 
 
 NO_FEATURES = AttnFeatures()
@@ -60,13 +68,13 @@ def resolve(window_left: int, features: AttnFeatures) -> tuple[int, AttnFeatures
     return window_left, features
 
 
-def check_features(op: str, q: torch.Tensor, batch, features: AttnFeatures) -> None:
+def check_features(op: str, q: torch.Tensor, batch, features: AttnFeatures, max_seqlen_q=None) -> None:
     """The attention features of docs/attention_features.md (``ValueError`` naming the argument, value and fix):
     ``alibi_slopes`` float32 ``[H_q]`` or ``[B, H_q]`` on q's device; ``window_right >= -1``; ``cache_leftpad``
     int32 ``[B]`` on q's device; ``sink_tokens >= 0``; finite ``rope_theta > 0`` and ``rope_scale > 0`` with an
-    even ``head_dim``. (The contents of ``alibi_slopes``, NaN or infinite slopes, are a value contract:
-    ``kvops/_checks/values.py``.)"""
-    alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale = features
+    even ``head_dim``; a custom mask's form (:func:`check_custom_mask`). (The contents of ``alibi_slopes``, NaN or
+    infinite slopes, and the mask's exact length are value contracts: ``kvops/_checks/values.py``.)"""
+    alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale = features[:6]
     num_heads = q.shape[1]
     if alibi_slopes is not None:
         shape = tuple(alibi_slopes.shape)
@@ -104,3 +112,63 @@ def check_features(op: str, q: torch.Tensor, batch, features: AttnFeatures) -> N
                 f"{op}: RoPE at read time rotates pairs (j, j + head_dim / 2) and needs an even head_dim, got "
                 f"{as_int(q.shape[2])}."
             )
+    if features.mask() is not None:
+        check_custom_mask(op, q, batch, features, max_seqlen_q)
+
+
+def check_custom_mask(op: str, q: torch.Tensor, batch, features: AttnFeatures, max_seqlen_q=None) -> None:
+    """``custom_mask`` 1-D bool / ``packed_custom_mask`` 1-D uint8 on q's device, not both, no ``window_right``
+    beside it, and (given ``max_seqlen_q``) no longer than any batch of these queries can need: ``sum_b q_len_b ** 2
+    <= max_seqlen_q * T_q`` elements, ``sum_b ceil(q_len_b ** 2 / 8) <= (max_seqlen_q * T_q + 7 * B) / 8`` bytes
+    (docs/tree-mask.md)."""
+    custom, packed = features.custom_mask, features.packed_custom_mask
+    if custom is not None and packed is not None:
+        raise ValueError(
+            f"{op}: pass custom_mask (bool) or packed_custom_mask (its bits as uint8), not both (FlashInfer silently "
+            f"ignores custom_mask then)."
+        )
+    if custom is not None and (custom.dtype != torch.bool or custom.dim() != 1):
+        fix = ("For FlashInfer's packed bits pass packed_custom_mask." if custom.dtype == torch.uint8 and
+               custom.dim() == 1 else "Flatten each sequence's block and concatenate them in batch order: "
+               "torch.cat([block.flatten() for block in blocks])." if custom.dim() != 1 else
+               "Pass mask.to(torch.bool) (True = visible).")
+        raise ValueError(
+            f"{op}: custom_mask must be a 1-D bool tensor [sum_b q_len_b ** 2] (each sequence's q_len x q_len block "
+            f"of its new keys, row-major, concatenated in batch order), got shape {tuple(custom.shape)} and dtype "
+            f"{custom.dtype}. {fix}"
+        )
+    if packed is not None and (packed.dtype != torch.uint8 or packed.dim() != 1):
+        raise ValueError(
+            f"{op}: packed_custom_mask must be a 1-D uint8 tensor [sum_b ceil(q_len_b ** 2 / 8)] (each sequence's "
+            f"mask block as little-endian bits, padded to whole bytes), got shape {tuple(packed.shape)} and dtype "
+            f"{packed.dtype}. Pack a bool mask with kvops.custom_mask.segment_packbits(mask, "
+            f"mask_indptr(cu_seqlens_q), bitorder='little'), or pass it as custom_mask."
+        )
+    name = "custom_mask" if custom is not None else "packed_custom_mask"
+    mask = features.mask()
+    require_same_device(op, name, mask, "q", q)
+    if features.window_right != -1:
+        raise ValueError(
+            f"{op}: window_right={as_int(features.window_right)} cannot be combined with {name}: it bounds the keys "
+            f"to the right of a query (causal=False), and with a mask every such key is a new key, which the mask "
+            f"decides. Drop window_right (or put the bound into the mask)."
+        )
+    if max_seqlen_q is None:
+        return
+    num_tokens, n = q.shape[0], mask.shape[0]
+    bound = max_seqlen_q * num_tokens
+    if custom is not None and n > bound:
+        raise ValueError(
+            f"{op}: custom_mask has {as_int(n)} elements, more than any batch of these queries needs: sum_b "
+            f"q_len_b ** 2 <= max_seqlen_q * T_q = {as_int(max_seqlen_q)} * {as_int(num_tokens)} = {as_int(bound)}. "
+            f"The mask covers each sequence's new keys only; FlashInfer's q_len x kv_len form also covers the cached "
+            f"keys: keep its last q_len columns."
+        )
+    if packed is not None and 8 * n > bound + 7 * batch:
+        raise ValueError(
+            f"{op}: packed_custom_mask has {as_int(n)} bytes, more than any batch of these queries needs: sum_b "
+            f"ceil(q_len_b ** 2 / 8) <= (max_seqlen_q * T_q + 7 * B) / 8 = ({as_int(max_seqlen_q)} * "
+            f"{as_int(num_tokens)} + 7 * {as_int(batch)}) / 8, at most {as_int((bound + 7 * batch) // 8)}. The "
+            f"mask covers each sequence's new keys only; "
+            f"FlashInfer's q_len x kv_len form also covers the cached keys: keep its last q_len columns."
+        )

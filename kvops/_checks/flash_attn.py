@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from .common import gqa_fix, index_fix
+from .common import as_int, gqa_fix, index_fix
 from .forms import bool_arg, float_arg, int_arg, window_arg
 from .paged_write import layout_hint
 from .rotary import check_rotary
@@ -209,4 +209,21 @@ def check_rotary_tables(q, k, rotary_cos, rotary_sin, capacity) -> None:
         raise ValueError(
             f"{OP}: cos/sin seqlen must be at least the seqlen of KV cache: rotary_cos has {rotary_cos.shape[0]} "
             f"positions but the cache holds {capacity} (max_blocks x block_size); extend the tables."
+        )
+
+
+def check_mask_length(name: str, mask: torch.Tensor, batch, s_q) -> None:
+    """The exact length of a custom mask in the batch form, where every sequence has ``S_q`` new rows
+    (docs/tree-mask.md): ``B * S_q ** 2`` elements (``custom_mask``) or ``B * ceil(S_q ** 2 / 8)`` bytes
+    (``packed_custom_mask``). A mask of the wrong form is left to ``kvops.paged_attention``'s validator."""
+    packed = name == "packed_custom_mask"
+    if mask.dim() != 1 or mask.dtype != (torch.uint8 if packed else torch.bool):
+        return
+    per = (s_q * s_q + 7) // 8 if packed else s_q * s_q
+    if mask.shape[0] != batch * per:
+        rule = "batch_size * ceil(seqlen_q ** 2 / 8) bytes" if packed else "batch_size * seqlen_q ** 2 elements"
+        raise ValueError(
+            f"{OP}: {name} has {as_int(mask.shape[0])} {'bytes' if packed else 'elements'}, expected {rule} = "
+            f"{as_int(batch)} * {as_int(per)} = {as_int(batch * per)} (each sequence's seqlen_q x seqlen_q block of "
+            f"its new keys, row-major, concatenated{'; bits padded to whole bytes per sequence' if packed else ''})."
         )

@@ -119,6 +119,6 @@ def check_paged_attention(
         require_same_device(OP, "sinks", sinks, "q", q)
 
     check_fp8_scales(OP, k_cache, k_scale, v_scale)
-    check_features(OP, q, batch, features)
+    check_features(OP, q, batch, features, max_seqlen_q)
     window_left, features = resolve(window_left, features)
     return (float(q.shape[2]) ** -0.5 if scale is None else scale), window_left, features

@@ -546,3 +546,40 @@ def check_rotary_positions(positions: torch.Tensor, num_tokens, rotary_cos: torc
             f"{op}: {name}[{i}] = {int(used[i])} is outside [0, {seqlen_ro}), the rows of rotary_cos/rotary_sin "
             f"(seqlen_ro = {seqlen_ro}); nothing was written. Pass positions in [0, seqlen_ro), or extend the tables."
         )
+
+
+# --- custom masks (docs/tree-mask.md) ------------------------------------------------------------------------------
+def check_custom_mask(custom_mask, packed_custom_mask, cu_seqlens_q: torch.Tensor,
+                      op: str = "kvops.paged_attention") -> None:
+    """The mask's length against the query lengths in ``cu_seqlens_q``, in the current mode: ``sum_b q_len_b ** 2``
+    elements (bool form) or ``sum_b ceil(q_len_b ** 2 / 8)`` bytes (packed form). eager: ``RuntimeError`` naming the
+    length, the expected one and the query lengths (one host sync); async: ``torch._assert_async``; off: unchecked
+    (the kernels never read outside the mask). Metadata errors (dtype, rank, device) are the validator's."""
+    packed = packed_custom_mask is not None
+    mask = packed_custom_mask if packed else custom_mask
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 1 or not _index(cu_seqlens_q, 1):
+        return
+    mode = _active(mask, cu_seqlens_q)
+    if mode is None:
+        return
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    sizes = (q_lens * q_lens + 7) // 8 if packed else q_lens * q_lens
+    expected = sizes.sum()
+    name = "packed_custom_mask" if packed else "custom_mask"
+    rule = "sum_b ceil(q_len_b ** 2 / 8) bytes" if packed else "sum_b q_len_b ** 2 elements"
+    if mode == "async":
+        _assert(expected == mask.shape[0], f"{op}: {name} must have {rule} for the query lengths of cu_seqlens_q. "
+                                           f"Run with kvops.value_checks('eager') to see the lengths.")
+        return
+    if int(expected) != mask.shape[0]:
+        lens = q_lens.tolist()
+        shown = ", ".join(map(str, lens[:8])) + (", ..." if len(lens) > 8 else "")
+        fix = ("Pack the mask with kvops.custom_mask.segment_packbits(mask, mask_indptr(cu_seqlens_q), "
+               "bitorder='little'): each sequence's block padded to whole bytes." if packed else
+               "Pass each sequence's q_len x q_len block of its new keys, flattened and concatenated "
+               "(torch.cat([block.flatten() for block in blocks])); FlashInfer's q_len x kv_len form also covers "
+               "the cached keys: keep its last q_len columns.")
+        raise RuntimeError(
+            f"{op}: {name} has {mask.shape[0]} {'bytes' if packed else 'elements'}, expected {int(expected)} "
+            f"({rule}) for the query lengths [{shown}] of cu_seqlens_q. {fix}"
+        )

@@ -251,6 +251,12 @@ struct Problem {
   const int32_t* leftpad;  // first KV row of each sequence, or null
   int64_t sink_tokens;  // StreamingLLM: rows [start, start + sink_tokens) stay visible besides the window
   const double* rope_freq;  // RoPE at read time: [d / 2] angle per position (null: none)
+  // custom mask among the new keys (docs/tree-mask.md): bytes (bool form) or little-endian bits (packed form) of
+  // each sequence's q_len x q_len block, row-major, from element (bool) / bit (packed) mask_off[b]; null: none
+  const uint8_t* mask;
+  bool mask_packed;
+  const int64_t* mask_off;
+  bool mask_bit(int64_t k) const { return mask_packed ? (mask[k >> 3] >> (k & 7)) & 1 : mask[k] != 0; }
   int seq_start(int b) const { return leftpad ? std::max(0, leftpad[b]) : 0; }
   bool streaming() const { return sink_tokens > 0 && window_left >= 0; }
 };
@@ -275,6 +281,8 @@ struct Scratch {
   std::vector<const char*> pf;  // lines of one KV head of a later chunk (Prefetcher)
   std::vector<vf> lv;
   std::vector<int64_t> row_lo, row_hi;
+  std::vector<int64_t> row_mask;  // custom mask: the element / bit of (row's query, new key 0)
+  int64_t first_new = 0;  // custom mask: the first new key's position (seq_len - q_len)
   void size(int rows_pad, const Problem& pb) {
     qf.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d_pad, 0.f);
     lv.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad, vf{});
@@ -288,6 +296,7 @@ struct Scratch {
     row_lo.resize(rows_pad);
     row_hi.resize(rows_pad);
     row_pos.resize(rows_pad);
+    row_mask.resize(rows_pad);
     if (pb.alibi) slope.resize(static_cast<size_t>(pb.num_kv_heads) * rows_pad);
     if (pb.rope_freq) {
       const int half = pb.d / 2;
@@ -328,6 +337,7 @@ void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, 
   const int q_len = pb.cu[it.b + 1] - pb.cu[it.b], kv_len = pb.seq_lens[it.b];
   const int64_t start = pb.seq_start(it.b), sink_end = start + pb.sink_tokens;
   std::fill(sc.qf.begin(), sc.qf.end(), 0.f);
+  sc.first_new = static_cast<int64_t>(kv_len) - q_len;
   for (int h = 0; h < pb.num_kv_heads; ++h) {
     const float ks = pb.k_scale ? pb.k_scale[pb.n_k_scale == 1 ? 0 : h] : 1.f;
     const float sc_all = pb.scale * ks;  // k_scale folded into q: q . (k * ks) = (q * ks) . k
@@ -343,7 +353,7 @@ void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, 
   for (int i = 0; i < it.nq; ++i) {
     const int64_t pos = static_cast<int64_t>(kv_len) - q_len + it.q0 + i;
     int64_t lo = pb.window_left >= 0 ? std::max<int64_t>(start, pos - pb.window_left) : start;
-    int64_t hi = pb.causal ? std::min<int64_t>(kv_len, pos + 1) : kv_len;
+    int64_t hi = pb.causal && !pb.mask ? std::min<int64_t>(kv_len, pos + 1) : kv_len;  // a mask replaces causal
     if (!pb.causal && pb.window_right >= 0) hi = std::min<int64_t>(hi, pos + pb.window_right + 1);
     if (pb.rope_freq) {  // q turns at its sequence position (minus the StreamingLLM gap for the sinks)
       const int64_t gap = sink_pass ? std::max<int64_t>(0, pos - pb.window_left - sink_end) : 0;
@@ -361,6 +371,7 @@ void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, 
       sc.row_lo[r] = lo;
       sc.row_hi[r] = std::max<int64_t>(lo, hi);
       sc.row_pos[r] = pos;
+      if (pb.mask) sc.row_mask[r] = pb.mask_off[it.b] + static_cast<int64_t>(it.q0 + i) * q_len;
       if (pb.alibi)
         for (int h = 0; h < pb.num_kv_heads; ++h)
           sc.slope[static_cast<size_t>(h) * rows_pad + r] = pb.alibi[it.b * pb.alibi_stride + h * pb.group + g];
@@ -470,6 +481,14 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     if (!(n == L && rlo <= j0 && j0 + L <= rhi)) {
       const vi vis = (lane >= splati(rel(rlo))) & (lane < splati(rel(std::min<int64_t>(rhi, j0 + n))));
       s = vsel(vis, s, splat(NEG_INF));
+    }
+    if (pb.mask && j0 + n > sc.first_new) {  // custom mask: new key c = j - first_new is visible iff its bit is set
+      vi bits;
+      for (int c = 0; c < L; ++c) {
+        const int64_t key = j0 + c - sc.first_new;
+        bits[c] = key < 0 || c >= n || pb.mask_bit(sc.row_mask[r] + key) ? -1 : 0;
+      }
+      s = vsel(bits != splati(0), s, splat(NEG_INF));
     }
     if (any_nan(s)) {  // a visible key's NaN score (NaN in q or K, a NaN slope): the row is NaN, as SDPA's (its
       lv[r] = splat(std::numeric_limits<float>::quiet_NaN());  // l stays NaN: finalize writes NaN, never 0 / -inf)
@@ -966,7 +985,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
     int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& alibi_slopes, int64_t window_right, const std::optional<at::Tensor>& cache_leftpad,
-    int64_t sink_tokens, std::optional<double> rope_theta, double rope_scale) {
+    int64_t sink_tokens, std::optional<double> rope_theta, double rope_scale,
+    const std::optional<at::Tensor>& custom_mask, const std::optional<at::Tensor>& packed_custom_mask) {
   resolve_bounds(window_left, window_right, sink_tokens);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), d_v = v_cache.size(3), batch = block_table.size(0);
@@ -995,6 +1015,31 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   const Index index = index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, std::numeric_limits<int64_t>::max(),
                                k_cache.size(0), k_cache.size(1), window_left, sink_tokens, cache_leftpad);
   if (values_bad(index)) raise_values(index);
+  // custom mask (docs/tree-mask.md): its form, and its length against the query lengths (it is addressed with them)
+  const bool packed = packed_custom_mask.has_value();
+  const std::optional<at::Tensor>& mask_arg = packed ? packed_custom_mask : custom_mask;
+  std::vector<int64_t> mask_off;
+  at::Tensor mask_t;
+  if (mask_arg) {
+    const char* name = packed ? "packed_custom_mask" : "custom_mask";
+    TORCH_CHECK(!(custom_mask && packed_custom_mask), "kvops::_paged_attention_native: pass custom_mask or ",
+                "packed_custom_mask, not both");
+    TORCH_CHECK(mask_arg->dim() == 1 && mask_arg->device().is_cpu() &&
+                    mask_arg->scalar_type() == (packed ? at::kByte : at::kBool),
+                "kvops::_paged_attention_native: ", name, packed ? " must be a 1-D uint8 CPU tensor" :
+                " must be a 1-D bool CPU tensor");
+    int64_t at_ = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      mask_off.push_back(packed ? at_ * 8 : at_);  // packed: bits (each segment starts on a byte)
+      const int64_t n = index.cu_at(b + 1) - index.cu_at(b);
+      at_ += packed ? (n * n + 7) / 8 : n * n;
+    }
+    TORCH_CHECK(mask_arg->numel() == at_, "kvops.paged_attention: ", name, " has ", mask_arg->numel(),
+                " elements, expected ", at_, packed ? " (sum_b ceil(q_len_b ** 2 / 8)" : " (sum_b q_len_b ** 2",
+                " for the query lengths of cu_seqlens_q: each sequence's q_len x q_len block of its new keys",
+                packed ? ", bits padded to whole bytes per sequence)." : ", row-major, concatenated).");
+    mask_t = mask_arg->contiguous();
+  }
   // rows owned by no sequence are 0 / -inf (one memset / fill here: cheaper than two more aten ops per call)
   at::Tensor out = at::empty({num_tokens, num_heads, d_v}, q.options());
   at::Tensor lse = at::empty({num_heads, num_tokens}, q.options().dtype(at::kFloat));
@@ -1052,6 +1097,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   pb.leftpad = cache_leftpad ? leftpad.data_ptr<int32_t>() : nullptr;
   pb.sink_tokens = sink_tokens;
   pb.rope_freq = rope_theta ? rope_freq.data() : nullptr;
+  pb.mask = mask_arg ? static_cast<const uint8_t*>(mask_t.data_ptr()) : nullptr;
+  pb.mask_packed = packed;
+  pb.mask_off = mask_off.data();
+  if (pb.mask) pb.window_right = -1;  // the mask decides among the new keys (the validator refuses window_right)
 
   // items: (sequence, query tile of ~64 rows per KV head), all KV heads in one item
   const int q_tile = std::max(1, 64 / pb.group);
@@ -1064,7 +1113,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
       const int nq = std::min(q_tile, q_len - q0);
       const int64_t first = static_cast<int64_t>(kv_len) - q_len + q0, last = first + nq - 1;
       int64_t lo = window_left >= 0 ? std::max<int64_t>(start, first - window_left) : start;
-      int64_t hi = causal ? std::min<int64_t>(kv_len, last + 1) : kv_len;
+      int64_t hi = causal && !pb.mask ? std::min<int64_t>(kv_len, last + 1) : kv_len;  // a mask replaces causal
       if (pb.window_right >= 0) hi = std::min<int64_t>(hi, last + pb.window_right + 1);
       int64_t sink_hi = start;
       if (pb.streaming()) {  // the sinks get a pass of their own; the window pass starts after them

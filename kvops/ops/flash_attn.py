@@ -13,7 +13,7 @@ import torch
 
 from .._checks import values
 from .._checks.common import index_fix
-from .._checks.flash_attn import OP, check_flash_attn_with_kvcache
+from .._checks.flash_attn import OP, check_flash_attn_with_kvcache, check_mask_length
 from .._checks.features import AttnFeatures
 from .._checks.paged_attention import check_paged_attention
 from .paged_attention import paged_attention
@@ -44,6 +44,8 @@ def flash_attn_with_kvcache(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None,
 ):
     """Append new K/V to a KV cache and attend, with FlashAttention 2's ``flash_attn_with_kvcache`` signature.
 
@@ -107,6 +109,11 @@ def flash_attn_with_kvcache(
         rotary_interleaved: GPT-J pairs ``(2j, 2j + 1)`` (default, as FlashAttention) or GPT-NeoX pairs ``(j, j +
             rotary_dim / 2)``.
         num_splits: a scheduling hint (an int); ignored.
+        custom_mask, packed_custom_mask: (kvops extension, keyword-only; docs/tree-mask.md) a mask among each
+            sequence's ``S_q`` new rows, as ``kvops.paged_attention``'s: bool ``[B * S_q ** 2]`` or uint8
+            ``[B * ceil(S_q ** 2 / 8)]`` (little-endian bits, each sequence's segment padded to whole bytes); the
+            cached keys stay visible and the mask replaces the causal rule among the new keys (a draft tree
+            verified in one call). The length is exact here (every sequence has ``S_q`` rows): ``ValueError``.
         k_scale, v_scale: (kvops extension, keyword-only) float32 ``[1]`` or ``[H_kv]`` scales for
             ``float8_e4m3fn`` caches (written as ``x / scale``, read as ``cache * scale``).
 
@@ -182,6 +189,10 @@ def flash_attn_with_kvcache(
         features["alibi_slopes"] = alibi_slopes
     if cache_leftpad is not None:
         features["cache_leftpad"] = cache_leftpad
+    for name, mask in (("custom_mask", custom_mask), ("packed_custom_mask", packed_custom_mask)):
+        if mask is not None:
+            features[name] = mask
+            check_mask_length(name, mask, batch, s_q)
     if right > 0:
         features["window_right"] = right
     q_rows = q.reshape(batch * s_q, *q.shape[2:])

@@ -62,8 +62,11 @@ def _paged_attention_op(
     sink_tokens: int = 0,
     rope_theta: Optional[float] = None,
     rope_scale: float = 1.0,
+    custom_mask: Optional[torch.Tensor] = None,
+    packed_custom_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    features = AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale)
+    features = AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale,
+                            custom_mask, packed_custom_mask)
     return _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
                            window_left, softcap, sinks, k_scale, v_scale, kv_layout, features)
 
@@ -132,6 +135,8 @@ def paged_attention(
     sink_tokens: int = 0,
     rope_theta: float | None = None,
     rope_scale: float = 1.0,
+    custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None,
 ):
     """Attention of packed queries over a paged KV cache: decode and chunked prefill in one varlen batch.
 
@@ -189,6 +194,16 @@ def paged_attention(
             position ``pos - cache_leftpad``, a key's its row ``j - cache_leftpad``. With ``sink_tokens`` and a
             window the kept keys take contiguous positions (StreamingLLM): a sink is seen at distance
             ``pos - gap - j`` with ``gap = max(0, pos - window_left - sink_end)``. ``None``: no rotation.
+        custom_mask: bool ``[sum_b q_len_b ** 2]``: a mask among each sequence's new keys (docs/tree-mask.md,
+            FlashInfer's ``custom_mask`` restricted to the new keys), e.g. a speculative draft tree's: sequence
+            ``b``'s ``q_len_b x q_len_b`` block, row-major (query row ``i``, new key ``c``, True = visible), the
+            blocks concatenated in batch order. Keys before the new rows stay visible; among the new keys the mask
+            replaces the causal rule (``causal`` True or False alike); ``window_left``/``sink_tokens``/
+            ``cache_leftpad`` apply on top, softcap, ALiBi, sinks and RoPE at read time as without a mask; not
+            with ``window_right``. Calls with a mask run the prefill kernel on CUDA.
+        packed_custom_mask: uint8 ``[sum_b ceil(q_len_b ** 2 / 8)]``: the same mask as little-endian bits, each
+            sequence's segment padded to whole bytes (``kvops.custom_mask.segment_packbits``, as FlashInfer's
+            ``packbits``/``segment_packbits`` with ``bitorder="little"``). At most one of the two.
 
     Returns:
         ``out [T_q, H_q, D_v]`` in q's dtype (fp32 accumulation), or ``(out, lse)`` with ``lse [H_q, T_q]`` float32,
@@ -211,15 +226,18 @@ def paged_attention(
             ``window_left < -1``; ``softcap < 0``; ``scale``, ``softcap``, ``rope_theta`` or ``rope_scale`` NaN or
             infinite; features: ``alibi_slopes`` not float32 ``[H_q]``/``[B, H_q]``,
             ``window_right < -1``, ``cache_leftpad`` not int32 ``[B]``, ``sink_tokens < 0``, ``rope_theta``/
-            ``rope_scale`` not > 0 or an odd ``head_dim`` with RoPE. Raised by the fake rule too (trace time under
-            ``torch.compile`` and ``torch.export``).
+            ``rope_scale`` not > 0 or an odd ``head_dim`` with RoPE; a custom mask not 1-D bool (packed: 1-D
+            uint8), both forms, ``window_right`` beside one, or one longer than ``max_seqlen_q * T_q`` elements
+            (docs/tree-mask.md). Raised by the fake rule too (trace time under ``torch.compile`` and
+            ``torch.export``).
         RuntimeError: value contracts (docs/semantics.md §7), checked per the value-check mode (default
             ``"eager"``: eager calls, one host sync; ``"async"``: ``torch._assert_async``, also compiled): a
             sequence's ``q_len > max_seqlen_q``; ``seq_lens[b]`` outside ``[0, max_blocks * block_size]`` (the
             capacity of ``block_table``); a block id outside ``[0, P)`` in the first ``ceil(seq_len / block_size)``
             entries of a ``block_table`` row (the message names ``block_table[b, j]``, the id and ``P``);
             ``cu_seqlens_q`` not non-decreasing from 0 or ending past ``T_q``; a ``cache_leftpad[b]`` outside
-            ``[0, seq_lens[b]]``; a NaN or infinite ALiBi slope (``alibi_slopes[h]``). With
+            ``[0, seq_lens[b]]``; a NaN or infinite ALiBi slope (``alibi_slopes[h]``); a custom mask whose
+            length is not ``sum_b q_len_b ** 2`` (packed: ``sum_b ceil(q_len_b ** 2 / 8)``). With
             a window (or ``cache_leftpad``) only the block ids of rows some query can see are checked
             (docs/attention_features.md). ``cu_seqlens_q[-1] < T_q`` is allowed: rows ``[cu_seqlens_q[-1], T_q)`` belong to no sequence and are 0 (LSE ``-inf``), as the padded
             rows of a CUDA-graph batch. On CPU with the native kernel, eager checks are one native pass over the
@@ -238,7 +256,8 @@ def paged_attention(
         raise bad
     # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md)
     window_left, features = resolve(
-        window_left, AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale))
+        window_left, AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale,
+                                  custom_mask, packed_custom_mask))
     if k_scale is not None and k_scale.dim() == 0:  # vLLM's per-tensor form: a 0-d scale is [1] (a view)
         k_scale = k_scale.reshape(1)
     if v_scale is not None and v_scale.dim() == 0:
@@ -254,11 +273,13 @@ def paged_attention(
                                      cache_leftpad=cache_leftpad)
         if alibi_slopes is not None:
             values.check_alibi_slopes(alibi_slopes)
+        if features.mask() is not None:
+            values.check_custom_mask(custom_mask, packed_custom_mask, cu_seqlens_q)
     except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad values: it goes first
         check_paged_attention(*args, features)
         raise
     if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,
-                cache_leftpad)):
+                cache_leftpad, custom_mask, packed_custom_mask)):
         out, lse = _implementation(*args, features, native_ok=True)
     elif features.used():
         out, lse = torch.ops.kvops.paged_attention(*args, *features)

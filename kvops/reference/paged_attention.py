@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .._checks.features import NO_FEATURES, AttnFeatures, resolve
+from ..custom_mask import dense_custom_mask
 
 _TILE_BUDGET = 1 << 22  # fp32 elements of one tile's scores plus its gathered K and V (16 MiB)
 
@@ -114,7 +115,7 @@ def paged_attention(
     same tiles; ``features`` is the validator's record of them (``kvops/_checks/features.py``).
     """
     window_left, features = resolve(window_left, features)  # (no overflow; the validator's record is resolved)
-    alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale = features
+    alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale = features[:6]
     num_tokens, batch, max_blocks = q.shape[0], block_table.shape[0], block_table.shape[1]
     # sizes that define the computation (heads, head_dim, block_size) specialize under tracing; token counts, batch and
     # table width stay symbolic
@@ -154,6 +155,10 @@ def paged_attention(
     if alibi_slopes is not None:  # [B, H_kv, 1, G, 1]: bias -slope * |pos - j| (FlashAttention's ALiBi)
         slopes = alibi_slopes.expand(batch, num_heads).reshape(batch, num_kv_heads, 1, group, 1)
     right = 0 if causal else window_right  # keys j <= pos + right are visible (-1: no right bound)
+    new_keys = None
+    if features.mask() is not None:  # docs/tree-mask.md: the mask replaces the causal rule among the new keys
+        new_keys = dense_custom_mask(features.custom_mask, features.packed_custom_mask, cu_seqlens_q, m_q)  # [B, M, M]
+        right = -1
     first_pos = (kv_len - q_lens)[:, None]  # the earliest query's row: keys before its window are never read
 
     m = torch.full((batch, num_kv_heads, rows), float("-inf"), dtype=torch.float32, device=device)
@@ -190,6 +195,10 @@ def paged_attention(
             visible = visible & (kpos <= pos[:, :, None] + right)
         if window_left >= 0:
             visible = visible & ((kpos >= pos[:, :, None] - window_left) | (kpos < sink_end[:, None, None]))
+        if new_keys is not None:  # key c = j - (seq_len - q_len) >= 0 is new: its mask element decides
+            c = kpos - (kv_len - q_lens)[:, None]  # [B, N]
+            bit = new_keys.gather(2, c.clamp(0, m_q - 1)[:, None, :].expand(batch, m_q, n))
+            visible = visible & ((c < 0)[:, None, :] | bit)
         s = torch.where(visible[:, None, :, None, :], s, float("-inf"))
         s = s.view(batch, num_kv_heads, rows, n)
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .._checks.features import NO_FEATURES, AttnFeatures, resolve
+from ..custom_mask import mask_indptr
 from .launch import Launch, capability_of, run
 
 _TARGET_PROGRAMS = 256  # decode: aim for about this many (sequence, KV head, split) programs (~2 per SM on H100/H200)
@@ -87,7 +88,9 @@ def _lane(x, n0, BLOCK_N: tl.constexpr):
 @triton.jit
 def _scores(q, k, n0, offs_n, pos, kv_len, window_left, softcap, slope, window_right,
             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-            HAS_ALIBI: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False, BLOCK_N: tl.constexpr = 16):
+            HAS_ALIBI: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False, BLOCK_N: tl.constexpr = 16,
+            mask_ptr=None, mask_row=None, first_new=0, q_len=0, mask_lim=0, HAS_MASK: tl.constexpr = False,
+            MASK_PACKED: tl.constexpr = False):
     """``softcap(q @ k^T)`` (``- slope * |pos - j|`` with ALiBi) with invisible keys at ``-inf`` (softcap first,
     then the bias, then masking, as docs/semantics.md §4 and docs/attention_features.md). Keys are positions
     ``n0 + offs_n`` (``n0``, ``pos``, ``kv_len``: int64); the masks compare int32 lane offsets."""
@@ -103,7 +106,25 @@ def _scores(q, k, n0, offs_n, pos, kv_len, window_left, softcap, slope, window_r
         vis = vis & (offs_n[None, :] <= _lane(pos + window_right, n0, BLOCK_N)[:, None])
     if HAS_WINDOW:
         vis = vis & (offs_n[None, :] >= _lane(pos - window_left, n0, BLOCK_N)[:, None])
+    if HAS_MASK:
+        vis = vis & _mask_bits(mask_ptr, mask_row, n0 - first_new + offs_n, q_len, mask_lim, MASK_PACKED)
     return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _mask_bits(mask_ptr, mask_row, key, q_len, mask_lim, MASK_PACKED: tl.constexpr):
+    """``[rows, BLOCK_N]`` visibility of keys ``key`` (int64 offsets from the sequence's first new key) under a
+    custom mask (docs/tree-mask.md): keys before the new rows (``key < 0``) are visible, new key ``c`` is element
+    (with ``MASK_PACKED``: little-endian bit) ``mask_row + c`` of the mask. Reads stay in ``[0, mask_lim)`` (the
+    mask's elements or bits), so a mask of the wrong length never reads out of bounds."""
+    idx = mask_row[:, None] + key[None, :]
+    ok = ((key >= 0) & (key < q_len))[None, :] & (idx < mask_lim) & (idx >= 0)
+    if MASK_PACKED:
+        byte = tl.load(mask_ptr + (idx >> 3), mask=ok, other=0).to(tl.int32)
+        bit = (byte >> (idx & 7).to(tl.int32)) & 1
+    else:
+        bit = tl.load(mask_ptr + idx, mask=ok, other=0).to(tl.int32)
+    return (key < 0)[None, :] | (bit != 0)
 
 
 @triton.jit
@@ -165,12 +186,13 @@ def _attend_tiles(
     offs_d, part_d, offs_dv, head_dim, head_dim_v, k_scale_ptr, v_scale_ptr, rope_coef, rope_inv_scale,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr, IS_FP8: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, mask_ptr=None, mask_row=None, first_new=0, q_len=0, mask_lim=0,
+    HAS_MASK: tl.constexpr = False, MASK_PACKED: tl.constexpr = False,
 ):
     """The KV-tile loop of every kernel: keys ``[lo, hi)`` (int64 positions; ``lim``: one past the last readable row)
     of one KV head, ``BLOCK_N`` at a time, read through the block table (``_load_kv``), turned by RoPE at read time
-    (positions counted from ``start``), scored (``_scores``) and folded into the online softmax ``(m_i, l_i, acc)``,
-    which it returns."""
+    (positions counted from ``start``), scored (``_scores``; with ``HAS_MASK`` the custom mask among the new keys,
+    ``_mask_bits``) and folded into the online softmax ``(m_i, l_i, acc)``, which it returns."""
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         in_seq = offs_n < _lane(lim, n0, BLOCK_N)
@@ -183,7 +205,8 @@ def _attend_tiles(
         v = _load_kv(v_ptr, bt_row, n0, offs_n, in_seq, block_size, s_vp, s_vb, s_vh, s_vd, kv_head, offs_dv,
                      head_dim_v, v_scale_ptr, IS_FP8)
         s = _scores(q, k, n0, offs_n, pos, lim, window_left, softcap, slope, window_right, CAUSAL, HAS_WINDOW,
-                    HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT, BLOCK_N)
+                    HAS_SOFTCAP, PREC, HAS_ALIBI, HAS_RIGHT, BLOCK_N, mask_ptr, mask_row, first_new, q_len,
+                    mask_lim, HAS_MASK, MASK_PACKED)
         m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PREC)
     return m_i, l_i, acc
 
@@ -327,6 +350,7 @@ def _prefill_kernel(
     alibi_ptr=None, s_ab=0, leftpad_ptr=None, sink_tokens=0, rope_coef=0.0, rope_inv_scale=1.0, window_right=-1,
     HAS_ALIBI: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False, HAS_SINK_TOKENS: tl.constexpr = False,
     HAS_ROPE: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    mask_ptr=None, mask_off_ptr=None, mask_lim=0, HAS_MASK: tl.constexpr = False, MASK_PACKED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -353,6 +377,10 @@ def _prefill_kernel(
     slope = tl.zeros([BLOCK_M], tl.float32)
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + b * s_ab + heads, mask=g < group, other=0.0)
+    first_new = kv_len - q_len  # custom mask: the first new key; row i of the block starts at mask_off[b] + i * q_len
+    mask_row = t_loc.to(tl.int64)
+    if HAS_MASK:
+        mask_row = tl.load(mask_off_ptr + b) + t_loc.to(tl.int64) * q_len
 
     first = kv_len - q_len + tile * BLOCK_T  # position of the tile's first query
     last = kv_len - q_len + tl.minimum(tile * BLOCK_T + BLOCK_T, q_len) - 1
@@ -388,7 +416,8 @@ def _prefill_kernel(
             m_i, l_i, acc, q_s, start, s_hi, s_hi, pos, start, slope, window_left, window_right, softcap,
             k_ptr, v_ptr, bt_row, block_size, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, kv_head,
             offs_d, part_d, offs_dv, head_dim, head_dim_v, k_scale_ptr, v_scale_ptr, rope_coef, rope_inv_scale,
-            CAUSAL, False, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, IS_FP8, PREC, BLOCK_N)
+            CAUSAL, False, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, IS_FP8, PREC, BLOCK_N,
+            mask_ptr, mask_row, first_new, q_len, mask_lim, HAS_MASK, MASK_PACKED)
     if HAS_ROPE:
         q = _rope(q, q_pair, pos - start, offs_d, head_dim, rope_coef, rope_inv_scale)
     hi = tl.where(live, hi, lo)
@@ -396,7 +425,8 @@ def _prefill_kernel(
         m_i, l_i, acc, q, lo, hi, kv_lim, pos, start, slope, window_left, window_right, softcap,
         k_ptr, v_ptr, bt_row, block_size, s_kp, s_kb, s_kh, s_kd, s_vp, s_vb, s_vh, s_vd, kv_head,
         offs_d, part_d, offs_dv, head_dim, head_dim_v, k_scale_ptr, v_scale_ptr, rope_coef, rope_inv_scale,
-        CAUSAL, HAS_WINDOW, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, IS_FP8, PREC, BLOCK_N)
+        CAUSAL, HAS_WINDOW, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, IS_FP8, PREC, BLOCK_N,
+        mask_ptr, mask_row, first_new, q_len, mask_lim, HAS_MASK, MASK_PACKED)
 
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + heads, mask=g < group, other=0.0)
@@ -466,7 +496,7 @@ def merge_splits(num_splits: int, block_dv: int) -> int:
 
 
 def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capability: tuple[int, int],
-                rope: bool = False, group: int = 1) -> dict:
+                rope: bool = False, group: int = 1, mask: bool = False) -> dict:
     """``block_n`` (KV tokens per tile), ``block_m`` (prefill rows), ``num_warps`` and ``num_stages`` of one kernel.
 
     ``kind`` is "decode" or "prefill", ``block_d``/``block_dv`` the padded head dims, ``operands`` what ``tl.dot``
@@ -495,7 +525,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     stages, none at one); at padded head dims >= 128 also 8 warps and smaller tiles (decode: at most 32 KV tokens;
     prefill with 16-bit or fp8 operands: 16 rows x 32 tokens, 16 x 16 for fp8 at 256), which the sink-token loop
     with its second turned query needs (up to 900 B spills on sm_80 before); fp8 decode on sm_100 16-token tiles
-    (16 warps at 256).
+    (16 warps at 256). With a custom ``mask`` (docs/tree-mask.md) prefill runs over at least 8 warps: each tile's
+    int64 mask indices over 4 warps took fp8 at width 128 (GQA 7:1) to 255 registers and 8 B spills on sm_90.
     """
     width = max(block_d, block_dv)
     cfg = _tiles(kind, width, operands)
@@ -524,6 +555,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
             cfg["num_warps"] = 4
         elif width >= 128 and operands != "fp32":
             cfg.update(block_n=16 if operands == "fp8" and width >= 256 else 32, block_m=16, num_warps=8)
+    if mask and kind == "prefill":
+        cfg["num_warps"] = max(cfg["num_warps"], 8)
     return cfg
 
 
@@ -579,10 +612,11 @@ def plan_paged_attention(
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     block_g = _pow2(group)
     block_d, block_dv = _pow2(d), _pow2(d_v)
-    decode = max_seqlen_q == 1 and not force_prefill
+    decode = max_seqlen_q == 1 and not force_prefill and features.mask() is None  # a mask: the prefill kernel
+    causal = causal and features.mask() is None  # a custom mask replaces the causal bound (docs/tree-mask.md)
     operands = "fp8" if is_fp8 else "fp32" if q.dtype == torch.float32 else "16bit"
     cfg = tile_config("decode" if decode else "prefill", block_d, block_dv, operands, capability,
-                      rope=features.rope_theta is not None, group=group)
+                      rope=features.rope_theta is not None, group=group, mask=features.mask() is not None)
     block_n = cfg["block_n"] if block_n is None else block_n
     block_m = cfg["block_m"] if block_m is None else block_m
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=True)
@@ -590,7 +624,7 @@ def plan_paged_attention(
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, IS_FP8=is_fp8, PREC=prec,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
     )
-    feats = _feature_args(features, window_left, causal, not decode, num_heads, d)
+    feats = _feature_args(features, window_left, causal, not decode, num_heads, d, cu_seqlens_q)
     if decode:
         if num_splits is None:
             fill = triton.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
@@ -624,11 +658,13 @@ def plan_paged_attention(
 
 
 def _feature_args(features: AttnFeatures, window_left: int, causal: bool, prefill: bool, num_heads: int,
-                  head_dim: int) -> dict:
+                  head_dim: int, cu_seqlens_q: torch.Tensor) -> dict:
     """The kernels' arguments and constexpr flags of the attention features (docs/attention_features.md), passed by
     name and only for features in use, so calls without them launch (and compile ahead of time) as before. A right
     window is an argument of the prefill kernel only (a decode query sits at the last position) and only without
-    ``causal`` (whose bound, 0, wins)."""
+    ``causal`` (whose bound, 0, wins). A custom mask (docs/tree-mask.md; calls with one run the prefill kernel)
+    goes as bytes (a bool mask viewed as uint8, no copy) with each sequence's first element / bit (``mask_indptr``
+    of ``cu_seqlens_q``: torch ops, no host sync)."""
     args = {}
     if prefill and not causal and features.window_right >= 0:
         args.update(window_right=features.window_right, HAS_RIGHT=True)
@@ -642,4 +678,10 @@ def _feature_args(features: AttnFeatures, window_left: int, causal: bool, prefil
     if features.rope_theta is not None:
         args.update(rope_coef=-2.0 * math.log2(features.rope_theta) / head_dim,
                     rope_inv_scale=1.0 / features.rope_scale, HAS_ROPE=True)
+    mask = features.mask()
+    if mask is not None:
+        packed = features.packed_custom_mask is not None
+        bits = 8 if packed else 1  # the kernel counts bits of a packed mask
+        args.update(mask_ptr=mask.view(torch.uint8), mask_off_ptr=mask_indptr(cu_seqlens_q, packed)[:-1] * bits,
+                    mask_lim=mask.shape[0] * bits, HAS_MASK=True, MASK_PACKED=packed)
     return args

@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvops
+from kvops.custom_mask import mask_indptr, segment_packbits
 from tests.contract import raises_everywhere
 
 FP8 = torch.float8_e4m3fn
@@ -312,12 +313,15 @@ class TestFuzzPagedWrite(FuzzCase):
 
 # --- paged_attention ---------------------------------------------------------------------------------------------
 ATTN_BAD = ["v_none", "q_dtype", "cache_dtype", "gqa", "head_dim", "table_dtype", "seq_lens_len", "cu_len",
-            "max_seqlen_q", "window", "softcap", "sinks", "fp8_no_scale", "scale_not_fp8", "layout"]
+            "max_seqlen_q", "window", "softcap", "sinks", "fp8_no_scale", "scale_not_fp8", "layout", "mask_dtype",
+            "mask_both"]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
-def attention_reference(q, k_cache, v_cache, cu, seq_lens, table, scale, causal, window, softcap, sinks, ks, vs):
-    """fp64 loop over sequences and queries, straight from docs/semantics.md §4."""
+def attention_reference(q, k_cache, v_cache, cu, seq_lens, table, scale, causal, window, softcap, sinks, ks, vs,
+                        masks=None):
+    """fp64 loop over sequences and queries, straight from docs/semantics.md §4; ``masks``: each sequence's
+    ``[q_len, q_len]`` custom mask among its new keys (§4.2), which replaces the causal rule there."""
     tq, hq, _ = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     out = torch.zeros(tq, hq, v_cache.shape[3], dtype=torch.float64)
@@ -333,7 +337,9 @@ def attention_reference(q, k_cache, v_cache, cu, seq_lens, table, scale, causal,
         for i in range(q_len):
             t, pos = int(cu[b]) + i, sl - q_len + i
             visible = torch.ones(sl, dtype=torch.bool)
-            if causal:
+            if masks is not None:  # cached keys visible, new key c by the mask
+                visible = torch.cat([torch.ones(sl - q_len, dtype=torch.bool), masks[b][i]])
+            elif causal:
                 visible &= pos_k <= pos
             if window >= 0:
                 visible &= pos_k >= pos - window
@@ -363,7 +369,9 @@ def attention_cases(draw, kind):
                 q_frac=draw(st.lists(st.integers(0, 3), min_size=b, max_size=b)), causal=draw(st.booleans()),
                 window=draw(st.sampled_from([-1, -1, 0, 2])), softcap=draw(st.sampled_from([0.0, 0.0, 3.0])),
                 sinks=draw(st.booleans()), dtype=draw(st.sampled_from(DTYPES + (FP8,))),
-                seed=draw(st.integers(0, 2**16)))
+                seed=draw(st.integers(0, 2**16)),
+                mask=draw(st.sampled_from(["bool", "packed"] if kind in ("mask_dtype", "mask_both") else
+                                          [None, None, "bool", "packed"])))
 
 
 class TestFuzzPagedAttention(FuzzCase):
@@ -401,6 +409,12 @@ class TestFuzzPagedAttention(FuzzCase):
                                                                                                                None)
         max_q, window, softcap = max(1, max(q_lens)), c["window"], c["softcap"]
         kind, error = c["kind"], None
+        masks = custom = packed = None
+        if c["mask"] is not None:  # a random mask among each sequence's new keys (docs/tree-mask.md)
+            masks = [torch.rand(n, n, generator=gen) > 0.3 for n in q_lens]
+            custom = torch.cat([m.flatten() for m in masks])
+            if c["mask"] == "packed":
+                packed, custom = segment_packbits(custom, mask_indptr(cu))[0], None
         if kind == "v_none":
             v_cache, error = None, (ValueError, "v_cache must be provided")
         elif kind == "q_dtype":
@@ -435,6 +449,15 @@ class TestFuzzPagedAttention(FuzzCase):
                 k_cache, v_cache = k_cache.float().to(FP8), v_cache.float().to(FP8)
                 q = q.float()
             ks, vs, error = None, None, (ValueError, "cache needs k_scale and v_scale")
+        elif kind == "mask_dtype":
+            custom, packed = (packed if packed is not None else custom).float(), None
+            error = (ValueError, "custom_mask must be a 1-D bool tensor")
+        elif kind == "mask_both":
+            if custom is None:
+                custom = torch.zeros(0, dtype=torch.bool)
+            else:
+                packed = segment_packbits(custom, mask_indptr(cu))[0]
+            error = (ValueError, "not both")
         elif kind == "scale_not_fp8":
             if fp8:
                 k_cache, v_cache, q = k_cache.float(), v_cache.float(), q.float()
@@ -443,17 +466,17 @@ class TestFuzzPagedAttention(FuzzCase):
         if kind == "layout":  # (NHD-shaped caches: the wrapper's eager value checks read the geometry first)
             error = (ValueError, "kv_layout must be \"NHD\"")
         to_layout = (lambda t: t.transpose(1, 2) if t is not None else None) if kv_layout == "HND" else (lambda t: t)
-        tensors = (q, to_layout(k_cache), to_layout(v_cache), cu, seq_lens, table, sinks, ks, vs)
+        tensors = (q, to_layout(k_cache), to_layout(v_cache), cu, seq_lens, table, sinks, ks, vs, custom, packed)
         layout_arg = "nhd" if kind == "layout" else kv_layout
 
-        def fn(q, k_cache, v_cache, cu, seq_lens, table, sinks, ks, vs):
+        def fn(q, k_cache, v_cache, cu, seq_lens, table, sinks, ks, vs, custom, packed):
             return kvops.paged_attention(q, k_cache, v_cache, cu, seq_lens, table, max_q, causal=c["causal"],
                                          window_left=window, softcap=softcap, sinks=sinks, k_scale=ks, v_scale=vs,
-                                         kv_layout=layout_arg)
+                                         kv_layout=layout_arg, custom_mask=custom, packed_custom_mask=packed)
 
         def check(out):
             want = attention_reference(q, k_cache, v_cache, cu, seq_lens, table, d**-0.5, c["causal"], window,
-                                       softcap, sinks, ks, vs)
+                                       softcap, sinks, ks, vs, masks)
             self.assertFalse(torch.isnan(out).any())
             tol = TOL[q.dtype] * (4 if fp8 else 1)
             torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)

@@ -64,9 +64,11 @@ class AotCompileTest(unittest.TestCase):
         self.assertEqual(self.result["refusals"], [])
 
     def test_every_attention_feature_compiles(self):
-        # docs/attention_features.md: each feature in at least one compiled spec of each kernel that takes it
+        # docs/attention_features.md (and docs/tree-mask.md's masks): each feature in at least one compiled spec of each
+        # kernel that takes it
         rows = self.result["rows"]
-        for kernel, names in (("_prefill_kernel", ("alibi", "leftpad", "sink_tokens", "rope", "right")),
+        for kernel, names in (("_prefill_kernel", ("alibi", "leftpad", "sink_tokens", "rope", "right", "mask",
+                                                   "packed")),
                               ("_decode_split_kernel", ("alibi", "leftpad", "sink_tokens", "rope"))):
             for name in names:
                 specs = [r for r in rows if r["kernel"] == kernel and name in r["spec"].split("flags=")[1].split(",")]
