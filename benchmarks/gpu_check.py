@@ -170,7 +170,7 @@ def pytest_triton(run: Run) -> str:
     missing = [m for m in ("pytest", "expecttest", "hypothesis") if importlib.util.find_spec(m) is None]
     if missing:
         return f"not run: {', '.join(missing)} not installed here (the oracle stage covers the kernels)"
-    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*triton*.py"))
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*/test_*triton*.py"))
     return run_cmd([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], run.left() - 5)
 
 

@@ -103,9 +103,10 @@ class AbsorbedMLA(torch.nn.Module):
 
 
 def run(geometry: str = "tiny", prompts=(9, 6), new_tokens: int = 6, block_size: int = 4, compile_decode=False,
-        seed: int = 0, rope_interleave: bool = True):
+        seed: int = 0, rope_interleave: bool = True, inductor: bool = False):
     """Prefill ``prompts`` in one batch, decode ``new_tokens`` per sequence; returns ``{"max_abs_diff", "graphs",
-    "kvops", "reference"}`` (outputs ``[B, L, hidden]`` of both paths, ``L = prompt + new_tokens``)."""
+    "kvops", "reference"}`` (outputs ``[B, L, hidden]`` of both paths, ``L = prompt + new_tokens``). ``inductor``: the
+    compiled decode step is Inductor's code (else the traced graph runs as is)."""
     _, attn, rotary = build(geometry, seed, rope_interleave)
     lengths = [p + new_tokens for p in prompts]
     g = torch.Generator().manual_seed(seed + 1)
@@ -135,6 +136,10 @@ def run(geometry: str = "tiny", prompts=(9, 6), new_tokens: int = 6, block_size:
 
         def count(gm, example_inputs):
             graphs.append(gm)
+            if inductor:
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(gm, example_inputs)
             return gm
 
         step = torch.compile(model, backend=count, fullgraph=True, dynamic=False) if compile_decode else model
@@ -164,15 +169,19 @@ def main():
     p.add_argument("--new-tokens", type=int, default=6, help="decode steps per sequence after the prefill")
     p.add_argument("--block-size", type=int, default=4, help="rows per block of the latent cache")
     p.add_argument("--compile", action="store_true", help="run the decode steps under torch.compile(fullgraph=True)")
+    p.add_argument("--inductor", action="store_true",
+                   help="with --compile: run Inductor's generated code (else the traced graph as is)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result to this JSON file")
     args = p.parse_args()
-    r = run(args.geometry, new_tokens=args.new_tokens, block_size=args.block_size, compile_decode=args.compile)
+    r = run(args.geometry, new_tokens=args.new_tokens, block_size=args.block_size, compile_decode=args.compile,
+            inductor=args.inductor)
     heads, rank, rope, nope, v, _, _ = GEOMETRIES[args.geometry]
     ok = r["max_abs_diff"] < 1e-4
     print(f"geometry {args.geometry}: {heads} heads, kv_lora_rank {rank}, rope {rope}; latent cache {rank + rope} "
           f"values per token vs {heads * (nope + rope + v)} for MHA ({cache_ratio(heads, rank, rope, nope, v):.1f}x "
           f"smaller)")
-    print(f"kvops absorbed MLA vs transformers eager: max |diff| {r['max_abs_diff']:.2e} ({'match' if ok else 'MISMATCH'})"
+    verdict = "match" if ok else "MISMATCH"
+    print(f"kvops absorbed MLA vs transformers eager: max |diff| {r['max_abs_diff']:.2e} ({verdict})"
           + (f"; decode compiled in {r['graphs']} graph(s)" if args.compile else ""))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"geometry": args.geometry, "max_abs_diff": r["max_abs_diff"],

@@ -174,7 +174,7 @@ def aten_streaming_update(key, value, k_cache, v_cache, cursors, current_chunk_s
 
 class StreamStep(nn.Module):
     """One pass of ``StreamingModel`` over a chunk with the caches as tensors (what ``--package`` exports, also
-    tests/test_aoti.py and test_onnx.py): ``(x [B, n, dim], k_caches, v_caches (lists of [B, S, H, D], zero-initialized,
+    tests/export/test_aoti.py and test_onnx.py): ``(x [B, n, dim], k_caches, v_caches (lists of [B, S, H, D], zero-initialized,
     mutated), cursors int64 [2], start int64 []) -> (x, new_cursors, *k_caches, *v_caches, *chunk_keys,
     *chunk_values)``. Every layer shares the cursors (they advance identically); attention is SDPA over the whole
     cache with ``streaming_update``'s row mask, so one program serves appends, rewrites and evicting appends. The

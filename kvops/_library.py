@@ -7,7 +7,7 @@ sizes that define kernels (head counts, ``head_dim``, ``block_size``) come from 
 The fake rules, CPU kernels and CUDA kernels are registered next to each op's public wrapper in ``kvops/ops/``; the
 C++ sources (``kvops/native/*.cpp``) register kernels only (``TORCH_LIBRARY_IMPL``), never a schema. An op whose
 schema torch infers (a ``torch.library.triton_op``) is written here as a module constant named after the op in capitals
-(``PAGED_ATTENTION = "(...) -> ..."``). tests/test_schemas.py checks every op of the ``kvops`` namespace against this
+(``PAGED_ATTENTION = "(...) -> ..."``). tests/project/test_schemas.py checks every op of the ``kvops`` namespace against this
 file: none may be missing, and each must read as written here.
 """
 
@@ -33,7 +33,7 @@ lib.define(
 # kv_layout (both paged ops): "NHD" caches [P, block_size, H_kv, D] | "HND" caches [P, H_kv, block_size, D] (FlashInfer)
 # kvops::paged_attention is a torch.library.triton_op (kvops/ops/paged_attention.py), so torch.compile on CUDA sees
 # its Triton kernels; triton_op infers its schema from the function's annotations (it ignores a schema string), and
-# this is that schema, kept equal by tests/test_attention_features.py. The arguments after kv_layout are the fields
+# this is that schema, kept equal by tests/paged/test_attention_features.py. The arguments after kv_layout are the fields
 # of AttnFeatures (kvops/_checks/features.py), in order.
 PAGED_ATTENTION = (
     "(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
@@ -139,7 +139,7 @@ lib.define(
 )
 
 # --- functional (non-mutating) variants of the writes (kernels: kvops/export/functional.py) -------------------------
-# The arguments of their mutating op without its (a!) annotations (tests/test_schemas.py keeps them equal); they
+# The arguments of their mutating op without its (a!) annotations (tests/project/test_schemas.py keeps them equal); they
 # return copies (new_k_cache, new_v_cache) of the caches with the write applied. Used by the ONNX export and the
 # TensorRT converters (lowering/onnx.py, lowering/tensorrt.py).
 lib.define(

@@ -35,7 +35,7 @@ automatically, labelled by its middle part). A source module exposes either
 - ``unhappy_cases() -> list[Case]`` (``Case(name, build, exc, needles, mode=None, check=None, timeout=None)``,
   ``build() -> (call, state)``; ``exc=None``: the call must succeed and ``check(result)`` returns ``None`` or what is
   wrong; with both ``exc`` and ``check``, refusing clearly and returning a checked result both count as clear), or
-- ``CASES: {name: (build, exc, needles)}`` with ``build() -> (state, call)`` (``tests/test_unhappy_caches.py``'s form).
+- ``CASES: {name: (build, exc, needles)}`` with ``build() -> (state, call)`` (``tests/errors/test_unhappy_caches.py``'s form).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ OUTCOMES = ("clear", "unclear", "changed-on-failure", "silent-wrong", "crash", "
 # tests/unhappy_<label>_cases.py, which is found without one).
 SOURCES = {
     "ops": "tests.unhappy_ops_cases",
-    "caches": "tests.test_unhappy_caches",
+    "caches": "tests.errors.test_unhappy_caches",
 }
 
 

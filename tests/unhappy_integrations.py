@@ -1,12 +1,12 @@
 """Unhappy-path cases of the transformers integration, the StreamingLLM paged cache and the transfer endpoints, registered into
-``tests/test_unhappy_caches.py``'s harness by :func:`add_cases` (same contract: the documented exception, the
+``tests/errors/test_unhappy_caches.py``'s harness by :func:`add_cases` (same contract: the documented exception, the
 needles in its message, every tensor byte and cursor unchanged).
 
 Covered: ``KvopsStaticCache`` / ``KvopsPagedCache`` ``reorder_cache`` (beam search), ``crop``, ``update`` with a layer
 the cache lacks, a deeper model reusing a cache, padding masks with a hole or too short, ``ExportableDecodeStep``
 positions, ``kvops_attention_forward``'s own refusals, ``PagedKVCache.fork`` of an evicted StreamingLLM prefix, and
 ``KVSender``/``KVReceiver`` arguments refused before anything is sent or allocated (their malformed-message and
-fault cases need processes: tests/test_transfer_malformed.py, tests/test_transfer_faults.py).
+fault cases need processes: tests/transfer/test_transfer_malformed.py, tests/transfer/test_transfer_faults.py).
 Each cache first holds a prefill of a batch of 2 (5 tokens) from a tiny random Llama (no download). Skipped
 (registered as nothing) without transformers.
 """
@@ -286,7 +286,7 @@ def _transfer_cases(case) -> None:
 
 def _package_cases(case) -> None:
     """``examples/llm_serving.py``'s ``PackagedStep`` (a stand-in package: no AOTInductor compile) refuses inputs of
-    other shapes or dtypes than it was built for before the package runs; a corrupted package: tests/test_llm_package.py
+    other shapes or dtypes than it was built for before the package runs; a corrupted package: tests/export/test_llm_package.py
     (it needs a built one)."""
     import tempfile
     import types

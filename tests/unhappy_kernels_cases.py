@@ -1,5 +1,5 @@
 """Adversarial cases for the ops and kernels (the ``kernels`` source of ``python -m tests.unhappy
---report``; ``tests/test_unhappy_ops.py`` requires every one to be clear).
+--report``; ``tests/errors/test_unhappy_ops.py`` requires every one to be clear).
 
 Classes: sizes near the integer limits (KV lengths near 2^31 in the native and Triton kernels, windows and sink counts
 of ``sys.maxsize``, integers past 64 bits, FlashInfer plans past int32, caches past the addressable bytes, huge
@@ -70,7 +70,7 @@ def _pa(a):
 
 # --- sizes near the integer limits -----------------------------------------------------------------------------
 def _limit_cases():
-    from tests.test_unhappy_limits import near_limit_cases, near_limit_inputs
+    from tests.errors.test_unhappy_limits import near_limit_cases, near_limit_inputs
 
     out = []
     for name, seq_len, q_len, kw in near_limit_cases():

@@ -12,7 +12,7 @@ spills registers, or needs more shared memory per block than the target allows i
     python benchmarks/gpu_check.py --aot [--subset] [--targets sm_80,sm_90]
 
 Needs ``TRITON_INTERPRET`` unset when kvops is imported (the interpreter replaces the kernels); the test
-(``tests/test_gpu_aot.py``) runs it in a subprocess for that reason.
+(``tests/gpu/test_gpu_aot.py``) runs it in a subprocess for that reason.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ on a device, against an oracle, over dtypes, head dims, GQA groups, block sizes,
 
 - Attention (``kvops.paged_attention``: ``_prefill_kernel``, ``_decode_split_kernel`` + ``_decode_merge_kernel``)
   against :func:`attention_oracle`, a plain fp64 attention (one masked softmax per sequence) with every feature of
-  docs/attention_features.md; per-dtype tolerances (those of tests/test_paged_attention.py), LSE included.
+  docs/attention_features.md; per-dtype tolerances (those of tests/paged/test_paged_attention.py), LSE included.
 - Packed attention (``kvops.packed.packed_attention``: ``_segment_kernel``) against fp64 softmax attention over the
   window dequantized by the CPU kernel.
 - Data movement (``_paged_scatter_kernel``, ``_rotary_scatter_kernel``, ``_copy_rows_kernel``, ``_staging_kernel``,
@@ -17,7 +17,7 @@ Caches start as NaN (or random bits) everywhere a kernel must not read or write.
 caches; head dims 64, 128, 256; GQA groups 1, 4, 7, 8; block sizes 1, 16, 64; NHD and HND; causal, window, softcap,
 sinks, ALiBi, ``cache_leftpad``, sink tokens, RoPE at read, right window; decode and chunked prefill. :func:`cases`
 interleaves the families, so a run stopped by its deadline has still called every kernel. With ``device="cpu"`` the
-same sweep checks the oracle and the cases against kvops' CPU kernels (``tests/test_gpu_check.py``).
+same sweep checks the oracle and the cases against kvops' CPU kernels (``tests/gpu/test_gpu_check.py``).
 
 Needs only torch (and triton for the CUDA kernels): it runs on the lent GPU machine's image as it is.
 """
@@ -329,7 +329,7 @@ def check_packed(device, fmt, dtype, d, group, t, seed):
 
     dk, dk_cpu = dequantize_kv(pk, torch.float32), dequantize_kv(on_cpu(pk), torch.float32)
     dv_cpu = dequantize_kv(on_cpu(pv), torch.float32)
-    ok_deq = bool(torch.allclose(dk.cpu(), dk_cpu, rtol=1e-6, atol=1e-6))  # fp32 rounding (tests/test_packed_triton)
+    ok_deq = bool(torch.allclose(dk.cpu(), dk_cpu, rtol=1e-6, atol=1e-6))  # fp32 rounding (tests/packed/test_packed_triton)
     ok_q = all(a is None and b is None or a is not None and b is not None and torch.equal(a.cpu(), b)
                for a, b in zip(pk[1:], quantize_kv(k, fmt, **gs)[1:]))  # the CPU kernel's codes, bit for bit
     q = _randn((b, t, h_kv * group, d), gen, FLOATS[dtype])

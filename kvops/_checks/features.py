@@ -168,6 +168,7 @@ def check_custom_mask(op: str, q: torch.Tensor, batch, features: AttnFeatures, m
         raise ValueError(
             f"{op}: packed_custom_mask has {as_int(n)} bytes, more than any batch of these queries needs: sum_b "
             f"ceil(q_len_b ** 2 / 8) <= (max_seqlen_q * T_q + 7 * B) / 8 = ({as_int(max_seqlen_q)} * "
-            f"{as_int(num_tokens)} + 7 * {as_int(batch)}) / 8, at most {as_int((bound + 7 * batch) // 8)}. The mask covers each sequence's new keys only; "
+            f"{as_int(num_tokens)} + 7 * {as_int(batch)}) / 8, at most {as_int((bound + 7 * batch) // 8)}. The "
+            f"mask covers each sequence's new keys only; "
             f"FlashInfer's q_len x kv_len form also covers the cached keys: keep its last q_len columns."
         )

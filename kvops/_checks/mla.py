@@ -49,8 +49,8 @@ def check_kv_scale(op: str, kv_cache: torch.Tensor, kv_scale) -> None:
         if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1 or kv_scale.dim() > 1:
             raise ValueError(
                 f"{op}: kv_scale must be a float32 scalar tensor (shape [] or [1], one scale per tensor), got shape "
-                f"{tuple(kv_scale.shape)} and dtype {kv_scale.dtype}. Pass one scale, torch.tensor(s, dtype=torch.float32) "
-                f"(the latent cache is one head: no per-head scales)."
+                f"{tuple(kv_scale.shape)} and dtype {kv_scale.dtype}. Pass one scale, "
+                f"torch.tensor(s, dtype=torch.float32) (the latent cache is one head: no per-head scales)."
             )
         require_same_device(op, "kv_scale", kv_scale, "kv_cache", kv_cache)
     elif kv_scale is not None:
@@ -182,7 +182,8 @@ def check_mla_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, max_se
             f"{op}: max_seqlen_q must be >= 1 (the longest query length in the batch) when q has tokens, got "
             f"{as_int(max_seqlen_q)} for {as_int(q.shape[0])} tokens."
         )
-    require_finite(op, "scale", scale, "the softmax scale on the scores q . row; None: (kv_lora_rank + rope_dim) ** -0.5",
+    require_finite(op, "scale", scale,
+                   "the softmax scale on the scores q . row; None: (kv_lora_rank + rope_dim) ** -0.5",
                    "Pass a finite scale (DeepSeek: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5).")
     check_kv_scale(op, kv_cache, kv_scale)
     return float(width) ** -0.5 if scale is None else scale

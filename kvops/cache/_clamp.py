@@ -8,7 +8,7 @@ guards as one Python expression and, on a hit in a later process, evaluates it a
 ``SymInt``s (torch 2.13 ``FxGraphCache._lookup_graph``: "re-evaluate with the symints to add any guards to the
 current env"). There a stored ``Max(a, b)`` is printed as Python's ``max(a, b)``, which compares ``a`` with ``b`` and
 guards on the outcome: the warm graph specializes on whether that call appended or evicted, and the next call of the
-other kind recompiles (measured, tests/test_warm_cache.py: a sink stream compiled 3 graphs cold and 8, the default
+other kind recompiles (measured, tests/export/test_warm_cache.py: a sink stream compiled 3 graphs cold and 8, the default
 ``recompile_limit``, warm).
 
 The clamps below are built from ``abs`` and ``//`` instead (``max(0, x) = (x + |x|) // 2``): re-evaluated,

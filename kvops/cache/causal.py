@@ -39,7 +39,7 @@ class CausalKVCache:
     Cursors are Python ints: nothing reads a tensor to decide where to write, so there is no host sync, and under
     ``torch.compile`` the eviction branches and the write-range errors are decided at trace time.
 
-    Recommended usage under ``torch.compile`` (measured on torch 2.13, see tests/test_causal_compile.py)::
+    Recommended usage under ``torch.compile`` (measured on torch 2.13, see tests/streaming/test_causal_compile.py)::
 
         caches = [CausalKVCache.allocate(B, S, H_kv, D, dtype=torch.bfloat16, device="cuda", sink_tokens=K)
                   for _ in range(num_layers)]
@@ -63,7 +63,7 @@ class CausalKVCache:
     function, e.g. an exported step that wraps given buffers; its cursors are then trace-time constants of that
     graph.) The bookkeeping is branch-free (``kvops.cache._placement``: clamps built from ``abs`` and ``//``), so
     appends, rewrites and evictions run the same graph; the loop compiles a small fixed set of graphs during the
-    first chunks and none after (measured on torch 2.13, tests/test_causal_compile.py):
+    first chunks and none after (measured on torch 2.13, tests/streaming/test_causal_compile.py):
 
     - 3 for a plain or sink stream: the first call (all static), the first rewrite (``current_chunk_start`` still a
       static 0), then one dynamic graph for everything else;
@@ -74,7 +74,7 @@ class CausalKVCache:
 
     The same holds with torch's default configuration in a later process on warm on-disk caches (FX graph cache,
     AOTAutograd cache, one ``TORCHINDUCTOR_CACHE_DIR``): it compiles no more graphs than the first (tested in
-    tests/test_warm_cache.py). The cursor clamps hold no ``Max``/``Min`` terms because torch 2.13 re-evaluates the
+    tests/export/test_warm_cache.py). The cursor clamps hold no ``Max``/``Min`` terms because torch 2.13 re-evaluates the
     guards stored with a cached graph as Python code, where ``max``/``min`` compare their arguments and specialize
     the graph (kvops/cache/_clamp.py); with ``sym_max``/``sym_min`` clamps a warm sink stream compiled 8 graphs instead
     of 3, and a pinned stream hit ``FailOnRecompileLimitHit``.

@@ -87,13 +87,13 @@ class PackedCausalKVCache:
     where to write. :meth:`update_and_get_attention_kv` gathers the visible rows by tensor arithmetic on the cursors
     (:func:`kvops.cache._packed_pool.gather_window`) and an append and a rewrite run the same graph (a rewrite quantizes
     into a scratch slot), so a stream compiles a few graphs whatever the window's length (measured on torch 2.13,
-    tests/test_packed_compile.py, windows of 3, 6 and 10 chunks): 3 without a sink, 5 with one, 6 with a packed
+    tests/packed/test_packed_compile.py, windows of 3, 6 and 10 chunks): 3 without a sink, 5 with one, 6 with a packed
     sink and a recent window or with a sink and a pinned chunk; none per chunk after the first 4 chunks. All within
     Dynamo's default ``recompile_limit`` (8). A second process on the same warm on-disk caches (FX graph, AOTAutograd)
     compiles no more graphs: the cursor clamps have no ``Min``/``Max`` term (kvops/cache/_clamp.py; with
-    ``torch.sym_min``/``sym_max`` an int8 stream compiled 5 graphs cold and 7 warm, tests/test_warm_cache.py).
+    ``torch.sym_min``/``sym_max`` an int8 stream compiled 5 graphs cold and 7 warm, tests/export/test_warm_cache.py).
     :meth:`update` (the storage as a fixed segment list + a row mask from the same arithmetic) compiles the same few
-    graphs (tests/test_packed_compile.py). Errors are raised at trace time (Dynamo
+    graphs (tests/packed/test_packed_compile.py). Errors are raised at trace time (Dynamo
     reports them as ``torch._dynamo.exc.Unsupported`` carrying the original exception).
 
     Pool slots are slices of one allocation (``narrow`` of dim 1), never ``pool[i]``: Inductor (torch 2.13)
@@ -416,9 +416,9 @@ class PackedCausalKVCache:
             and packed slot, heads ``[h0, h0 + H_in)``; the same list on every call) and ``row_counts`` int32 ``[sum
             of the segments' rows]``, 1 for the visible rows and 0 elsewhere, computed by the tensor arithmetic of
             :meth:`update_and_get_attention_kv` -- so under ``torch.compile`` a stream compiles the same few graphs
-            whatever the window's length (tests/test_packed_compile.py), and ``kvops::packed_attention`` reads only
+            whatever the window's length (tests/packed/test_packed_compile.py), and ``kvops::packed_attention`` reads only
             the 16-row tiles that hold a visible row. Attention over it equals attention over
-            :meth:`update_and_get_attention_kv`'s rows (the same rows, in storage order; tests/test_packed_cache.py).
+            :meth:`update_and_get_attention_kv`'s rows (the same rows, in storage order; tests/packed/test_packed_cache.py).
         """
         h0, h1, cur, g, local_end, ls = self._write(key, value, current_chunk_start, cache_head_start,
                                                    recent_window_tokens, debug_name)

@@ -97,7 +97,7 @@ class RingCausalKVCache(CausalKVCache):
     chunk wraps and whether the visible rows are one physical range are Python branches, so a stream compiles a few
     more graphs than the roll layout while the ring offset takes its first values, and none once every case was
     seen (measured on torch 2.13: ``examples/streaming_video.py`` 5 graphs vs 3 for the roll layout; a sink stream
-    with a wrapping chunk 6 graphs, the last at chunk 5, bounded in tests/test_ring_cache.py).
+    with a wrapping chunk 6 graphs, the last at chunk 5, bounded in tests/streaming/test_ring_cache.py).
     """
 
     def __init__(self, k, v, *, allow_growth: bool = False, name: str = "RingCausalKVCache", **kwargs) -> None:

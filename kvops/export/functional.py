@@ -4,7 +4,7 @@
 the arguments of their mutating op (same names, same defaults, same validator) and return ``(new_k_cache,
 new_v_cache)``: copies of the caches with the write applied; the inputs are not touched. Their schemas are in
 ``kvops/_library.py``: the mutating op's arguments without the ``(a!)`` annotations, ``-> (Tensor, Tensor)``
-(tests/test_schemas.py keeps them equal, so an argument added to a mutating op must be added to its variant too).
+(tests/project/test_schemas.py keeps them equal, so an argument added to a mutating op must be added to its variant too).
 
 Who uses them: the ONNX export (``kvops.lowering.onnx.functionalize`` rewrites the ``auto_functionalized_v2`` nodes
 that ``ExportedProgram.run_decompositions()`` produces into these ops, which the ONNX translations are keyed on) and

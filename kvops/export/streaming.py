@@ -38,7 +38,7 @@ Which to use: ``CausalKVCache`` in eager code and under ``torch.compile`` when y
 pins, head slices) or no tensor bookkeeping at all; :func:`streaming_update` for ``torch.export`` (strict and
 non-strict), ``torch.export.save/load``, AOTInductor packages and ONNX (``lowering/onnx.py``), and for
 ``torch.compile`` loops that keep their positions in tensors (one graph for a whole stream,
-tests/test_streaming_compiled.py; no ``torch._dynamo.config.capture_scalar_outputs``, which the step needed while it
+tests/streaming/test_streaming_compiled.py; no ``torch._dynamo.config.capture_scalar_outputs``, which the step needed while it
 read its rows with ``.item()``). Cost of the fixed shapes: every pass gathers rows ``[K, S)`` of both caches into a
 temporary of ``B x (S - K) x H x (D + D_v)`` elements (about what an evicting append moves once the cache is full)
 and writes back the moved ones, also on passes that evict nothing (rewrites, appends while the cache fills), where

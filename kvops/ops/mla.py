@@ -1,4 +1,5 @@
-"""MLA latent cache (DeepSeek-V2/V3's multi-head latent attention): ``kvops::mla_cache_write``, ``kvops::mla_attention``.
+"""MLA latent cache (DeepSeek-V2/V3's multi-head latent attention): ``kvops::mla_cache_write`` and
+``kvops::mla_attention``.
 
 The cache is ``[P, block_size, kv_lora_rank + rope_dim]``: per token one latent row ``[kv_c | k_pe]`` shared by every
 query head (vLLM's ``concat_and_cache_mla`` layout, FlashMLA's ``kvcache`` with ``h_kv = 1``). Attention runs in the

@@ -38,7 +38,7 @@ if HAS_TRITON:
 
 
 # (triton_op infers the schema from these annotations and ignores a schema string on the torch versions kvops supports:
-# kvops/_library.py keeps the string, PAGED_ATTENTION, and tests/test_attention_features.py checks the two agree.)
+# kvops/_library.py keeps the string, PAGED_ATTENTION, and tests/paged/test_attention_features.py checks the two agree.)
 @torch.library.triton_op("kvops::paged_attention", mutates_args=())
 def _paged_attention_op(
     q: torch.Tensor,

@@ -1,5 +1,5 @@
 """Contract fuzzing of ``kvops.merge_attention_states`` and ``kvops.merge_attention_states_many`` with
-``tests/test_fuzz.py``'s machinery (hypothesis, derandomized, bounded): parts are strided views into buffers with
+``tests/errors/test_fuzz.py``'s machinery (hypothesis, derandomized, bounded): parts are strided views into buffers with
 guard heads, some rows' LSEs are ``-inf`` (empty parts) or ``+inf`` (FlashAttention-2's empty part), LSEs come in
 kvops' ``[H, T]`` layout or as the transposed view of FlashInfer's ``[T, H]``; valid calls against the fp64 merge
 (``kvops/reference/merge.py``), each violation with its documented wording in eager, compile and export, and no input
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import kvops
 from kvops.reference.merge import merge_states
-from tests.test_fuzz import DTYPES, FuzzCase, fuzz, rand
+from tests.errors.test_fuzz import DTYPES, FuzzCase, fuzz, rand
 
 MERGE_BAD = ["out_dtype", "shape", "lse_dtype", "lse_layout", "rank"]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

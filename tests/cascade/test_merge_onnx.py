@@ -8,7 +8,7 @@ import unittest
 import torch
 
 import kvops
-from tests.test_onnx import export_onnx, run_onnx
+from tests.export.test_onnx import export_onnx, run_onnx
 
 INF = float("inf")
 

@@ -6,7 +6,7 @@ heads, head_dim 128/256, HND/NHD, ``pos_encoding_mode`` NONE/ROPE_LLAMA/ALIBI, `
 ``run_return_lse`` or ``run``, fp16 queries, fp16 or fp8 (e4m3) caches, contiguous or strided (every other element
 of an interleaved allocation), one ``[P, 2, ...]`` tensor or a ``(k, v)`` tuple, ``plan(...)`` with
 ``data_type=``/``q_data_type=`` as FlashInfer's test passes them; a seeded sample, against a plain fp64 decode with
-FlashInfer's semantics (tests/test_flashinfer_decode.py). FlashInfer's grid also has ``float8_e5m2`` caches, which
+FlashInfer's semantics (tests/integrations/test_flashinfer_decode.py). FlashInfer's grid also has ``float8_e5m2`` caches, which
 kvops does not store (its fp8 caches are ``float8_e4m3fn``): that kv dtype is left out here, and
 ``kvops.paged_attention`` refuses it with a ValueError that names the supported dtypes.
 """
@@ -19,7 +19,7 @@ import torch
 
 from kvops.integrations.flashinfer import BatchDecodeWithPagedKVCacheWrapper
 from tests.compat._oracle import sample
-from tests.test_flashinfer_decode import gather, make_case, reference_decode
+from tests.integrations.test_flashinfer_decode import gather, make_case, reference_decode
 
 GRID = dict(
     batch_size=[12, 17], kv_len=[54, 97, 512], page_size=[1, 8, 16], num_qo_heads=[4, 32], head_dim=[128, 256],

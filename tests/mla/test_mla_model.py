@@ -1,7 +1,7 @@
 """Model-level check (examples/mla_decode.py): a DeepSeek-V3 attention block from transformers' ``DeepseekV3Config`` /
 ``DeepseekV3Attention`` with random weights, decoded through kvops' paged latent cache in the absorbed form, gives
 transformers' own eager attention outputs within fp32 tolerance: eagerly and under ``torch.compile(fullgraph=True)``
-(one graph for every decode step), at the tiny geometry and DeepSeek-V3's (128 heads, kv_lora_rank 512, rope 64,
+(one graph for every decode step; the traced graph and Inductor's code), at the tiny geometry and DeepSeek-V3's (128 heads, kv_lora_rank 512, rope 64,
 nope 128, v 128)."""
 
 import pathlib
@@ -33,6 +33,12 @@ class TestDeepseekV3Block(unittest.TestCase):
     def test_tiny_compiled_one_graph(self):
         torch._dynamo.reset()
         result = example.run("tiny", new_tokens=5, compile_decode=True)
+        self.assertEqual(result["graphs"], 1)
+        self.check(result)
+
+    def test_tiny_inductor(self):
+        torch._dynamo.reset()
+        result = example.run("tiny", new_tokens=3, compile_decode=True, inductor=True)
         self.assertEqual(result["graphs"], 1)
         self.check(result)
 

@@ -234,6 +234,24 @@ class TestAttention(unittest.TestCase):
                                   (q, kv_cache, cu, lens, table, 4, 32, 0.2, True, scale_t),
                                   test_utils=UTILS_FP8 if fp8 else ALL_UTILS)
 
+    def test_export_write_then_attend(self):
+        """``torch.export`` of a step that writes the new rows and attends: the exported program gives eager's
+        output and cache."""
+        class Step(torch.nn.Module):
+            def forward(self, kv_c, k_pe, kv_cache, slots, q, cu, lens, table):
+                kvops.mla_cache_write(kv_c, k_pe, kv_cache, slots)
+                return kvops.mla_attention(q, kv_cache, cu, lens, table, 1, 32, scale=0.3)[0]
+
+        kv_cache, cu, lens, table = filled_cache([5, 9], [1, 1], 4, 32, 16, torch.float32)
+        slots = torch.stack([table[0, 1].long() * 4 + 1, table[1, 2].long() * 4 + 1])  # rows 5 and 9
+        args = (torch.randn(2, 32), torch.randn(2, 16), kv_cache, slots, torch.randn(2, 4, 48), cu, lens + 1, table)
+        ep = torch.export.export(Step(), tuple(a.clone() for a in args))
+        mine = [a.clone() for a in args]
+        out = ep.module()(*mine)
+        want = Step()(*args)
+        self.assertTrue(torch.equal(out, want))
+        self.assertTrue(torch.equal(mine[2].view(torch.int32), args[2].view(torch.int32)))  # (NaN in unused slots)
+
     def test_compiled_matches_eager_without_recompiling(self):
         kv_cache, cu, lens, table = filled_cache([5, 9], [1, 1], 4, 32, 16, torch.float32)
         q = torch.randn(2, 4, 48)

@@ -1,6 +1,6 @@
 """Triton kernels of the MLA ops (kvops/triton/mla.py), run on CPU tensors in the Triton interpreter.
 
-The launchers are called directly (as tests/test_paged_attention_triton.py does). Small shapes (kv_lora_rank 32,
+The launchers are called directly (as tests/paged/test_paged_attention_triton.py does). Small shapes (kv_lora_rank 32,
 rope 16, 4 heads); block tables are permuted and every cache row no sequence owns holds NaN, so a kernel that reads
 past ``seq_len`` or an unused table entry fails. Reference: the fp64 oracle ``kvops/reference/mla.py``.
 With CUDA the same tests run on CUDA tensors.

@@ -1,1 +1,2 @@
-"""Tests of the paged-attention family by feature (custom masks: test_tree_mask.py)."""
+"""Tests of the paged ops and PagedKVCache: attention (features, layouts, native and Triton kernels, custom masks:
+test_tree_mask.py), the cache write, rotary writes, Inductor lowerings (docs/attention_features.md)."""

@@ -131,6 +131,7 @@ CASES = [
     ([7], [20], dict(window_left=4, sink_tokens=3)),
     ([1, 1, 2], [9, 0, 3], {}),
     ([6, 21], [3, 11], dict(alibi=True, sinks=True)),
+    ([21, 4], [9, 3], dict(rope_theta=1e4, leftpad=True)),  # RoPE at read time counts rows from cache_leftpad
 ]
 
 
@@ -141,6 +142,8 @@ def _options(case, opts):
         out["alibi_slopes"] = torch.linspace(0.1, 0.5, h_q)
     if out.pop("sinks", False):
         out["sinks"] = torch.linspace(-1.0, 1.0, h_q)
+    if out.pop("leftpad", False):
+        out["cache_leftpad"] = torch.tensor([min(2, int(n)) for n in case["lens"]], dtype=torch.int32)
     return out
 
 
@@ -199,7 +202,9 @@ class TestKernels(TestCase):
 
     def test_mask_replaces_causal_whatever_causal_says(self):
         c = _case([5, 3], [4, 0])
-        call = lambda **kw: kvops.paged_attention(c["q"], c["k"], c["v"], c["cu"], c["lens"], c["table"], 5, **kw)  # noqa: E731
+        def call(**kw):
+            return kvops.paged_attention(c["q"], c["k"], c["v"], c["cu"], c["lens"], c["table"], 5, **kw)
+
         self.assertTrue(torch.equal(call(custom_mask=c["mask"]), call(custom_mask=c["mask"], causal=False)))
         lower = torch.cat([torch.ones(n, n, dtype=torch.bool).tril().flatten() for n in (5, 3)])
         self.assertTrue(torch.allclose(call(custom_mask=lower), call(), atol=1e-6))  # the causal rule itself
@@ -315,7 +320,7 @@ class TestContracts(TestCase):
 def _composite(c, kw, **mask):
     """The composite CPU kernel on the validated form of a call (what runs without the native build)."""
     kw = dict(kw)
-    feats = AttnFeatures(alibi_slopes=kw.pop("alibi_slopes", None), sink_tokens=kw.pop("sink_tokens", 0), **mask)
+    feats = AttnFeatures(**{k: kw.pop(k) for k in AttnFeatures._fields if k in kw}, **mask)
     d = c["q"].shape[2]
     return composite_kernel(c["q"], c["k"], c["v"], c["cu"], c["lens"], c["table"], c["max_q"], d ** -0.5,
                             kw.pop("causal", True), kw.pop("window_left", -1), kw.pop("softcap", 0.0),
@@ -332,8 +337,7 @@ class TestTriton(TestCase):
             ref = reference(c["q"], c["k"], c["v"], c["cu"], c["lens"], c["table"], custom_mask=c["mask"], **kw)
             for form in ("custom_mask", "packed_custom_mask"):
                 mask = c["mask"] if form == "custom_mask" else c["packed"]
-                feats = AttnFeatures(alibi_slopes=kw.get("alibi_slopes"), sink_tokens=kw.get("sink_tokens", 0),
-                                     **{form: mask})
+                feats = AttnFeatures(**{k: v for k, v in kw.items() if k in AttnFeatures._fields}, **{form: mask})
                 with self.subTest(q_lens=q_lens, opts=opts, form=form):
                     got = triton_kernel(c["q"], c["k"], c["v"], c["cu"], c["lens"], c["table"], c["max_q"],
                                         16 ** -0.5, kw.get("causal", True), kw.get("window_left", -1),

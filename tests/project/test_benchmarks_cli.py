@@ -1,0 +1,238 @@
+"""Every benchmark's command line: ``--help`` answers without importing torch (well under a second), every option has
+help text, the description is whole sentences and cites no internal issue numbers, every benchmark on the shared
+harness has ``--json``; ``plots.py`` says it is a helper. Then the harness's output (benchmarks/_harness.py): two
+cheap benchmarks' ``--quick --json`` documents have the documented shape and their printed lines fit in 120 columns;
+the harness's spread, interleaving order, targets and verdict, on made-up figures.
+
+Generic over ``benchmarks/*.py``: a new benchmark is checked as soon as it exists. Each runs in its own subprocess
+(all at once), through ``runpy`` as ``__main__`` with ``--help``, recording the parsers it builds and whether torch
+got imported.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import types
+import unittest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+HELPERS = {"plots.py"}  # imported by the benchmarks, not run: says so when run
+NOT_ON_HARNESS = {"gpu_check.py"}  # a staged check of a GPU machine with its own --out files, not a timing table
+
+SCRIPT = r"""
+import argparse, contextlib, io, json, runpy, sys, time
+results = {}
+parsers = []
+original = argparse.ArgumentParser.parse_args
+def recording(self, *args, **kwargs):
+    parsers.append(self)
+    return original(self, *args, **kwargs)
+argparse.ArgumentParser.parse_args = recording
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.perf_counter()
+    code = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+    seconds = time.perf_counter() - t0
+    options = [(a.option_strings, a.help) for p in parsers for a in p._actions if a.option_strings]
+    results[path] = dict(code=code if isinstance(code, (int, type(None))) else str(code), stdout=out.getvalue(),
+                         stderr=err.getvalue(), seconds=seconds, options=options,
+                         descriptions=[p.description for p in parsers],
+                         heavy=[m for m in ("torch", "kvops", "numpy") if m in sys.modules])
+print(json.dumps(results))
+"""
+
+
+class TestBenchmarkCommandLines(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(path)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd=ROOT) for path in BENCHMARKS]
+        cls.results = {}
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stderr
+            cls.results.update({pathlib.Path(k).name: v for k, v in json.loads(stdout.splitlines()[-1]).items()})
+
+    def test_help_answers_without_importing_torch(self):
+        self.assertGreaterEqual(len(self.results), 7)
+        for name, r in self.results.items():
+            with self.subTest(name):
+                self.assertEqual(r["heavy"], [], f"{name} --help imported {r['heavy']} (parse arguments first)")
+                if name in HELPERS:
+                    continue
+                self.assertEqual(r["code"], 0, r["stderr"])
+                self.assertIn("usage:", r["stdout"])
+
+    def test_every_option_has_help_and_descriptions_are_whole(self):
+        for name, r in self.results.items():
+            if name in HELPERS:
+                continue
+            with self.subTest(name):
+                self.assertTrue(r["options"], f"{name} builds no argparse parser")
+                for flags, text in r["options"]:
+                    self.assertTrue(text and text.strip(), f"{name}: {flags} has no help text")
+                for description in r["descriptions"]:
+                    self.assertTrue(description and description.rstrip().endswith("."), (name, description))
+                self.assertNotRegex(r["stdout"], r"(?i)\bissues? \d", f"{name} --help cites an issue number")
+
+    def test_every_benchmark_has_json(self):
+        for name, r in self.results.items():
+            if name in HELPERS | NOT_ON_HARNESS:
+                continue
+            with self.subTest(name):
+                self.assertIn(["--json"], [flags for flags, _ in r["options"]])
+
+    def test_helper_says_what_it_is(self):
+        for name in HELPERS:
+            with self.subTest(name):
+                r = self.results[name]
+                self.assertNotEqual(r["code"], 0)
+                self.assertIn("is not a benchmark", str(r["code"]))
+                self.assertIn("python benchmarks/paged_decode.py", str(r["code"]))
+
+
+
+def run_quick(script: str, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+class TestJsonOutput(unittest.TestCase):
+    """``--json``: the document the harness's docstring describes, from real (quick) runs."""
+
+    def check_document(self, doc: dict, benchmark: str, printed: str) -> None:
+        self.assertEqual(set(doc), {"benchmark", "argv", "host", "spread", "notes", "tables", "targets", "verdict",
+                                    "extra"})
+        self.assertEqual(doc["benchmark"], benchmark)
+        self.assertIn("--quick", doc["argv"])
+        self.assertIn(doc["host"]["isa"], {"AVX2", "AVX-512", "AVX-512 with AMX", "NEON", "NEON with SVE",
+                                           "no AVX2/AVX-512/NEON"})
+        for key in ("cpu", "torch_cpu_capability", "threads", "torch"):
+            self.assertTrue(doc["host"][key], key)
+        self.assertIn("p25-p75", doc["spread"])
+        self.assertTrue(doc["tables"])
+        for table in doc["tables"]:
+            self.assertTrue(table["rows"], table["title"])
+            for row in table["rows"]:
+                self.assertLessEqual(set(table["columns"]), set(row))  # every column, and maybe more fields
+                for value in row.values():
+                    if isinstance(value, dict) and "median" in value:  # a measured figure
+                        self.assertEqual(set(value), {"median", "p25", "p75", "rounds"})
+                        self.assertLessEqual(value["p25"], value["median"])
+                        self.assertLessEqual(value["median"], value["p75"])
+        verdict = doc["verdict"]
+        self.assertEqual(verdict["total"], len(doc["targets"]))
+        self.assertTrue(verdict["lines"][0].startswith("host: "))
+        self.assertIn(doc["host"]["isa"], verdict["lines"][0])
+        flat = " ".join(printed.split())
+        for line in verdict["lines"]:
+            self.assertIn(" ".join(line.split()), flat)  # the verdict block is printed as in the JSON (wrapped)
+        self.assertIn(f"=== verdict: {benchmark} ===", printed)
+        for line in printed.splitlines():
+            self.assertLessEqual(len(line), 120, line)
+
+    def test_json_to_stdout(self):
+        proc = run_quick("streaming_cache.py", "--json")
+        doc = json.loads(proc.stdout)  # stdout holds the JSON alone; the tables went to stderr
+        self.check_document(doc, "streaming_cache", proc.stderr)
+        (table,) = doc["tables"]
+        self.assertEqual(len(table["rows"]), 4)  # 2 geometries x (evicting append, rewrite)
+        self.assertEqual(table["rows"][0]["ring/roll"]["rounds"], 5)
+        self.assertEqual(doc["targets"], [])
+        self.assertIn("targets: none", proc.stderr)
+
+    def test_json_to_a_file(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = pathlib.Path(tmp) / "sub" / "value_checks.json"
+            proc = run_quick("value_checks.py", "--json", str(path))
+            doc = json.loads(path.read_text())
+        self.check_document(doc, "value_checks", proc.stdout)
+        self.assertEqual([(r["op"], r["N"]) for r in doc["tables"][0]["rows"]],
+                         [("paged_cache_write", 16), ("paged_attention", 16)])
+        self.assertIn(f"json: {path}", proc.stdout)
+
+
+def load_harness():
+    from tests.example_loader import load_module
+
+    return load_module(ROOT / "benchmarks" / "_harness.py", "kvops_bench_harness")
+
+
+class TestHarness(unittest.TestCase):
+    """The harness on made-up figures: one definition of spread, rotated rounds, targets and the verdict."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.h = load_harness()
+
+    def test_spread_is_the_interquartile_range_of_per_round_values(self):
+        s = self.h.Spread.of([1.0, 2.0, 3.0, 4.0, 100.0])
+        self.assertEqual((s.median, s.p25, s.p75, s.rounds), (3.0, 2.0, 4.0, 5))  # one outlier round moves nothing
+        self.assertTrue(s.noisy)  # 4 - 2 > 20% of 3
+        self.assertEqual(s.format(), "3.00 [2.00-4.00]~")
+        self.assertEqual(self.h.Spread.of([10.0, 10.5, 11.0]).format(), "10.5 [10.2-10.8] ")  # not noisy
+        self.assertEqual(self.h.Spread.of([1.0, 1.01, 1.02, 1.03, 1.04]).format(), "1.02 [1.01-1.03] ")
+        r = self.h.ratio([2.0, 3.0, 4.0], [1.0, 1.0, 2.0])  # per round: 2, 3, 2
+        self.assertEqual((r.median, r.p25, r.p75), (2.0, 2.0, 2.5))
+        with self.assertRaisesRegex(ValueError, "3 values against 2 baselines"):
+            self.h.ratio([1, 2, 3], [1, 2])
+
+    def test_rounds_rotate_the_order_and_ratios_pair_rounds(self):
+        calls = []
+        cands = {name: (lambda name=name: calls.append(name)) for name in "ABC"}
+        t = self.h.interleave(cands, 4, clock="wall", reps=1, warmup=1)
+        self.assertEqual("".join(calls), "ABC" + "ABC" "BCA" "CAB" "ABC")  # warm-up, then rotated rounds
+        self.assertEqual({n: len(v) for n, v in t.times.items()}, {"A": 4, "B": 4, "C": 4})
+        self.assertEqual(t.ratio("B", "A").rounds, 4)
+
+    def test_host_isa_from_cpu_flags(self):
+        isa = self.h.isa_name
+        self.assertEqual(isa({"avx2", "avx512f", "amx_tile"}), "AVX-512 with AMX")
+        self.assertEqual(isa({"avx2", "avx512f"}), "AVX-512")
+        self.assertEqual(isa({"avx2", "fma"}), "AVX2")
+        self.assertEqual(isa({"fp", "asimd"}), "NEON")
+        self.assertEqual(isa(set(), "arm64"), "NEON")  # macOS: no /proc/cpuinfo
+
+    def test_verdict_names_the_largest_miss_and_its_meaning(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = pathlib.Path(tmp) / "out.json"
+            report = self.h.Report("made_up", types.SimpleNamespace(json=str(path)), argv=[])
+            report.host = {"cpu": "a CPU", "isa": "AVX2", "torch_cpu_capability": "AVX2", "threads": 1,
+                           "torch": "2.13"}
+            table = report.table("t", [("case", 10), ("ratio", 17), ("note", 10, None, "<")])
+            fig = self.h.Spread.of
+            table.row("a", fig([1.0, 1.1, 1.2]), "x " * 80)  # the last column wraps within 120 columns
+            report.target("decode <= 1.2", "a", fig([1.0, 1.1, 1.2]), 1.2, meaning="m {value:.2f}")
+            report.target("decode <= 1.2", "b", fig([1.4, 1.5, 1.6]), 1.2, meaning="b is {value:.2f}x ({over:.0%})")
+            report.target("speedup >= 1.5", "c", 1.2, 1.5, ">=", meaning="c is short")
+            doc = report.finish()
+            self.assertEqual(json.loads(path.read_text()), json.loads(json.dumps(doc)))
+        self.assertTrue(all(len(line) <= 120 for line in report.lines))
+        self.assertEqual(doc["verdict"]["held"], 1)
+        self.assertEqual(doc["verdict"]["largest_miss"]["case"], "b")  # 25% over beats 20% under
+        lines = doc["verdict"]["lines"]
+        self.assertEqual(lines[1:4], ["targets: 1 of 3 hold", "  decode <= 1.2: 1 of 2 hold",
+                                      "  speedup >= 1.5: 0 of 1 hold"])
+        self.assertEqual(lines[4], "largest miss: b (decode <= 1.2): 1.50 [1.45-1.55] against <= 1.2, 25% over")
+        self.assertEqual(lines[5], "  meaning: b is 1.50x (25%)")
+        self.assertEqual(doc["tables"][0]["rows"][0]["ratio"], {"median": 1.1, "p25": 1.05, "p75": 1.15, "rounds": 3})
+
+    def test_tables_refuse_columns_wider_than_120(self):
+        report = self.h.Report("made_up", None, argv=[])
+        with self.assertRaisesRegex(ValueError, "need 125 > 120 characters"):
+            report.table("too wide", [("a", 60), ("b", 60), ("c", 2)])
+
+
+if __name__ == "__main__":
+    unittest.main()
