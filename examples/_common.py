@@ -45,6 +45,13 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=HelpFormatter)
 
 
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` as both timed examples take them (checked by :func:`parse_run_args`)."""
+    p.add_argument("--device", default="cpu", help="where the model and caches live: cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model and cache dtype")
+
+
 def add_run_options(p: argparse.ArgumentParser, unit: str, package_what: str, package_note: str) -> None:
     """The options both timed examples share: ``--repeats``, ``--threads``, ``--package DIR``, ``--json PATH``."""
     p.add_argument("--repeats", type=int, default=3,

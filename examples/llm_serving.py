@@ -38,9 +38,9 @@ import kvops
 from kvops.cache import PagedKVCache
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/_common.py, from any working directory
-from _common import (AOTPackage, add_run_options, check_package, configure_cpu_inference_compile,  # noqa: E402,F401
-                     cpu_seconds, digest_path, file_digest, input_signature, package_path, parse_run_args, parser,
-                     rope, spread)
+from _common import (AOTPackage, add_device_options, add_run_options, check_package,  # noqa: E402,F401
+                     configure_cpu_inference_compile, cpu_seconds, digest_path, file_digest, input_signature,
+                     package_path, parse_run_args, parser, rope, spread)
 
 # Qwen2.5-0.5B (docs/models.md / its config.json)
 HIDDEN, H_Q, H_KV, HEAD_DIM, FFN, ROPE_THETA = 896, 14, 2, 64, 4864, 1_000_000.0
@@ -238,9 +238,7 @@ class PackagedStep(AOTPackage):
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--device", default="cpu", help="where the model and caches live: cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="model and cache dtype")
+    add_device_options(p)
     p.add_argument("--layers", type=int, default=2, help="transformer layers (24 in Qwen2.5-0.5B)")
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary size (151936 in Qwen2.5-0.5B)")
     p.add_argument("--requests", type=int, default=10, help="requests served per run")

@@ -45,8 +45,8 @@ from kvops.export import init_cursors, streaming_update
 from kvops.packed import packed_attention
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/_common.py, from any working directory
-from _common import (AOTPackage, add_run_options, check_package, configure_cpu_inference_compile,  # noqa: E402,F401
-                     cpu_seconds, input_signature, parse_run_args, parser, spread)
+from _common import (AOTPackage, add_device_options, add_run_options, check_package,  # noqa: E402,F401
+                     configure_cpu_inference_compile, cpu_seconds, input_signature, parse_run_args, parser, spread)
 from _common import package_path as _package_path  # noqa: E402
 
 # Wan-2.1 1.3B (docs/models.md): 12 heads x 128 = dim 1536, FFN 8960, 30 layers; chunk 3 frames, window 21 frames.
@@ -262,9 +262,7 @@ def stream(model, caches, latents: torch.Tensor, chunk_tokens: int, steps: int, 
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--device", default="cpu", help="where the model and caches live: cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="model and cache dtype")
+    add_device_options(p)
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (30 in Wan-2.1 1.3B)")
     p.add_argument("--tokens-per-frame", type=int, default=8, help="latent tokens per frame (1560 at 480x832)")
     p.add_argument("--ffn", type=int, default=2240, help="FFN width (8960 in Wan-2.1 1.3B)")

@@ -526,7 +526,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
     prefill with 16-bit or fp8 operands: 16 rows x 32 tokens, 16 x 16 for fp8 at 256), which the sink-token loop
     with its second turned query needs (up to 900 B spills on sm_80 before); fp8 decode on sm_100 16-token tiles
     (16 warps at 256). With a custom ``mask`` (docs/tree-mask.md) prefill runs over at least 8 warps: each tile's
-    int64 mask indices over 4 warps took fp8 at width 128 (GQA 7:1) to 255 registers and 8 B spills on sm_90.
+    int64 mask indices over 4 warps took fp8 at width 128 (GQA 7:1) to 255 registers and 8 B spills on sm_90; at
+    padded width 256 16-token tiles (Triton 3.6 for sm_90: bf16 16 x 32 with RoPE and every flag, 156 B spills).
     """
     width = max(block_d, block_dv)
     cfg = _tiles(kind, width, operands)
@@ -557,6 +558,8 @@ def tile_config(kind: str, block_d: int, block_dv: int, operands: str, capabilit
             cfg.update(block_n=16 if operands == "fp8" and width >= 256 else 32, block_m=16, num_warps=8)
     if mask and kind == "prefill":
         cfg["num_warps"] = max(cfg["num_warps"], 8)
+        if width >= 256:  # Triton 3.6's ptxas for sm_90: bf16 with RoPE, every flag and a packed mask, 16 x 32 over
+            cfg["block_n"] = 16  # 8 warps, took 255 registers and spilled 156 B
     return cfg
 
 
