@@ -37,9 +37,21 @@ def check_latent_cache(op: str, kv_cache: torch.Tensor) -> None:
         )
 
 
+def require_scale_tensor(op: str, kv_scale) -> None:
+    """``kv_scale`` is None or a tensor: the public wrappers check it before dispatch (the dispatcher's own error for
+    a Python float names the schema type, not the fix), ``PagedMLACache`` at construction."""
+    if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
+        value = repr(kv_scale) if isinstance(kv_scale, (int, float)) and not isinstance(kv_scale, bool) else "s"
+        raise ValueError(
+            f"{op}: kv_scale must be a float32 scalar tensor (or None), got {type(kv_scale).__name__} {kv_scale!r}. "
+            f"Pass kv_scale=torch.tensor({value}, dtype=torch.float32) on the cache's device."
+        )
+
+
 def check_kv_scale(op: str, kv_cache: torch.Tensor, kv_scale) -> None:
     """An fp8 cache needs ``kv_scale``, a float32 per-tensor scale (0-d or ``[1]``) on the cache's device; other
     caches take none."""
+    require_scale_tensor(op, kv_scale)
     if kv_cache.dtype == FP8_DTYPE:
         if kv_scale is None:
             raise ValueError(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .._checks.common import FP8_DTYPE
+from .._checks.mla import check_kv_scale, require_scale_tensor
 from ..ops.mla import mla_attention, mla_cache_write
 from ._alloc import allocate
 from .paged import PagedKVCache, PagedStep
@@ -26,10 +28,15 @@ class PagedMLACache(PagedKVCache):
         kv_lora_rank: the compressed KV width (512 for DeepSeek-V3). rope_dim: ``qk_rope_head_dim`` (64).
         num_layers: latent caches allocated (``kv_caches[l]``).
         dtype, device: of the caches (``None``: torch's defaults); ``torch.float8_e4m3fn`` needs ``kv_scale``.
-        kv_scale: float32 per-tensor scale of an fp8 cache (stores ``x / kv_scale``), passed to both ops.
+        kv_scale: float32 scalar tensor (``[]`` or ``[1]``) on the caches' device, the per-tensor scale of an fp8
+            cache (stores ``x / kv_scale``), passed to both ops; only for an fp8 cache. A tensor, as the ops take
+            it (vLLM's layers hold ``_k_scale`` as one too): a Python float is refused, ``torch.tensor(s,
+            dtype=torch.float32)`` is the fix.
 
     Raises:
-        ValueError: non-positive sizes; caches needing more than ``2**47`` bytes; from the methods, every error of
+        ValueError: non-positive sizes; caches needing more than ``2**47`` bytes; an fp8 ``dtype`` without
+            ``kv_scale``, a ``kv_scale`` that is not a float32 scalar tensor on the caches' device or given for a
+            non-fp8 cache (at construction, not at the first write); from the methods, every error of
             the block manager and of the two ops (``kvops.mla_cache_write``, ``kvops.mla_attention``).
     """
 
@@ -42,10 +49,18 @@ class PagedMLACache(PagedKVCache):
                 raise ValueError(f"PagedMLACache: {name} must be a positive int, got {x!r}.")
         if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0:
             raise ValueError(f"PagedMLACache: rope_dim must be an int >= 0, got {rope_dim!r}.")
+        require_scale_tensor("PagedMLACache", kv_scale)
+        if dtype == FP8_DTYPE and kv_scale is None:
+            raise ValueError(
+                f"PagedMLACache: dtype={FP8_DTYPE} needs kv_scale (the float32 per-tensor scale: the cache holds "
+                f"x / kv_scale), got kv_scale=None. Pass kv_scale=torch.tensor(s, dtype=torch.float32) to "
+                f"PagedMLACache (it is passed to every write and attention)."
+            )
         sizes = dict(num_blocks=num_blocks, block_size=block_size, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
                      num_layers=num_layers)
         shape = (num_blocks, block_size, kv_lora_rank + rope_dim)
         self.kv_caches: list[torch.Tensor] = allocate("PagedMLACache", sizes, [shape] * num_layers, dtype, device)
+        check_kv_scale("PagedMLACache", self.kv_caches[0], kv_scale)  # shape, dtype, device; none for non-fp8
         self.kv_lora_rank, self.rope_dim, self.kv_scale = kv_lora_rank, rope_dim, kv_scale
         # the block manager's state (PagedKVCache's methods read these)
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -20,7 +20,7 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
 from .._checks.common import int64_error
-from .._checks.mla import ATTN_OP, WRITE_OP, check_mla_attention, check_mla_cache_write
+from .._checks.mla import ATTN_OP, WRITE_OP, check_mla_attention, check_mla_cache_write, require_scale_tensor
 from ..cpu import mla as cpu
 from ..triton import HAS_TRITON
 
@@ -68,7 +68,7 @@ def mla_cache_write(
         ValueError: ranks; ``block_size`` or width 0; ``kv_lora_rank + rope_dim`` not the cache's width; dtypes
             (``k_pe`` vs ``kv_c``, ``kv_c`` vs a non-fp8 cache); devices; ``slot_mapping`` not 1-D int32/int64 or
             longer than ``kv_c``/``k_pe``; an fp8 cache without ``kv_scale``, a scale for another cache, a scale not
-            a float32 scalar; rotary arguments given in part, tables not 2-D of one shape and ``k_pe``'s dtype,
+            a float32 scalar tensor (a Python float included); rotary arguments given in part, tables not 2-D of one shape and ``k_pe``'s dtype,
             ``rotary_dim`` 0 or ``> rope_dim``, ``positions`` not 1-D int32/int64 with ``>= N`` entries; a cache
             with a stride-0 dim. Raised by the fake rule too (trace time under ``torch.compile``/``torch.export``).
         RuntimeError: a slot ``>= P * block_size`` or a position outside the tables (value contracts, default
@@ -79,6 +79,7 @@ def mla_cache_write(
     Duplicate non-negative slots in one call: which token lands is unspecified. ``kv_c``/``k_pe`` may alias the
     cache: they are read before anything is written.
     """
+    require_scale_tensor(WRITE_OP, kv_scale)  # before dispatch: the schema takes a Tensor
     try:  # value contracts, docs/semantics.md §7
         slot_mapping = values.check_paged_write(slot_mapping, _paged_view(kv_cache), "NHD", op=WRITE_OP)
         if positions is not None and rotary_cos is not None:
@@ -135,7 +136,7 @@ def mla_attention(
         ValueError: ranks; dtypes (q not fp32/bf16/fp16, a non-fp8 cache not q's dtype); q's last dim not the cache's
             width; ``kv_lora_rank`` outside ``[1, W]``; ``block_size`` or width 0; index tensors not int32 or of the
             wrong rank, or inconsistent in ``B``; devices; ``max_seqlen_q < 1`` with tokens; a NaN/infinite ``scale``;
-            the fp8 ``kv_scale`` rule. Raised by the fake rule too.
+            the fp8 ``kv_scale`` rule (a Python float ``kv_scale`` included). Raised by the fake rule too.
         RuntimeError: ``kvops.paged_attention``'s value contracts (docs/semantics.md §7) under this op's name:
             ``cu_seqlens_q`` not non-decreasing from 0 or past ``T_q``, a ``q_len > max_seqlen_q``, ``seq_lens[b]``
             outside ``[0, max_blocks * block_size]``, a used ``block_table`` entry outside ``[0, P)``.
@@ -143,6 +144,7 @@ def mla_attention(
     bad = int64_error(ATTN_OP, {"max_seqlen_q": max_seqlen_q, "kv_lora_rank": kv_lora_rank})
     if bad is not None:
         raise bad
+    require_scale_tensor(ATTN_OP, kv_scale)  # before dispatch: the schema takes a Tensor
     try:  # value contracts, docs/semantics.md §7
         values.check_paged_attention(q, _paged_view(kv_cache), cu_seqlens_q, seq_lens, block_table, max_seqlen_q,
                                      "NHD", op=ATTN_OP)

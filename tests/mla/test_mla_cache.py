@@ -3,6 +3,7 @@ MLA ops, checked against the fp64 oracle over the same blocks (prefill then deco
 
 import unittest
 
+import expecttest
 import torch
 
 from kvops.cache import PagedMLACache
@@ -10,7 +11,7 @@ from kvops.reference import mla as ref
 from tests.mla._cases import FP8, tables
 
 
-class TestPagedMLACache(unittest.TestCase):
+class TestPagedMLACache(expecttest.TestCase):
     def run_steps(self, cache, steps, heads=4, rank=32, rope=16, layer=1, rotary=False):
         g = torch.Generator().manual_seed(3)
         cos, sin = tables(64, rope)
@@ -71,6 +72,18 @@ class TestPagedMLACache(unittest.TestCase):
             cache.write(0, torch.randn(2, 32), torch.randn(2, 8), step)
         self.assertIn("kvops.mla_cache_write: kv_c has kv_lora_rank 32 and k_pe has rope_dim 8", str(cm.exception))
         self.assertTrue((cache.kv_caches[0] == 0).all())
+
+    def ctor_error(self, **kw):
+        with self.assertRaises(ValueError) as cm:
+            PagedMLACache(8, 16, 32, 16, **kw)
+        return str(cm.exception)
+
+    def test_fp8_scale_errors_at_construction(self):
+        """A missing or Python-float kv_scale is refused by the constructor, not at the first write."""
+        self.assertExpectedInline(self.ctor_error(dtype=FP8), """PagedMLACache: dtype=torch.float8_e4m3fn needs kv_scale (the float32 per-tensor scale: the cache holds x / kv_scale), got kv_scale=None. Pass kv_scale=torch.tensor(s, dtype=torch.float32) to PagedMLACache (it is passed to every write and attention).""")
+        self.assertExpectedInline(self.ctor_error(dtype=FP8, kv_scale=0.05), """PagedMLACache: kv_scale must be a float32 scalar tensor (or None), got float 0.05. Pass kv_scale=torch.tensor(0.05, dtype=torch.float32) on the cache's device.""")
+        self.assertExpectedInline(self.ctor_error(dtype=FP8, kv_scale=torch.ones(2)), """PagedMLACache: kv_scale must be a float32 scalar tensor (shape [] or [1], one scale per tensor), got shape (2,) and dtype torch.float32. Pass one scale, torch.tensor(s, dtype=torch.float32) (the latent cache is one head: no per-head scales).""")
+        self.assertExpectedInline(self.ctor_error(kv_scale=torch.tensor(0.05)), """PagedMLACache: kv_scale was given but kv_cache dtype is torch.float32; a scale applies only to a torch.float8_e4m3fn cache. Drop kv_scale or allocate the cache as torch.float8_e4m3fn.""")
 
 
 if __name__ == "__main__":

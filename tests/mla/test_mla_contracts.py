@@ -58,6 +58,15 @@ class TestWriteContracts(expecttest.TestCase):
         self.assertExpectedInline(self.error(kv_cache=fp8, kv_scale=torch.tensor(1.0), kv_c=self.kv_c.double(),
                                              k_pe=self.k_pe.double()), """kvops.mla_cache_write: kv_c dtype torch.float64 cannot be quantized into a torch.float8_e4m3fn kv_cache; pass kv_c and k_pe as float32, bfloat16 or float16.""")
 
+    def test_python_float_scale(self):
+        """A Python float is refused by the wrapper before dispatch (the schema takes a Tensor)."""
+        fp8 = torch.zeros(4, 4, 48, dtype=FP8)
+        msg = raises_everywhere(self, ValueError, lambda c: kvops.mla_cache_write(self.kv_c, self.k_pe, c, self.slots,
+                                                                                  0.05), (fp8,),
+                                compile_exc=torch._dynamo.exc.Unsupported)
+        self.assertExpectedInline(msg, """kvops.mla_cache_write: kv_scale must be a float32 scalar tensor (or None), got float 0.05. Pass kv_scale=torch.tensor(0.05, dtype=torch.float32) on the cache's device.""")
+        self.assertTrue((fp8.view(torch.uint8) == 0).all())
+
     def test_rotary(self):
         self.assertExpectedInline(self.error(positions=self.pos, rotary_cos=self.cos), """kvops.mla_cache_write: RoPE on k_pe needs positions, rotary_cos and rotary_sin together, got only positions, rotary_cos. Pass all three (or none: k_pe is written as given).""")
         self.assertExpectedInline(self.error(positions=self.pos[:2], rotary_cos=self.cos, rotary_sin=self.sin), """kvops.mla_cache_write: positions has 2 entries but slot_mapping has 3 tokens; pass one position per token.""")
@@ -112,6 +121,13 @@ class TestAttentionContracts(expecttest.TestCase):
         self.assertExpectedInline(self.error(kv_cache=fp8), """kvops.mla_attention: a torch.float8_e4m3fn kv_cache needs kv_scale (a float32 scalar tensor, vLLM's per-tensor scale: the cache holds x / kv_scale). Pass kv_scale=torch.tensor(s, dtype=torch.float32).""")
         self.assertExpectedInline(self.error(kv_cache=fp8, kv_scale=torch.ones(1, 1)), """kvops.mla_attention: kv_scale must be a float32 scalar tensor (shape [] or [1], one scale per tensor), got shape (1, 1) and dtype torch.float32. Pass one scale, torch.tensor(s, dtype=torch.float32) (the latent cache is one head: no per-head scales).""")
         self.assertExpectedInline(self.error(kv_scale=torch.tensor(0.5)), """kvops.mla_attention: kv_scale was given but kv_cache dtype is torch.float32; a scale applies only to a torch.float8_e4m3fn cache. Drop kv_scale or allocate the cache as torch.float8_e4m3fn.""")
+
+    def test_python_float_scale(self):
+        fp8 = torch.zeros(4, 4, 48, dtype=FP8)
+        msg = raises_everywhere(self, ValueError, lambda q, c: kvops.mla_attention(q, c, self.cu, self.lens, self.table,
+                                                                                   2, 32, kv_scale=0.5), (self.q, fp8),
+                                compile_exc=torch._dynamo.exc.Unsupported)
+        self.assertExpectedInline(msg, """kvops.mla_attention: kv_scale must be a float32 scalar tensor (or None), got float 0.5. Pass kv_scale=torch.tensor(0.5, dtype=torch.float32) on the cache's device.""")
 
     def test_value_contracts_name_the_op(self):
         """Bad values (docs/semantics.md §7): ``kvops.paged_attention``'s messages under this op's name."""
