@@ -133,7 +133,7 @@ def check_mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, position
             f"Pass all three (or none: k_pe is written as given)."
         )
     if given:
-        check_rotary(op, "k_pe", k_pe, rotary_cos, rotary_sin, positions, num_tokens)
+        check_rotary(op, "k_pe", k_pe, rotary_cos, rotary_sin, positions, num_tokens, "rope_dim")
 
 
 def _check_index(name: str, t: torch.Tensor, ndim: int, layout: str, q: torch.Tensor) -> None:

@@ -15,8 +15,10 @@ from .paged_write import check_paged_cache_write
 OP = "kvops.rotary_paged_cache_write"
 
 
-def check_rotary(op: str, name: str, x: torch.Tensor, rotary_cos, rotary_sin, positions, num_tokens) -> int:
+def check_rotary(op: str, name: str, x: torch.Tensor, rotary_cos, rotary_sin, positions, num_tokens,
+                 dim_name: str = "head_dim") -> int:
     """Tables and positions for rotating ``x [..., head_dim]`` at ``positions[:num_tokens]``; returns ``rotary_dim``.
+    ``dim_name``: what the messages call ``x``'s last dim (MLA's ``k_pe``: ``rope_dim``).
 
     Raises ``ValueError``: tables not 2-D, of different shapes, or with ``rotary_dim`` 0 or ``> head_dim``; a table
     dtype other than ``x``'s; ``positions`` not a 1-D int32/int64 tensor with at least ``num_tokens`` entries;
@@ -36,9 +38,13 @@ def check_rotary(op: str, name: str, x: torch.Tensor, rotary_cos, rotary_sin, po
         require_same_device(op, t_name, t, name, x)
     rotary_dim, head_dim = 2 * rotary_cos.shape[1], x.shape[-1]
     if rotary_dim == 0 or rotary_dim > head_dim:
+        fix = ("Pass tables with at least one column." if rotary_dim == 0 else
+               f"Pass tables [seqlen_ro, rotary_dim / 2] with rotary_dim <= {as_int(head_dim)}; transformers' cos/sin "
+               f"[seq, {dim_name}] repeat their halves: pass their first {dim_name} // 2 columns, "
+               f"cos[:, :{as_int(head_dim // 2)}] and sin[:, :{as_int(head_dim // 2)}].")
         raise ValueError(
             f"{op}: rotary_dim must be <= headdim: rotary_cos {tuple(rotary_cos.shape)} gives rotary_dim "
-            f"{as_int(rotary_dim)} but {name} has head_dim {as_int(head_dim)} (and rotary_dim must be > 0)."
+            f"{as_int(rotary_dim)} but {name} has {dim_name} {as_int(head_dim)} (and rotary_dim must be > 0). {fix}"
         )
     if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(

@@ -71,7 +71,9 @@ class TestWriteContracts(expecttest.TestCase):
         self.assertExpectedInline(self.error(positions=self.pos, rotary_cos=self.cos), """kvops.mla_cache_write: RoPE on k_pe needs positions, rotary_cos and rotary_sin together, got only positions, rotary_cos. Pass all three (or none: k_pe is written as given).""")
         self.assertExpectedInline(self.error(positions=self.pos[:2], rotary_cos=self.cos, rotary_sin=self.sin), """kvops.mla_cache_write: positions has 2 entries but slot_mapping has 3 tokens; pass one position per token.""")
         cos, sin = tables(8, 32)
-        self.assertExpectedInline(self.error(positions=self.pos, rotary_cos=cos, rotary_sin=sin), """kvops.mla_cache_write: rotary_dim must be <= headdim: rotary_cos (8, 16) gives rotary_dim 32 but k_pe has head_dim 16 (and rotary_dim must be > 0).""")
+        self.assertExpectedInline(self.error(positions=self.pos, rotary_cos=cos, rotary_sin=sin), """kvops.mla_cache_write: rotary_dim must be <= headdim: rotary_cos (8, 16) gives rotary_dim 32 but k_pe has rope_dim 16 (and rotary_dim must be > 0). Pass tables [seqlen_ro, rotary_dim / 2] with rotary_dim <= 16; transformers' cos/sin [seq, rope_dim] repeat their halves: pass their first rope_dim // 2 columns, cos[:, :8] and sin[:, :8].""")
+        empty = torch.zeros(8, 0)
+        self.assertExpectedInline(self.error(positions=self.pos, rotary_cos=empty, rotary_sin=empty), """kvops.mla_cache_write: rotary_dim must be <= headdim: rotary_cos (8, 0) gives rotary_dim 0 but k_pe has rope_dim 16 (and rotary_dim must be > 0). Pass tables with at least one column.""")
         self.assertExpectedInline(self.error(positions=self.pos, rotary_cos=self.cos.half(),
                                              rotary_sin=self.sin.half()), """kvops.mla_cache_write: rotary_cos must have the same dtype as k_pe (torch.float32), got torch.float16. Cast the tables with .to(torch.float32).""")
 

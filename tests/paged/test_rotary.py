@@ -216,7 +216,7 @@ class TestRotaryContracts(expecttest.TestCase):
 
     def test_rotary_dim_too_large(self):
         cos, sin = tables(8, 20, torch.float32)
-        self.assertExpectedInline(self.write_error(cos=cos, sin=sin), """kvops.rotary_paged_cache_write: rotary_dim must be <= headdim: rotary_cos (8, 10) gives rotary_dim 20 but key has head_dim 16 (and rotary_dim must be > 0).""")
+        self.assertExpectedInline(self.write_error(cos=cos, sin=sin), """kvops.rotary_paged_cache_write: rotary_dim must be <= headdim: rotary_cos (8, 10) gives rotary_dim 20 but key has head_dim 16 (and rotary_dim must be > 0). Pass tables [seqlen_ro, rotary_dim / 2] with rotary_dim <= 16; transformers' cos/sin [seq, head_dim] repeat their halves: pass their first head_dim // 2 columns, cos[:, :8] and sin[:, :8].""")
 
     def test_table_dtype_and_shape(self):
         self.assertExpectedInline(self.write_error(cos=self.cos.double(), sin=self.sin.double()), """kvops.rotary_paged_cache_write: rotary_cos must have the same dtype as key (torch.float32), got torch.float64. Cast the tables with .to(torch.float32).""")
