@@ -1,11 +1,14 @@
 """Checks of ``kvops.plan_cascade`` (host-side planning) and ``kvops.cascade_attention`` (a plan against a step's
-tensors: shapes and Python ints only, so they also run while ``torch.compile`` traces the step). docs/cascade.md.
+tensors: shapes and Python ints only, so they also run while ``torch.compile`` traces the step; and the value
+contract that each group's rows still share the plan's prefix blocks, in the modes of kvops/_checks/values.py).
+docs/cascade.md.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import values
 from .common import as_int
 
 PLAN = "kvops.plan_cascade"
@@ -69,3 +72,36 @@ def check_cascade(plan, q, k_cache, block_table, seq_lens, kv_layout: str, plan_
             f"{OP}: the plan was made for {plan.num_rows} query rows but q has shape {tuple(q.shape)}. Replan "
             f"(kvops.plan_cascade) when the query lengths change (e.g. between prefill and decode)."
         )
+
+
+def check_prefix_values(plan, block_table: torch.Tensor, op: str = OP) -> None:
+    """Value contract (docs/semantics.md §7, the modes of kvops/_checks/values.py): the rows of each group of
+    ``plan`` still share its prefix blocks, ``block_table[seq_start:seq_end, :prefix_blocks]`` equal to row
+    ``seq_start``'s (level 1 reads the prefix from the group's first row only). A batch whose rows were replaced
+    after planning (continuous batching with the same lengths) would otherwise give wrong results for the group's
+    other sequences. eager: ``RuntimeError`` naming the group, the row, the entry and the fix (one host sync); async:
+    ``torch._assert_async``; off: unchecked. Run after :func:`check_cascade` (shapes known to agree)."""
+    if not plan.groups or block_table.dim() != 2:
+        return
+    mode = values._active(block_table)
+    if mode is None:
+        return
+    parts = [block_table[s0:s1, :nb] for s0, s1, _, _, nb in plan.groups]
+    bad = torch.stack([(part != part[:1]).any() for part in parts])
+    if mode == "async":
+        values._assert(~bad.any(), f"{op}: a row of block_table does not share its plan group's prefix blocks (the "
+                                   f"block tables changed after kvops.plan_cascade). Replan when the batch's block "
+                                   f"tables change; run with kvops.value_checks('eager') to see the row.")
+        return
+    if not bool(bad.any()):
+        return
+    g = int(bad.nonzero()[0, 0])
+    s0, s1, _, _, nb = plan.groups[g]
+    row, col = (int(i) for i in (parts[g] != parts[g][:1]).nonzero()[0])
+    raise RuntimeError(
+        f"{op}: the plan's group {g} (sequences [{s0}, {s1}), a shared prefix of {nb} blocks read from row {s0}) "
+        f"does not hold for this block_table: block_table[{s0 + row}, {col}] = {int(block_table[s0 + row, col])} but "
+        f"block_table[{s0}, {col}] = {int(block_table[s0, col])}, so sequence {s0 + row} would read another "
+        f"sequence's prefix. The block tables changed after planning (e.g. a sequence replaced in the batch); replan "
+        f"with kvops.plan_cascade when the batch's block tables change."
+    )

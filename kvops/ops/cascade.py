@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks.cascade import PLAN, check_cascade, check_plan_inputs
+from .._checks.cascade import PLAN, check_cascade, check_plan_inputs, check_prefix_values
 from .merge import merge_attention_states
 from .paged_attention import paged_attention
 
@@ -189,9 +189,12 @@ def cascade_attention(
     Returns ``out [T_q, H_q, D_v]`` in q's dtype, or ``(out, lse)``. Raises what ``kvops.paged_attention`` and
     ``kvops.merge_attention_states`` raise, and ``ValueError`` when ``plan`` is not a :class:`CascadePlan` or was
     made for another batch size, number of query rows or ``block_size`` (replan), or ``block_table`` is narrower
-    than the plan's prefix.
+    than the plan's prefix; ``RuntimeError`` (a value contract, docs/semantics.md §7, in the current value-check
+    mode) when a group's rows of ``block_table`` no longer share the plan's prefix blocks (the block tables changed
+    after planning: replan).
     """
     check_cascade(plan, q, k_cache, block_table, seq_lens, kv_layout, CascadePlan)
+    check_prefix_values(plan, block_table)  # a value contract (docs/semantics.md §7)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     kw = dict(softcap=softcap, k_scale=k_scale, v_scale=v_scale, return_lse=True, kv_layout=kv_layout)

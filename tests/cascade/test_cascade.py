@@ -266,6 +266,33 @@ class TestCascadeContracts(expecttest.TestCase):
     def test_table_narrower_than_the_prefix(self):
         self.assertExpectedInline(self.check(self.plan, block_table=self.a["block_table"][:, :1]), """kvops.cascade_attention: the plan's shared prefix spans 2 blocks but block_table has only 1 columns. Pass the block_table the plan was made from (or a wider one).""")  # noqa: B950
 
+    def test_rows_that_no_longer_share_the_prefix(self):
+        """A value contract (docs/semantics.md §7): a block-table row replaced after planning (another sequence, same
+        lengths) would make the group's other rows read its prefix. eager: RuntimeError before any attention;
+        async: torch._assert_async, also in a compiled step; off: unchecked."""
+        a = self.a
+        table = a["block_table"].clone()
+        table[0, :2] = table[0, :2].flip(0)  # row 0 now holds another sequence (same lengths, other prefix blocks)
+        args = (a["q"], a["k_cache"], a["v_cache"], a["cu_seqlens_q"], a["seq_lens"])
+
+        def fn(q, k, v, cu, lens, t):
+            return kvops.cascade_attention(q, k, v, cu, lens, t, 1, self.plan)
+
+        with self.assertRaises(RuntimeError) as cm:
+            fn(*args, table)
+        self.assertExpectedInline(str(cm.exception), """kvops.cascade_attention: the plan's group 0 (sequences [0, 3), a shared prefix of 2 blocks read from row 0) does not hold for this block_table: block_table[1, 0] = 8 but block_table[0, 0] = 7, so sequence 1 would read another sequence's prefix. The block tables changed after planning (e.g. a sequence replaced in the batch); replan with kvops.plan_cascade when the batch's block tables change.""")  # noqa: B950
+        fn(*args, a["block_table"])  # the table the plan was made from passes
+        with kvops.value_checks("async"):
+            with self.assertRaisesRegex(RuntimeError, "does not share its plan group's prefix blocks"):
+                fn(*args, table)
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+            torch.testing.assert_close(compiled(*args, a["block_table"]), fn(*args, a["block_table"]))
+            with self.assertRaisesRegex(RuntimeError, "does not share its plan group's prefix blocks"):
+                compiled(*args, table)
+        with kvops.value_checks("off"):
+            fn(*args, table)  # unchecked: wrong numbers, no error
+
     def test_not_a_plan(self):
         with self.assertRaises(ValueError) as cm:
             a = self.a
