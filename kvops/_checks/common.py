@@ -214,3 +214,30 @@ def resolve_bounds(window_left, window_right, sink_tokens):
     if window_right >= UNBOUNDED:
         window_right = -1
     return window_left, window_right, sink_tokens
+
+
+def check_varlen_metadata(op: str, q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q) -> None:
+    """The batch metadata every paged attention op shares (``kvops.paged_attention``, ``kvops.mla_attention``):
+    ``block_table [B, max_blocks_per_seq]``, ``seq_lens [B]`` and ``cu_seqlens_q [B + 1]`` int32 on q's device, one
+    batch size, and ``max_seqlen_q >= 1`` when q has tokens. Raises ``ValueError`` naming ``op``."""
+    for name, t, ndim, layout in (("block_table", block_table, 2, "[batch, max_blocks_per_seq]"),
+                                  ("seq_lens", seq_lens, 1, "[batch]"),
+                                  ("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")):
+        if t.dim() != ndim or t.dtype != torch.int32:
+            raise ValueError(
+                f"{op}: {name} must be a {ndim}-D int32 tensor {layout}, got shape {tuple(t.shape)} and dtype "
+                f"{t.dtype}. " + index_fix(name, t, ndim, (torch.int32,), layout)
+            )
+        require_same_device(op, name, t, "q", q)
+    batch = block_table.shape[0]
+    if seq_lens.shape[0] != batch or cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(
+            f"{op}: inconsistent batch size: block_table has {as_int(batch)} rows, seq_lens has "
+            f"{as_int(seq_lens.shape[0])} entries and cu_seqlens_q has {as_int(cu_seqlens_q.shape[0])}; expected "
+            f"seq_lens [B] and cu_seqlens_q [B + 1] for block_table [B, max_blocks_per_seq]."
+        )
+    if q.shape[0] > 0 and max_seqlen_q < 1:
+        raise ValueError(
+            f"{op}: max_seqlen_q must be >= 1 (the longest query length in the batch) when q has tokens, got "
+            f"{as_int(max_seqlen_q)} for {as_int(q.shape[0])} tokens."
+        )

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import (FP8_DTYPE, as_int, index_fix, require_finite, require_ndim, require_same_device,
-                     require_writable)
+from .common import (FP8_DTYPE, as_int, check_varlen_metadata, index_fix, require_finite, require_ndim,
+                     require_same_device, require_writable)
 from .rotary import check_rotary
 
 WRITE_OP = "kvops.mla_cache_write"
@@ -136,15 +136,6 @@ def check_mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, position
         check_rotary(op, "k_pe", k_pe, rotary_cos, rotary_sin, positions, num_tokens, "rope_dim")
 
 
-def _check_index(name: str, t: torch.Tensor, ndim: int, layout: str, q: torch.Tensor) -> None:
-    if t.dim() != ndim or t.dtype != torch.int32:
-        raise ValueError(
-            f"{ATTN_OP}: {name} must be a {ndim}-D int32 tensor {layout}, got shape {tuple(t.shape)} and dtype "
-            f"{t.dtype}. " + index_fix(name, t, ndim, (torch.int32,), layout)
-        )
-    require_same_device(ATTN_OP, name, t, "q", q)
-
-
 def check_mla_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_lora_rank, scale, causal,
                         kv_scale) -> float:
     """Validate a ``kvops::mla_attention`` call; returns the softmax scale (``D ** -0.5`` when ``scale`` is None, with
@@ -179,21 +170,7 @@ def check_mla_attention(q, kv_cache, cu_seqlens_q, seq_lens, block_table, max_se
             f"{op}: kv_lora_rank must be in [1, {as_int(width)}] (the latent columns read as values; the rest are "
             f"the rope part), got {kv_lora_rank}. Pass the model's kv_lora_rank (e.g. 512 for DeepSeek-V3)."
         )
-    _check_index("block_table", block_table, 2, "[batch, max_blocks_per_seq]", q)
-    _check_index("seq_lens", seq_lens, 1, "[batch]", q)
-    _check_index("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]", q)
-    batch = block_table.shape[0]
-    if seq_lens.shape[0] != batch or cu_seqlens_q.shape[0] != batch + 1:
-        raise ValueError(
-            f"{op}: inconsistent batch size: block_table has {as_int(batch)} rows, seq_lens has "
-            f"{as_int(seq_lens.shape[0])} entries and cu_seqlens_q has {as_int(cu_seqlens_q.shape[0])}; expected "
-            f"seq_lens [B] and cu_seqlens_q [B + 1] for block_table [B, max_blocks_per_seq]."
-        )
-    if q.shape[0] > 0 and max_seqlen_q < 1:
-        raise ValueError(
-            f"{op}: max_seqlen_q must be >= 1 (the longest query length in the batch) when q has tokens, got "
-            f"{as_int(max_seqlen_q)} for {as_int(q.shape[0])} tokens."
-        )
+    check_varlen_metadata(op, q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q)
     require_finite(op, "scale", scale,
                    "the softmax scale on the scores q . row; None: (kv_lora_rank + rope_dim) ** -0.5",
                    "Pass a finite scale (DeepSeek: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5).")

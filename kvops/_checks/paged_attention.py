@@ -4,7 +4,8 @@
 ``[P, H_kv, block_size, D]`` with ``kv_layout="HND"`` (validated as the NHD view ``transpose(1, 2)``);
 ``cu_seqlens_q [B + 1]``, ``seq_lens [B]``, ``block_table [B, max_blocks]``, all int32. Only metadata and the scalar
 arguments are checked. Value contracts that depend on tensor *contents* are checked per the value-check mode by
-``kvops/_checks/values.py`` (docs/semantics.md §7), not here: ``cu_seqlens_q`` non-decreasing from 0 to ``T_q``, every ``q_len <= max_seqlen_q``,
+``kvops/_checks/values.py`` (docs/semantics.md §7), not here: ``cu_seqlens_q`` non-decreasing from 0 to ``T_q``,
+every ``q_len <= max_seqlen_q``,
 ``seq_len <= max_blocks * block_size``, and table entries of the first ``ceil(seq_len / block_size)`` blocks
 in ``[0, P)``.
 """
@@ -13,23 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from .common import (FP8_DTYPE, as_int, check_fp8_scales, gqa_fix, index_fix, require_dim_match, require_finite,
-                     require_ndim, require_same_device)
+from .common import (FP8_DTYPE, as_int, check_fp8_scales, check_varlen_metadata, gqa_fix, require_dim_match,
+                     require_finite, require_ndim, require_same_device)
 from .features import NO_FEATURES, AttnFeatures, check_features, resolve
 from .paged_write import check_paged_caches, layout_hint
 
 OP = "kvops.paged_attention"
 Q_LAYOUT = "[num_tokens, num_heads, head_dim]"
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_index(name: str, t: torch.Tensor, ndim: int, layout: str, q: torch.Tensor) -> None:
-    if t.dim() != ndim or t.dtype != torch.int32:
-        raise ValueError(
-            f"{OP}: {name} must be a {ndim}-D int32 tensor {layout}, got shape {tuple(t.shape)} and dtype {t.dtype}. "
-            + index_fix(name, t, ndim, (torch.int32,), layout)
-        )
-    require_same_device(OP, name, t, "q", q)
 
 
 def check_paged_attention(
@@ -86,21 +78,7 @@ def check_paged_attention(
             raise ValueError(f"{OP}:{hint} (Read as {kv_layout}, {gqa}.)")
         raise ValueError(f"{OP}: {gqa}. {gqa_fix(num_heads, num_kv_heads)}")
 
-    _check_index("block_table", block_table, 2, "[batch, max_blocks_per_seq]", q)
-    _check_index("seq_lens", seq_lens, 1, "[batch]", q)
-    _check_index("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]", q)
-    batch = block_table.shape[0]
-    if seq_lens.shape[0] != batch or cu_seqlens_q.shape[0] != batch + 1:
-        raise ValueError(
-            f"{OP}: inconsistent batch size: block_table has {as_int(batch)} rows, seq_lens has "
-            f"{as_int(seq_lens.shape[0])} entries and cu_seqlens_q has {as_int(cu_seqlens_q.shape[0])}; expected "
-            f"seq_lens [B] and cu_seqlens_q [B + 1] for block_table [B, max_blocks_per_seq]."
-        )
-    if q.shape[0] > 0 and max_seqlen_q < 1:
-        raise ValueError(
-            f"{OP}: max_seqlen_q must be >= 1 (the longest query length in the batch) when q has tokens, got "
-            f"{as_int(max_seqlen_q)} for {as_int(q.shape[0])} tokens."
-        )
+    check_varlen_metadata(OP, q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q)
     if window_left < -1:
         raise ValueError(f"{OP}: window_left must be -1 (no window) or >= 0, got {window_left}.")
     if softcap < 0:
@@ -119,6 +97,6 @@ def check_paged_attention(
         require_same_device(OP, "sinks", sinks, "q", q)
 
     check_fp8_scales(OP, k_cache, k_scale, v_scale)
-    check_features(OP, q, batch, features, max_seqlen_q)
+    check_features(OP, q, block_table.shape[0], features, max_seqlen_q)
     window_left, features = resolve(window_left, features)
     return (float(q.shape[2]) ** -0.5 if scale is None else scale), window_left, features
