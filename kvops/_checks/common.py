@@ -241,3 +241,15 @@ def check_varlen_metadata(op: str, q, cu_seqlens_q, seq_lens, block_table, max_s
             f"{op}: max_seqlen_q must be >= 1 (the longest query length in the batch) when q has tokens, got "
             f"{as_int(max_seqlen_q)} for {as_int(q.shape[0])} tokens."
         )
+
+
+def require_scale_tensor(op: str, name: str, scale, what: str = "float32 scalar tensor") -> None:
+    """``scale`` is None or a tensor: public wrappers call this before dispatch (the dispatcher's own error for a
+    Python float names the schema type, not the fix; ``.dim()`` on a float is an AttributeError). ``ValueError``
+    naming ``name``, the value and ``torch.tensor(value, dtype=torch.float32)`` as the fix."""
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        value = repr(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else "s"
+        raise ValueError(
+            f"{op}: {name} must be a {what} (or None), got {type(scale).__name__} {scale!r}. "
+            f"Pass {name}=torch.tensor({value}, dtype=torch.float32) on the cache's device."
+        )

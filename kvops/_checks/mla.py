@@ -12,6 +12,7 @@ import torch
 
 from .common import (FP8_DTYPE, as_int, check_varlen_metadata, index_fix, require_finite, require_ndim,
                      require_same_device, require_writable)
+from .common import require_scale_tensor as common_require_scale_tensor
 from .rotary import check_rotary
 
 WRITE_OP = "kvops.mla_cache_write"
@@ -38,14 +39,9 @@ def check_latent_cache(op: str, kv_cache: torch.Tensor) -> None:
 
 
 def require_scale_tensor(op: str, kv_scale) -> None:
-    """``kv_scale`` is None or a tensor: the public wrappers check it before dispatch (the dispatcher's own error for
-    a Python float names the schema type, not the fix), ``PagedMLACache`` at construction."""
-    if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
-        value = repr(kv_scale) if isinstance(kv_scale, (int, float)) and not isinstance(kv_scale, bool) else "s"
-        raise ValueError(
-            f"{op}: kv_scale must be a float32 scalar tensor (or None), got {type(kv_scale).__name__} {kv_scale!r}. "
-            f"Pass kv_scale=torch.tensor({value}, dtype=torch.float32) on the cache's device."
-        )
+    """``kv_scale`` is None or a tensor (``common.require_scale_tensor``): the public wrappers check it before
+    dispatch, ``PagedMLACache`` at construction."""
+    common_require_scale_tensor(op, "kv_scale", kv_scale)
 
 
 def check_kv_scale(op: str, kv_cache: torch.Tensor, kv_scale) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
+from .._checks.common import require_scale_tensor
 from .._checks.rotary import OP, check_rotary, check_rotary_paged_cache_write
 from ..cpu import rotary as cpu
 from ..cpu.paged_write import unaliased
@@ -68,6 +69,8 @@ def rotary_paged_cache_write(
     ``key``/``value`` may alias the caches: they are read before anything is written, as in compiled code (the
     kernels copy such a source first; docs/semantics.md §3).
     """
+    for _name, _scale in (("k_scale", k_scale), ("v_scale", v_scale)):  # a float: a clear error
+        require_scale_tensor(OP, _name, _scale, "float32 tensor of shape [1] or [H_kv]")
     try:  # value contract (docs/semantics.md §7): positions within the tables
         values.check_rotary_positions(positions, slot_mapping.shape[0], rotary_cos, OP)
     except RuntimeError:  # a metadata error explains it better: it goes first
