@@ -5,12 +5,14 @@
   GFLOP/s), both measured in the same run as the rows they bound.
 * **Bounds of a decode row** (``bounds``): the bytes bound, the time to read the row's K/V at the copy's rate, and the
   FMA bound, the time of the row's score (q.K) and PV FMAs at the measured fp32 rate; and the fraction of the copy's
-  bandwidth eager kvops reaches (K/V bytes read per second over the copy's read + write bytes per second).
+  bandwidth eager kvops reaches (K/V bytes read per second over the copy's read + write bytes per second), and
+  whether the K/V fits in the last-level cache (then repeated calls read it from the cache, the copy from memory).
 * **Two threads against one** (``thread_speedup``): eager kvops timed at 1 and 2 torch threads interleaved in the same
   rounds, both with the wall clock (``torch.set_num_threads`` switched between samples, outside the timed region), so
   the speedup compares like with like (the per-row tables time 1 thread with the thread CPU clock).
 * **Packed against dense** (``packed_vs_dense``): ``kvops.packed.packed_attention`` over int8 and int4 packed K/V
   against dense ``kvops.paged_attention`` over the same values, bf16 decode.
+* **Native build** (``native_build``): which kvops native build variant is loaded, for the header.
 * **Per-target verdict** (``TargetReport``): the harness's report whose verdict gives one line per target (ok or MISS,
   the worst case's value and, for a miss, what it means).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 
 import torch
 
@@ -48,6 +51,16 @@ def fma_gflops(device, clock: str, sync=None, rounds: int = 5) -> float:
     return 2 * MM_SIZE**3 / t / 1e9
 
 
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache's size (Linux sysfs, cpu0), or None where it cannot be read."""
+    sizes = []
+    for d in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        with contextlib.suppress(OSError, ValueError):
+            text = (d / "size").read_text().strip()
+            sizes.append(int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]] if text[-1] in "KMG" else int(text))
+    return max(sizes, default=None)
+
+
 def bounds(c: dict, r: dict, mode: str, copy_gbs: float, gflops: float) -> dict:
     """A decode row's bounds (ms) and the fraction of the copy's bandwidth ``mode`` reaches (a Spread over rounds).
 
@@ -65,7 +78,12 @@ def bounds(c: dict, r: dict, mode: str, copy_gbs: float, gflops: float) -> dict:
 def bounds_text(b: dict, r: dict, mode: str, copy_gbs: float, gflops: float, verdict: str) -> str:
     """The sub-line under a decode row: the fraction of the copy's bandwidth, both bounds and which is larger."""
     ms = r["ms"][mode]
-    return (f"bandwidth: {mode} kvops reads the K/V ({b['kv_bytes'] / 1e6:.1f} MB) at {r['bw'][mode]} GB/s = "
+    llc = last_level_cache_bytes()
+    where = "" if llc is None else (
+        f"; it fits in the {llc >> 20} MiB last-level cache: repeated calls read it from there, the copy's "
+        f"{2 * COPY_BYTES >> 20} MiB mostly from memory" if b["kv_bytes"] <= llc else
+        f"; more than the {llc >> 20} MiB last-level cache")
+    return (f"bandwidth: {mode} kvops reads the K/V ({b['kv_bytes'] / 1e6:.1f} MB{where}) at {r['bw'][mode]} GB/s = "
             f"{b['fraction']} of the copy's {copy_gbs:.1f} GB/s (K/V bytes read per second over the copy's read + "
             f"write bytes per second){verdict}; bounds: bytes {b['bytes_ms']:.3f} ms (the K/V at the copy's rate), "
             f"FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at {gflops:.0f} GFLOP/s fp32 mm): the "
