@@ -12,7 +12,8 @@
   the speedup compares like with like (the per-row tables time 1 thread with the thread CPU clock).
 * **Packed against dense** (``packed_vs_dense``): ``kvops.packed.packed_attention`` over int8 and int4 packed K/V
   against dense ``kvops.paged_attention`` over the same values, bf16 decode.
-* **Native build** (``native_build``): which kvops native build variant is loaded, for the header.
+* **Native build** (``native_build``): which kvops native build variant is loaded (``kvops.native.isa()``), for the
+  header.
 * **Per-target verdict** (``TargetReport``): the harness's report whose verdict gives one line per target (ok or MISS,
   the worst case's value and, for a miss, what it means).
 
@@ -22,7 +23,6 @@ Timing, spread and output format: ``benchmarks/_harness.py`` (docs/benchmarks.md
 from __future__ import annotations
 
 import contextlib
-import os
 import pathlib
 
 import torch
@@ -133,22 +133,14 @@ def packed_vs_dense(c: dict, run_dense, rounds: int, clock: str, sync=None, form
 
 
 def native_build(native) -> str:
-    """Which kvops native build is loaded (``kvops.native``): its build variant (``native``: ``-march=native``;
-    ``x86-64-v3``: AVX2 + FMA) where this kvops has variants, and whether ``KVOPS_NATIVE_ISA`` asked for one."""
+    """Which kvops native build is loaded (``kvops.native``): its variant (``native``: ``-march=native``;
+    ``x86-64-v3``: AVX2 + FMA, chosen by ``KVOPS_NATIVE_ISA``) and the instruction sets its code was compiled for."""
     if not native.available():
         return "none (composite torch kernel)"
-    isa = getattr(native, "isa", None)
-    asked = os.environ.get("KVOPS_NATIVE_ISA")
-    if not callable(isa):
-        return ("-march=native" + (f" (KVOPS_NATIVE_ISA={asked} is set, but this kvops has no build variants: it "
-                                   "runs its AVX-512 code)" if asked else ""))
-    text = str(isa())
-    macros = getattr(native, "isa_macros", None)
-    if callable(macros):
-        with contextlib.suppress(Exception):  # the compiler's view of the variant: informative only
-            m = macros()
-            text += f" ({', '.join(k.strip('_') for k, on in m.items() if on) or 'no AVX2/AVX-512 macros'})"
-    return text
+    code = ""
+    with contextlib.suppress(Exception):  # the compiler's view of the variant (its preprocessor): informative only
+        code = ", ".join(k.strip("_") for k, on in native.isa_macros().items() if on) or "no AVX2/AVX-512"
+    return f"{native.isa()} (code for {code})" if code else str(native.isa())
 
 
 class TargetReport(harness.Report):
