@@ -94,13 +94,15 @@ def parse_args(argv=None):
     parser.add_argument("--batches", nargs="+", type=int,
                         help=f"decode batch sizes (default {FULL['batches']}, --quick {QUICK['batches']})")
     parser.add_argument("--contexts", nargs="+", type=int,
-                        help=f"decode context lengths in tokens (default {FULL['contexts']}, --quick {QUICK['contexts']})")
+                        help=f"decode context lengths in tokens (default {FULL['contexts']}, --quick "
+                             f"{QUICK['contexts']})")
     parser.add_argument("--rounds", type=int,
                         help=f"interleaved rounds per row (default {FULL['rounds']}, --quick {QUICK['rounds']})")
     parser.add_argument("--no-prefill", action="store_true", help="skip the chunked-prefill row")
     parser.add_argument("--packed-contexts", nargs="*", type=int,
-                        help=f"contexts of the packed (int8/int4) vs dense table, B = {PACKED_BATCH}, bf16; none: no "
-                             f"table (default {FULL['packed_contexts']}, --quick {QUICK['packed_contexts']})")
+                        help=f"contexts of the packed (int8/int4) vs dense table, B = {PACKED_BATCH}, bf16; the "
+                             f"option alone: no table (default {FULL['packed_contexts']}, --quick "
+                             f"{QUICK['packed_contexts']})")
     parser.add_argument("--emulate-avx2", action="store_true",
                         help="rerun in a child process with torch (ATen, oneDNN, MKL) and kvops' native build on "
                              "their AVX2 code (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, "
@@ -218,7 +220,7 @@ def target_cell(r, row_targets: dict, modes) -> str:
     return " ".join(parts) or "-"
 
 
-def row_targets_and_bounds(report, table, c, r, args, name: str, dtype_name: str, threads: int, host: dict):
+def row_targets_and_bounds(report, table, c, r, name: str, dtype_name: str, threads: int, host: dict):
     """Record the row's ratio targets, and under a decode row a bandwidth target applies to (its kind, context and
     dtype; the target only at its thread counts), print the bounds sub-line and record the bandwidth target."""
     kind = "decode" if c["q_len"] == 1 else "prefill"
@@ -286,8 +288,9 @@ def thread_section(report, args, device, threads: int, panels: dict) -> float:
                     table.sub(f"B = 1: eager kvops with value checks (default mode) / ideal {r['checked']}"
                               + (f"; compiled kvops / compiled ideal {r['compiled_vs_compiled']}"
                                  if "compiled_vs_compiled" in r else ""))
-                name = f"{geometry} {dtype_name} {case}" + (f", {threads} thread{'s' * (threads > 1)}" if len(args.threads) > 1 else "")
-                row_targets_and_bounds(report, table, c, r, args, name, dtype_name, threads, host)
+                name = f"{geometry} {dtype_name} {case}" + (f", {threads} thread{'s' * (threads > 1)}"
+                                                             if len(args.threads) > 1 else "")
+                row_targets_and_bounds(report, table, c, r, name, dtype_name, threads, host)
                 del c
                 if kind == "decode":
                     for mode in cand_cols:
