@@ -41,6 +41,8 @@ def check_paged_attention(
     v_scale: torch.Tensor | None,
     kv_layout: str = "NHD",
     features: AttnFeatures = NO_FEATURES,
+    *,
+    memo: bool = False,
 ) -> tuple[float, int, AttnFeatures]:
     """Validate a paged attention call; returns what the kernels take: the softmax scale (``D ** -0.5`` when
     ``scale`` is None), ``window_left`` and the :class:`~kvops._checks.features.AttnFeatures`, with windows and sink
@@ -56,7 +58,51 @@ def check_paged_attention(
     an fp8 cache without ``k_scale``/``v_scale``, scales with a non-fp8 cache, scales not fp32 ``[1]``/``[H_kv]``;
     ``max_seqlen_q < 1`` while q has tokens; ``window_left < -1``; ``softcap < 0``; a ``scale`` or ``softcap``
     that is NaN or infinite; and the features of docs/attention_features.md (:func:`check_features`).
+
+    ``memo=True`` (eager calls on plain tensors only: every tensor argument a ``torch.Tensor``, nothing symbolic)
+    remembers the :func:`signature` of calls that passed and skips the checks for the next call with the same one:
+    they read nothing else, so the outcome is the same; a failing call is never remembered (it raises each time).
     """
+    if memo:
+        key = signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left,
+                        softcap, sinks, k_scale, v_scale, kv_layout, features)
+        if key not in _PASSED:
+            _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
+                   sinks, k_scale, v_scale, kv_layout, features)
+            if len(_PASSED) >= MEMO_SIZE:
+                _PASSED.clear()
+            _PASSED.add(key)
+    else:
+        _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
+               sinks, k_scale, v_scale, kv_layout, features)
+    window_left, features = resolve(window_left, features)
+    return (float(q.shape[2]) ** -0.5 if scale is None else scale), window_left, features
+
+
+MEMO_SIZE = 256  # signatures remembered (a serving loop has a handful: one per batch shape); then forgotten at once
+_PASSED: set = set()
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.dtype, t.device)
+
+
+def signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
+              sinks, k_scale, v_scale, kv_layout, features) -> tuple:
+    """What :func:`_check` reads, as a hashable key: every tensor's shape, dtype and device (never its values or
+    strides), and the scalar arguments (``causal`` is not among them: any value is valid). Plain tensors only."""
+    alibi, window_right, leftpad, sink_tokens, rope_theta, rope_scale, custom, packed = features
+    return (q.shape, q.dtype, q.device, k_cache.shape, k_cache.dtype, k_cache.device, _meta(v_cache),
+            cu_seqlens_q.shape, cu_seqlens_q.dtype, cu_seqlens_q.device, seq_lens.shape, seq_lens.dtype,
+            seq_lens.device, block_table.shape, block_table.dtype, block_table.device, max_seqlen_q, scale,
+            window_left, softcap, kv_layout, _meta(sinks), _meta(k_scale), _meta(v_scale),
+            None if features is NO_FEATURES else (_meta(alibi), window_right, _meta(leftpad), sink_tokens, rope_theta,
+                                                  rope_scale, _meta(custom), _meta(packed)))
+
+
+def _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
+           sinks, k_scale, v_scale, kv_layout, features) -> None:
+    """The checks of :func:`check_paged_attention` (raises; returns nothing)."""
     k_cache, v_cache = check_paged_caches(OP, k_cache, v_cache, kv_layout)  # "v_cache must be provided" first
     require_ndim(OP, "q", q, 3, Q_LAYOUT)
     require_same_device(OP, "k_cache", k_cache, "q", q)
@@ -98,5 +144,3 @@ def check_paged_attention(
 
     check_fp8_scales(OP, k_cache, k_scale, v_scale)
     check_features(OP, q, block_table.shape[0], features, max_seqlen_q)
-    window_left, features = resolve(window_left, features)
-    return (float(q.shape[2]) ** -0.5 if scale is None else scale), window_left, features
