@@ -59,11 +59,15 @@ def check_paged_attention(
     ``max_seqlen_q < 1`` while q has tokens; ``window_left < -1``; ``softcap < 0``; a ``scale`` or ``softcap``
     that is NaN or infinite; and the features of docs/attention_features.md (:func:`check_features`).
 
-    ``memo=True`` (eager calls on plain tensors only: every tensor argument a ``torch.Tensor``, nothing symbolic)
-    remembers the :func:`signature` of calls that passed and skips the checks for the next call with the same one:
-    they read nothing else, so the outcome is the same; a failing call is never remembered (it raises each time).
+    ``memo=True`` (eager calls whose tensor arguments are all plain CPU tensors, ``type(t) is torch.Tensor``, nothing
+    symbolic: the caller checked) remembers the :func:`signature` of calls that passed and skips the checks for the
+    next call with the same one: they read nothing else, so the outcome is the same; a failing call is never
+    remembered (it raises each time).
     """
-    if memo:
+    if not memo:
+        _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
+               sinks, k_scale, v_scale, kv_layout, features)
+    else:
         key = signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left,
                         softcap, sinks, k_scale, v_scale, kv_layout, features)
         if key not in _PASSED:
@@ -72,9 +76,6 @@ def check_paged_attention(
             if len(_PASSED) >= MEMO_SIZE:
                 _PASSED.clear()
             _PASSED.add(key)
-    else:
-        _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
-               sinks, k_scale, v_scale, kv_layout, features)
     window_left, features = resolve(window_left, features)
     return (float(q.shape[2]) ** -0.5 if scale is None else scale), window_left, features
 
@@ -84,20 +85,20 @@ _PASSED: set = set()
 
 
 def _meta(t):
-    return None if t is None else (t.shape, t.dtype, t.device)
+    return None if t is None else (t.shape, t.dtype)
 
 
 def signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
               sinks, k_scale, v_scale, kv_layout, features) -> tuple:
-    """What :func:`_check` reads, as a hashable key: every tensor's shape, dtype and device (never its values or
-    strides), and the scalar arguments (``causal`` is not among them: any value is valid). Plain tensors only."""
-    alibi, window_right, leftpad, sink_tokens, rope_theta, rope_scale, custom, packed = features
-    return (q.shape, q.dtype, q.device, k_cache.shape, k_cache.dtype, k_cache.device, _meta(v_cache),
-            cu_seqlens_q.shape, cu_seqlens_q.dtype, cu_seqlens_q.device, seq_lens.shape, seq_lens.dtype,
-            seq_lens.device, block_table.shape, block_table.dtype, block_table.device, max_seqlen_q, scale,
-            window_left, softcap, kv_layout, _meta(sinks), _meta(k_scale), _meta(v_scale),
-            None if features is NO_FEATURES else (_meta(alibi), window_right, _meta(leftpad), sink_tokens, rope_theta,
-                                                  rope_scale, _meta(custom), _meta(packed)))
+    """What :func:`_check` reads of CPU tensors, as a hashable key: every tensor's shape and dtype (its device is the
+    CPU; never its values or strides), and the scalar arguments (``causal`` is not among them: any value is valid)."""
+    return (q.shape, q.dtype, k_cache.shape, k_cache.dtype, _meta(v_cache), cu_seqlens_q.shape, cu_seqlens_q.dtype,
+            seq_lens.shape, seq_lens.dtype, block_table.shape, block_table.dtype, max_seqlen_q, scale, window_left,
+            softcap, kv_layout, _meta(sinks), _meta(k_scale), _meta(v_scale),
+            None if features is NO_FEATURES else (_meta(features.alibi_slopes), features.window_right,
+                                                  _meta(features.cache_leftpad), features.sink_tokens,
+                                                  features.rope_theta, features.rope_scale,
+                                                  _meta(features.custom_mask), _meta(features.packed_custom_mask)))
 
 
 def _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,

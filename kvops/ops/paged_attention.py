@@ -99,15 +99,24 @@ def _direct(tensors) -> bool:
     results, fewer layers per call): plain CPU tensors, the native kernel, nothing tracing, no dispatch or
     function mode, functorch transform or profiler active (a profile shows ``kvops::paged_attention``), and no
     autograd to record (the op has no derivative, and the dispatcher is what reports that)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch.autograd._profiler_enabled() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
+    if (_is_compiling() or _dispatch_modes() > 0 or _profiling() or _function_modes()
+            or _functorch_transform() is not None):
         return False
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or not t.is_cpu or (grad and t.requires_grad)):
+        if t is not None and (type(t) is not _Tensor or not t.is_cpu or (grad and t.requires_grad)):
             return False
     return native.available()  # (real tensors outside tracing: no AOTInductor compilation is running)
+
+
+# what _direct asks on every eager call, looked up once
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_profiling = torch.autograd._profiler_enabled
+_function_modes = torch._C._is_torch_function_mode_enabled
+_functorch_transform = torch._C._functorch.peek_interpreter_stack
+_grad_enabled = torch.is_grad_enabled
 
 
 def paged_attention(
