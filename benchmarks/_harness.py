@@ -17,10 +17,12 @@ A figure whose interquartile range is wider than 20% of its median is *noisy*, m
 machine before believing it.
 
 **Output.** A host line first (CPU model; ISA: AVX2, AVX-512, AVX-512 with AMX or NEON, from ``/proc/cpuinfo`` and
-``torch.backends.cpu.get_cpu_capability()``; threads; torch version; load average), then tables whose rows fit in
-120 columns (a last free-text column wraps), then a **verdict block**: host, ISA, threads, which targets hold (per
-target, how many of its cases), the largest miss and what it means for a user. ``--json PATH`` writes the same
-content for tools (``--json`` or ``--json -``: to stdout, as its only content: everything else then goes to stderr)::
+``torch.backends.cpu.get_cpu_capability()``; in a child process started by ``emulate_avx2``, "AVX2 emulated on an
+AVX-512 host" and the variables that select the AVX2 code; threads; torch version; load average), then tables
+whose rows fit in 120 columns (a last free-text column wraps), then a **verdict block**: host, ISA, threads, which
+targets hold (per target, how many of its cases), the largest miss and what it means for a user. ``--json PATH``
+writes the same content for tools (``--json`` or ``--json -``: to stdout, as its only content: everything else then
+goes to stderr)::
 
     {"benchmark": str, "argv": [str], "host": {...}, "spread": str, "notes": [str],
      "tables": [{"title": str, "columns": [str], "rows": [{column: value, ...}]}],
@@ -39,6 +41,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -209,6 +212,35 @@ def isa_name(flags: set, machine: str = "") -> str:
     return "no AVX2/AVX-512/NEON"
 
 
+# Set in a child process before torch is imported, these make torch's own kernels (ATen's CPU dispatch), oneDNN, MKL
+# and kvops' native build (KVOPS_NATIVE_ISA, kvops/native) run their AVX2 code on an AVX-512 host.
+AVX2_EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                  "KVOPS_NATIVE_ISA": "x86-64-v3"}
+EMULATED = "KVOPS_BENCH_EMULATED_ISA"  # set in that child: its host line says the ISA is emulated
+
+
+def emulate_avx2(script: str, argv: list) -> int:
+    """Run ``script argv`` again in a child process with ``AVX2_EMULATION`` in its environment (so before its torch
+    import) and return its exit status. SystemExit (naming the ISA) on a host without AVX-512: nothing to emulate."""
+    model, flags = _cpuinfo()
+    if "avx512f" not in flags:
+        raise SystemExit(f"--emulate-avx2: this host ({model}) has ISA {isa_name(flags, platform.machine())}, not "
+                         "AVX-512, so there is nothing to emulate: run without --emulate-avx2")
+    env = {**os.environ, **AVX2_EMULATION, EMULATED: "AVX2"}
+    return subprocess.run([sys.executable, script, *argv], env=env).returncode
+
+
+def isa_text(info: dict, variables: bool = True) -> str:
+    """``ISA <name> (torch: <capability>)``, or, in an ``emulate_avx2`` child, that AVX2 is emulated on this AVX-512
+    host (``variables``: and the environment variables that select it)."""
+    if info.get("emulated"):
+        env = "; " + ", ".join(f"{k}={v}" for k, v in AVX2_EMULATION.items()) if variables else ""
+        return (f"ISA {info['emulated']} emulated on an AVX-512 host ({info['isa']}; torch: "
+                f"{info['torch_cpu_capability']}{env}): not a real {info['emulated']} host, its caches, memory and "
+                "clocks are this one's")
+    return f"ISA {info['isa']} (torch: {info['torch_cpu_capability']})"
+
+
 def host(threads=None, device: str = "cpu") -> dict:
     """What the figures depend on: CPU model, ISA, torch's CPU capability, threads, torch version, load, GPU."""
     import torch  # here: the benchmark has parsed its arguments
@@ -222,6 +254,8 @@ def host(threads=None, device: str = "cpu") -> dict:
             "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
+    if os.environ.get(EMULATED):
+        info["emulated"] = os.environ[EMULATED]
     return info
 
 
@@ -232,8 +266,7 @@ def host_line(info: dict) -> str:
     threads = f"{t} thread{'' if t == 1 else 's'} of {info['cores']} cores"
     load = f"; load {info['load_1min']:.1f}" if info.get("load_1min") is not None else ""
     gpu = f"; GPU {info['gpu']}" if info.get("gpu") else ""
-    return (f"host: {info['cpu']}; ISA {info['isa']} (torch: {info['torch_cpu_capability']}); {threads}; "
-            f"torch {info['torch']}{load}{gpu}")
+    return f"host: {info['cpu']}; {isa_text(info)}; {threads}; torch {info['torch']}{load}{gpu}"
 
 
 # --- tables and the report --------------------------------------------------------------------------------------------
@@ -406,8 +439,9 @@ class Report:
         h = self.host or {}
         threads = h.get("threads")
         threads = ", ".join(map(str, threads)) if isinstance(threads, list) else threads
-        lines = [f"host: {h.get('cpu', '?')}; ISA {h.get('isa', '?')} (torch: {h.get('torch_cpu_capability', '?')});"
-                 f" threads {threads}; torch {h.get('torch', '?')}" + (f"; GPU {h['gpu']}" if h.get("gpu") else "")]
+        isa = isa_text({"isa": "?", "torch_cpu_capability": "?", **h}, variables=False)
+        lines = [f"host: {h.get('cpu', '?')}; {isa}; threads {threads}; torch {h.get('torch', '?')}"
+                 + (f"; GPU {h['gpu']}" if h.get("gpu") else "")]
         if not self.targets:
             lines.append("targets: none (this benchmark reports costs and sets no target)")
         else:

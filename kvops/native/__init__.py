@@ -15,6 +15,16 @@ builds ahead of time. It is not built at install time: the binary is specific to
 and to the torch it was compiled against, and a wheel or an install outlives both (torch upgrades, images moved
 between machines).
 
+Build variants (``kvops/native/_variants.py``): ``KVOPS_NATIVE_ISA=native`` (the default, ``-march=native``) or
+``x86-64-v3`` (``-march=x86-64-v3``: AVX2 + FMA, no AVX-512, on any x86-64 CPU that has them), read when the build is
+first needed. The kernels have AVX-512 and AVX2 code paths (``#if`` in ``vec.h``, ``paged_attention.cpp``); on an
+AVX-512 machine the ``x86-64-v3`` build compiles and runs the AVX2 ones (tests/paged/test_native_isa.py runs the
+kernels' tests against both). Each variant has its own cached build (its flags are in the name's hash). Another value,
+or ``x86-64-v3`` on a machine that cannot run it, raises a ``ValueError`` at that first build (a user error, not a
+build failure). ``isa()`` says which variant this process loaded, ``isa_macros()`` which ISA macros
+(``__AVX512F__``, ``__AVX2__``, ``__FMA__``) the compiler defined in it; ``python -m kvops.native --isa x86-64-v3``
+builds a variant ahead of time.
+
 The schema of ``kvops::_paged_attention_native`` is defined at import (``kvops/_library.py``), not by the build, with
 the composite kernel as its ``CompositeExplicitAutograd`` fallback (registered here): a graph that calls it (an Inductor graph reloaded from the
 on-disk FX graph cache, any program traced below ``kvops::paged_attention``) runs in any process that imports
@@ -48,6 +58,7 @@ import warnings
 import torch
 
 from .. import _library
+from . import _variants
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
 SOURCES = [
@@ -56,10 +67,11 @@ SOURCES = [
     SOURCE.with_name("paged_write.cpp"),  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
 ]
 HEADERS = [SOURCE.with_name("vec.h")]  # included by the sources: part of the build hash
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # and the variant's -march flag: cflags()
 OP_NAME = "kvops::_paged_attention_native"
 
 _state: bool | None = None  # None: not tried yet in this process
+_isa: str | None = None  # the build variant loaded in this process: isa()
 _native_in_aoti = False  # native_in_aoti_packages()
 
 # The one-time build notice goes to this logger at WARNING, so Python's default handling prints it to stderr without
@@ -81,15 +93,24 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_name() -> str:
+def cflags(variant: str) -> list[str]:
+    """The compiler flags of a build variant (``native``, ``x86-64-v3``: ``kvops/native/_variants.py``)."""
+    return [*_variants.VARIANTS[variant], *CFLAGS]
+
+
+def build_name(variant: str | None = None) -> str:
     """Extension name: ``kvops_native_<hash of source, its folder, flags, CPU flags, torch version and folder>``.
+
+    ``variant``: the build variant whose flags are hashed (default: the one ``KVOPS_NATIVE_ISA`` selects), so each
+    variant has its own build.
 
     The folders are part of the hash because the build's ``build.ninja`` records absolute paths: two checkouts with
     the same sources, or two virtual environments with the same torch version (installed in two places), sharing one
     build folder would rebuild each other's binary, without notice (about 2 minutes), on every switch."""
     h = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
     torch_dir = str(pathlib.Path(torch.__file__).parent.resolve())
-    for part in (*CFLAGS, _cpu_flags(), torch.__version__, torch_dir, str(SOURCE.parent.resolve())):
+    flags = cflags(variant or _variants.selected(_cpu_flags()))
+    for part in (*flags, _cpu_flags(), torch.__version__, torch_dir, str(SOURCE.parent.resolve())):
         h.update(part.encode())
     return f"kvops_native_{h.hexdigest()[:16]}"
 
@@ -146,35 +167,39 @@ def _build(load=None) -> bool:
     A build that is not cached yet is announced once on the ``kvops.native`` logger (what it is, how long it takes,
     where it goes) and its duration reported when it ends: the first CPU paged attention otherwise blocks silently.
     """
+    global _isa
     if os.environ.get("KVOPS_NATIVE", "1") == "0":
         return False
+    variant = _variants.selected(_cpu_flags())  # a bad KVOPS_NATIVE_ISA raises: a user error, not a build failure
     try:
         if load is None:
             from torch.utils.cpp_extension import load
-        name = build_name()
+        name = build_name(variant)
         build_dir = build_directory(name)
         with _owner_lock(build_dir) as owner:  # one kvops build at a time; the kernel releases a dead owner's lock
             fresh = not (build_dir / f"{name}.so").exists()
             if fresh:
                 log.warning(
-                    "kvops: compiling the native CPU kernels (kvops/native/*.cpp) on first use, once per machine and "
-                    "torch version: %s. The build is cached in %s (set TORCH_EXTENSIONS_DIR to move it); "
+                    "kvops: compiling the native CPU kernels (kvops/native/*.cpp, %s) on first use, once per machine "
+                    "and torch version: %s. The build is cached in %s (set TORCH_EXTENSIONS_DIR to move it); "
                     "`python -m kvops.native` builds it ahead of time, KVOPS_NATIVE=0 skips it (slower composite "
-                    "kernels).", BUILD_SECONDS, build_dir,
+                    "kernels).", " ".join(_variants.VARIANTS[variant]), BUILD_SECONDS, build_dir,
                 )
             if owner:
                 _take_over_stale_baton(build_dir)
             t0 = time.perf_counter()
-            load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
+            load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=cflags(variant),
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if fresh:
             log.warning("kvops: native CPU kernels built in %.0f s", time.perf_counter() - t0)
         if not _has_cpu_kernel():
             raise RuntimeError(f"the built library does not register the CPU kernel of {OP_NAME}")
+        _isa = variant
     except Exception as e:  # any build/load failure: fall back, never crash
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         warnings.warn(
-            f"kvops: the native CPU paged-attention kernel could not be built ({type(e).__name__}: {first}); "
+            f"kvops: the native CPU paged-attention kernel could not be built ({type(e).__name__}: {first}"
+            f"{'' if variant == _variants.DEFAULT else f'; {_variants.ENV}={variant}'}); "
             "kvops.paged_attention on CPU uses the slower composite torch kernel (same results). A C++ compiler "
             "(g++/clang++, as torch.compile on CPU needs) makes it available; KVOPS_NATIVE=0 silences this.",
             RuntimeWarning, stacklevel=3,
@@ -242,6 +267,26 @@ def available() -> bool:
     if _state is None:
         _state = _build()
     return _state
+
+
+def isa() -> str | None:
+    """The build variant loaded in this process (``"native"`` or ``"x86-64-v3"``, from ``KVOPS_NATIVE_ISA``), or None
+    while none is (before the first ``available()``, after a failed build, with ``KVOPS_NATIVE=0``)."""
+    return _isa
+
+
+def isa_macros(variant: str | None = None) -> dict[str, bool]:
+    """The compiler's view of a build variant's instruction set (default: the loaded one): whether ``__AVX512F__``,
+    ``__AVX2__`` and ``__FMA__`` are defined under its flags, i.e. which ``#if`` branches of the kernels it compiled.
+    Runs the C++ compiler's preprocessor once per variant. ValueError when no variant is given and none is loaded."""
+    if variant is None and _isa is None:
+        raise ValueError("isa_macros(): no native build is loaded in this process (kvops.native.available() is "
+                         f"False or was not called yet); pass a variant, one of {list(_variants.VARIANTS)}")
+    variant = variant or _isa
+    if variant not in _variants.VARIANTS:
+        raise ValueError(f"isa_macros(): variant={variant!r} is not a build variant; pass one of "
+                         f"{list(_variants.VARIANTS)}")
+    return _variants.macros(tuple(cflags(variant)))
 
 
 def use_native() -> bool:

@@ -1,16 +1,31 @@
-"""``python -m kvops.native``: build (or load the cached build of) the native CPU kernels now, e.g. in a Docker image
-build step, so that the first CPU ``kvops.paged_attention`` of a program does not wait for the compiler."""
+"""``python -m kvops.native [--isa native|x86-64-v3]``: build (or load the cached build of) the native CPU kernels now,
+e.g. in a Docker image build step, so that the first CPU ``kvops.paged_attention`` of a program does not wait for the
+compiler. ``--isa`` builds that variant (as ``KVOPS_NATIVE_ISA`` does, which it overrides; kvops/native/_variants.py)."""
 
+import argparse
+import os
 import sys
 
-from . import available, build_directory
+from . import _variants, available, build_directory, isa, isa_macros
 
 
-def main() -> int:
-    if not available():
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvops.native", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--isa", choices=list(_variants.VARIANTS),
+                        help=f"the build variant (default: ${_variants.ENV}, else native)")
+    args = parser.parse_args(argv)
+    if args.isa:
+        os.environ[_variants.ENV] = args.isa
+    try:
+        ok = available()
+    except ValueError as e:  # a bad KVOPS_NATIVE_ISA, or x86-64-v3 on a machine that cannot run it
+        print(f"kvops: {e}", file=sys.stderr)
+        return 2
+    if not ok:
         print("kvops: the native CPU kernels are not available (see the warning above); the composite kernels run.")
         return 1
-    print(f"kvops: native CPU kernels ready in {build_directory()}")
+    macros = ", ".join(f"{m} {'defined' if on else 'undefined'}" for m, on in isa_macros().items())
+    print(f"kvops: native CPU kernels ready in {build_directory()} ({isa()}: {macros})")
     return 0
 
 

@@ -162,6 +162,52 @@ class TestJsonOutput(unittest.TestCase):
                          [("paged_cache_write", 16), ("paged_attention", 16)])
         self.assertIn(f"json: {path}", proc.stdout)
 
+    def test_paged_decode_bounds_threads_packed_and_verdict(self):
+        """paged_decode.py at tiny sizes: the header names the native build; a bf16 decode row at context 4096 has its
+        bandwidth sub-line (fraction of the copy, bytes and FMA bounds); the two-thread section (wall clock, 1 and 2
+        threads) and the packed-vs-dense table are printed; the verdict has one ok/MISS line per target."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = pathlib.Path(tmp) / "paged_decode.json"
+            proc = run_quick("paged_decode.py", "--threads", "1", "2", "--batches", "1", "--contexts", "4096",
+                             "--rounds", "1", "--dtypes", "bfloat16", "--geometries", "qwen2.5-0.5b", "--modes",
+                             "eager", "--peers", "--no-prefill", "--packed-contexts", "64", "--out", tmp, "--json",
+                             str(path))
+            doc = json.loads(path.read_text())
+            self.assertTrue((pathlib.Path(tmp) / "paged_decode_quick.txt").exists())
+        self.check_document(doc, "paged_decode", proc.stdout)
+        self.assertIn("kvops native build", " ".join(proc.stdout.split()[:80]))
+        self.assertRegex(doc["host"]["kvops_native_build"], r"^(native|x86-64-v3) \(code for .*\)$")
+        for threads in ("1", "2"):
+            figures = doc["extra"]["host_figures"][threads]
+            self.assertGreater(figures["copy_gbs"], 0)
+            self.assertGreater(figures["gflops"], 0)
+        decode = [row for table in doc["tables"] for row in table["rows"] if row.get("kind") == "decode"]
+        self.assertEqual([row["threads"] for row in decode], [1, 2])
+        for row in decode:  # the sub-line at every thread count, the target at 1 thread only
+            self.assertIn(row["larger_bound"], {"bytes", "FMAs"})
+            self.assertIn("of the copy's", row["note"])
+            self.assertIn("bound is the larger", row["note"])
+        self.assertEqual(decode[0]["bandwidth_fraction"]["rounds"], 1)
+        names = [t["target"] for t in doc["targets"]]
+        bandwidth = [n for n in names if "copy's read+write GB/s" in n]
+        speedup = [n for n in names if "2 threads >= 1.7x" in n]
+        self.assertEqual((len(bandwidth), len(speedup), len(names)), (1, 1, 2))  # no prefill; B=1 ctx=4096: no ratio
+        titles = [t["title"] for t in doc["tables"]]
+        (threads_table,) = [t for t in doc["tables"] if t["title"].startswith("two threads vs one")]
+        self.assertIn("WALL clock at both", threads_table["title"])
+        self.assertEqual([r["case"] for r in threads_table["rows"]], ["qwen2.5-0.5b bfloat16 B=8 ctx=4096"])
+        (packed,) = [t for t in doc["tables"] if t["title"].startswith("packed (quantized) vs dense")]
+        (row,) = packed["rows"]
+        self.assertEqual((row["batch"], row["context"]), (8, 64))
+        self.assertLess(row["int4 bytes"], row["int8 bytes"])
+        self.assertLess(row["int8 bytes"], 0.6)
+        self.assertEqual(row["int8/dense"]["rounds"], 1)
+        self.assertEqual(len(titles), 4)  # 2 thread counts x 1 geometry x 1 dtype, the two sections
+        for name in set(names):
+            (line,) = [line for line in doc["verdict"]["lines"] if f" {name}: " in line]
+            self.assertRegex(line, r"^  (ok  |MISS) ")
+            self.assertIn("worst ", line)
+
 
 def load_harness():
     from tests.example_loader import load_module
@@ -227,6 +273,34 @@ class TestHarness(unittest.TestCase):
         self.assertEqual(lines[4], "largest miss: b (decode <= 1.2): 1.50 [1.45-1.55] against <= 1.2, 25% over")
         self.assertEqual(lines[5], "  meaning: b is 1.50x (25%)")
         self.assertEqual(doc["tables"][0]["rows"][0]["ratio"], {"median": 1.1, "p25": 1.05, "p75": 1.15, "rounds": 3})
+
+    def test_emulate_avx2_sets_the_variables_in_a_child(self):
+        names = [*self.h.AVX2_EMULATION, self.h.EMULATED]
+        script = ("import json, os, sys\n"
+                  f"open(sys.argv[1], 'w').write(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))\n")
+        real = self.h._cpuinfo
+        with tempfile.TemporaryDirectory() as tmp:
+            child, seen = pathlib.Path(tmp) / "child.py", pathlib.Path(tmp) / "env.json"
+            child.write_text(script)
+            try:
+                self.h._cpuinfo = lambda: ("an AVX2 CPU", {"avx2", "fma"})
+                with self.assertRaisesRegex(SystemExit, "ISA AVX2, not AVX-512, so there is nothing to emulate"):
+                    self.h.emulate_avx2(str(child), [str(seen)])
+                self.assertFalse(seen.exists())
+                self.h._cpuinfo = lambda: ("an AVX-512 CPU", {"avx2", "avx512f"})
+                self.assertEqual(self.h.emulate_avx2(str(child), [str(seen)]), 0)
+            finally:
+                self.h._cpuinfo = real
+            env = json.loads(seen.read_text())
+        self.assertEqual(env, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                               "MKL_ENABLE_INSTRUCTIONS": "AVX2", "KVOPS_NATIVE_ISA": "x86-64-v3",
+                               self.h.EMULATED: "AVX2"})
+        info = {"cpu": "c", "isa": "AVX-512 with AMX", "torch_cpu_capability": "AVX2", "threads": 1, "cores": 2,
+                "torch": "2.13", "emulated": "AVX2"}
+        line = self.h.host_line(info)
+        self.assertIn("ISA AVX2 emulated on an AVX-512 host (AVX-512 with AMX; torch: AVX2; ATEN_CPU_CAPABILITY=avx2",
+                      line)
+        self.assertIn("not a real AVX2 host", line)
 
     def test_tables_refuse_columns_wider_than_120(self):
         report = self.h.Report("made_up", None, argv=[])
