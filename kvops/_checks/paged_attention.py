@@ -41,6 +41,8 @@ def check_paged_attention(
     v_scale: torch.Tensor | None,
     kv_layout: str = "NHD",
     features: AttnFeatures = NO_FEATURES,
+    *,
+    memo: bool = False,
 ) -> tuple[float, int, AttnFeatures]:
     """Validate a paged attention call; returns what the kernels take: the softmax scale (``D ** -0.5`` when
     ``scale`` is None), ``window_left`` and the :class:`~kvops._checks.features.AttnFeatures`, with windows and sink
@@ -56,7 +58,52 @@ def check_paged_attention(
     an fp8 cache without ``k_scale``/``v_scale``, scales with a non-fp8 cache, scales not fp32 ``[1]``/``[H_kv]``;
     ``max_seqlen_q < 1`` while q has tokens; ``window_left < -1``; ``softcap < 0``; a ``scale`` or ``softcap``
     that is NaN or infinite; and the features of docs/attention_features.md (:func:`check_features`).
+
+    ``memo=True`` (eager calls whose tensor arguments are all plain CPU tensors, ``type(t) is torch.Tensor``, nothing
+    symbolic: the caller checked) remembers the :func:`signature` of calls that passed and skips the checks for the
+    next call with the same one: they read nothing else, so the outcome is the same; a failing call is never
+    remembered (it raises each time).
     """
+    if not memo:
+        _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
+               sinks, k_scale, v_scale, kv_layout, features)
+    else:
+        key = signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left,
+                        softcap, sinks, k_scale, v_scale, kv_layout, features)
+        if key not in _PASSED:
+            _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
+                   sinks, k_scale, v_scale, kv_layout, features)
+            if len(_PASSED) >= MEMO_SIZE:
+                _PASSED.clear()
+            _PASSED.add(key)
+    window_left, features = resolve(window_left, features)
+    return (float(q.shape[2]) ** -0.5 if scale is None else scale), window_left, features
+
+
+MEMO_SIZE = 256  # signatures remembered (a serving loop has a handful: one per batch shape); then forgotten at once
+_PASSED: set = set()
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.dtype)
+
+
+def signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
+              sinks, k_scale, v_scale, kv_layout, features) -> tuple:
+    """What :func:`_check` reads of CPU tensors, as a hashable key: every tensor's shape and dtype (its device is the
+    CPU; never its values or strides), and the scalar arguments (``causal`` is not among them: any value is valid)."""
+    return (q.shape, q.dtype, k_cache.shape, k_cache.dtype, _meta(v_cache), cu_seqlens_q.shape, cu_seqlens_q.dtype,
+            seq_lens.shape, seq_lens.dtype, block_table.shape, block_table.dtype, max_seqlen_q, scale, window_left,
+            softcap, kv_layout, _meta(sinks), _meta(k_scale), _meta(v_scale),
+            None if features is NO_FEATURES else (_meta(features.alibi_slopes), features.window_right,
+                                                  _meta(features.cache_leftpad), features.sink_tokens,
+                                                  features.rope_theta, features.rope_scale,
+                                                  _meta(features.custom_mask), _meta(features.packed_custom_mask)))
+
+
+def _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
+           sinks, k_scale, v_scale, kv_layout, features) -> None:
+    """The checks of :func:`check_paged_attention` (raises; returns nothing)."""
     k_cache, v_cache = check_paged_caches(OP, k_cache, v_cache, kv_layout)  # "v_cache must be provided" first
     require_ndim(OP, "q", q, 3, Q_LAYOUT)
     require_same_device(OP, "k_cache", k_cache, "q", q)
@@ -98,5 +145,3 @@ def check_paged_attention(
 
     check_fp8_scales(OP, k_cache, k_scale, v_scale)
     check_features(OP, q, block_table.shape[0], features, max_seqlen_q)
-    window_left, features = resolve(window_left, features)
-    return (float(q.shape[2]) ** -0.5 if scale is None else scale), window_left, features

@@ -15,8 +15,9 @@ which the validator resolves and every kernel takes. One function serves every f
   into the graph as ordinary torch ops.
 
 An eager call on plain CPU tensors (nothing tracing, no dispatch/function mode, functorch transform or autograd
-watching: ``_direct``) runs the op's body ``_implementation`` without the dispatcher layers of ``triton_op``: the same
-validator, kernel and results, ~13 us less per call (what decode at B = 1 spends on per-call costs).
+watching: ``_direct``) runs ``_eager_native``: the same validator (remembering the signatures of calls that passed),
+value contracts and native kernel, without the dispatcher layers of ``triton_op``: what decode at B = 1 spends on
+per-call costs (``benchmarks/paged_decode.py``, its B = 1 rows).
 """
 
 from typing import Optional
@@ -72,10 +73,10 @@ def _paged_attention_op(
 
 
 def _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
-                    window_left, softcap, sinks, k_scale, v_scale, kv_layout, features=NO_FEATURES, native_ok=None):
-    """The op's body (validator, then the device's kernel): what ``kvops::paged_attention`` runs, and what an eager
-    CPU call runs directly (``_direct``, which passes ``native_ok=True``: it already knows the native kernel runs).
-    The validator resolves the features into the record every kernel takes."""
+                    window_left, softcap, sinks, k_scale, v_scale, kv_layout, features=NO_FEATURES):
+    """The op's body (validator, then the device's kernel): what ``kvops::paged_attention`` runs (an eager CPU call
+    that ``_direct`` admits runs the same validator and native kernel through ``_eager_native``). The validator
+    resolves the features into the record every kernel takes."""
     sm_scale, window_left, features = check_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap,
         sinks, k_scale, v_scale, kv_layout, features,
@@ -88,27 +89,34 @@ def _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, ma
             raise RuntimeError("kvops.paged_attention: CUDA tensors need triton; pip install triton.")
         return _triton_paged_attention(*args, features)
     # CPU: the native kernel (an opaque op with a fake rule, so compiled graphs call it too), else the composite
-    if native_ok is None:
-        native_ok = native.use_native()
-    if not native_ok:
+    if not native.use_native():
         return _cpu_paged_attention(*args, features)
     return torch.ops.kvops._paged_attention_native(*args, *features)
 
 
 def _direct(tensors) -> bool:
-    """Whether an eager call may run ``_implementation`` without the dispatcher (the same validator, kernel and
-    results, ~13 us less per call): plain CPU tensors, the native kernel, nothing tracing, no dispatch or
+    """Whether an eager call may run ``_eager_native`` rather than the dispatcher (the same validator, kernel and
+    results, fewer layers per call): plain CPU tensors, the native kernel, nothing tracing, no dispatch or
     function mode, functorch transform or profiler active (a profile shows ``kvops::paged_attention``), and no
     autograd to record (the op has no derivative, and the dispatcher is what reports that)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch.autograd._profiler_enabled() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
+    if (_is_compiling() or _dispatch_modes() > 0 or _profiling() or _function_modes()
+            or _functorch_transform() is not None):
         return False
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or not t.is_cpu or (grad and t.requires_grad)):
+        if t is not None and (type(t) is not _Tensor or not t.is_cpu or (grad and t.requires_grad)):
             return False
     return native.available()  # (real tensors outside tracing: no AOTInductor compilation is running)
+
+
+# what _direct asks on every eager call, looked up once
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_profiling = torch.autograd._profiler_enabled
+_function_modes = torch._C._is_torch_function_mode_enabled
+_functorch_transform = torch._C._functorch.peek_interpreter_stack
+_grad_enabled = torch.is_grad_enabled
 
 
 def paged_attention(
@@ -251,40 +259,86 @@ def paged_attention(
     (memory bounded by the tile). CUDA:
     Triton split-KV decode (``max_seqlen_q == 1``) + merge, otherwise a prefill kernel over KV tiles.
     """
-    bad = int64_error("kvops.paged_attention", {"max_seqlen_q": max_seqlen_q})
-    if bad is not None:  # (torch's schema error gives no fix)
-        raise bad
+    if type(max_seqlen_q) is not int or not -_INT62 < max_seqlen_q < _INT62:  # (the common case skips the lookup)
+        bad = int64_error("kvops.paged_attention", {"max_seqlen_q": max_seqlen_q})
+        if bad is not None:  # (torch's schema error gives no fix)
+            raise bad
     # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md)
-    window_left, features = resolve(
-        window_left, AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale,
-                                  custom_mask, packed_custom_mask))
-    for _name, _scale in (("k_scale", k_scale), ("v_scale", v_scale)):  # a float: a clear error
-        require_scale_tensor("kvops.paged_attention", _name, _scale, "float32 tensor of shape [1] or [H_kv]")
-    if k_scale is not None and k_scale.dim() == 0:  # vLLM's per-tensor form: a 0-d scale is [1] (a view)
-        k_scale = k_scale.reshape(1)
-    if v_scale is not None and v_scale.dim() == 0:
-        v_scale = v_scale.reshape(1)
+    if (alibi_slopes is None and window_right == -1 and cache_leftpad is None and sink_tokens == 0
+            and rope_theta is None and rope_scale == 1.0 and custom_mask is None and packed_custom_mask is None):
+        window_left, features = resolve(window_left, NO_FEATURES)  # no record built per call
+    else:
+        window_left, features = resolve(
+            window_left, AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale,
+                                      custom_mask, packed_custom_mask))
+    if k_scale is not None or v_scale is not None:
+        for _name, _scale in (("k_scale", k_scale), ("v_scale", v_scale)):  # a float: a clear error
+            require_scale_tensor("kvops.paged_attention", _name, _scale, "float32 tensor of shape [1] or [H_kv]")
+        if k_scale is not None and k_scale.dim() == 0:  # vLLM's per-tensor form: a 0-d scale is [1] (a view)
+            k_scale = k_scale.reshape(1)
+        if v_scale is not None and v_scale.dim() == 0:
+            v_scale = v_scale.reshape(1)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
+    if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,
+                cache_leftpad, custom_mask, packed_custom_mask)):
+        out, lse = _eager_native(args, features)
+        return (out, lse) if return_lse else out
     if ((window_left < -1 or features.window_right < -1 or features.sink_tokens < 0)
             and not torch.compiler.is_compiling()):
         check_paged_attention(*args, features)  # the validator's error, before the value pass (traced: the op's)
     try:  # value contracts, docs/semantics.md §7
-        values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout,
-                                     window_left=window_left, sink_tokens=features.sink_tokens,
-                                     cache_leftpad=cache_leftpad)
-        if alibi_slopes is not None:
-            values.check_alibi_slopes(alibi_slopes)
-        if features.mask() is not None:
-            values.check_custom_mask(custom_mask, packed_custom_mask, cu_seqlens_q)
+        _check_values(args, features)
     except RuntimeError:  # a metadata error (e.g. an HND cache read as NHD) explains the bad values: it goes first
         check_paged_attention(*args, features)
         raise
-    if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,
-                cache_leftpad, custom_mask, packed_custom_mask)):
-        out, lse = _implementation(*args, features, native_ok=True)
-    elif features.used():
+    if features.used():
         out, lse = torch.ops.kvops.paged_attention(*args, *features)
     else:  # the schema's defaults: graphs of calls without features keep their call of before the features
         out, lse = torch.ops.kvops.paged_attention(*args)
     return (out, lse) if return_lse else out
+
+
+_INT62 = 2**62  # |max_seqlen_q| below this fits in int64 without int64_error's look
+
+
+def _check_values(args, features) -> None:
+    """The value contracts of a call (docs/semantics.md §7), in the current mode: the batch metadata's, then the ALiBi
+    slopes', then the custom mask's."""
+    q, k_cache, _, cu_seqlens_q, seq_lens, block_table, max_seqlen_q = args[:7]
+    values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, args[14],
+                                 window_left=args[9], sink_tokens=features.sink_tokens,
+                                 cache_leftpad=features.cache_leftpad)
+    if features.alibi_slopes is not None:
+        values.check_alibi_slopes(features.alibi_slopes)
+    if features.mask() is not None:
+        values.check_custom_mask(features.custom_mask, features.packed_custom_mask, cu_seqlens_q)
+
+
+def _eager_native(args, features):
+    """An eager CPU call on the native kernel (``_direct``): the validator first (remembering what passed:
+    ``memo``), so a metadata error explains bad values as on the dispatched path; then the value contracts; then
+    ``kvops::_paged_attention_native`` itself.
+
+    In the ``"eager"`` mode the native kernel's own check (the contracts it addresses memory with: ``cu_seqlens_q``,
+    ``seq_lens``, the block ids read, whatever the mode; the same messages, word for word) stands in for the separate
+    value pass when that is all there is to check: no ``cache_leftpad``, ALiBi slopes or custom mask (checked before
+    the kernel, in this order), and ``T_q <= max_seqlen_q``, which with a valid ``cu_seqlens_q`` bounds every
+    ``q_len`` (one dispatcher call fewer: decode at B = 1, a single sequence's prefill)."""
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap, \
+        sinks, k_scale, v_scale, kv_layout = args
+    sm_scale, window_left, features = check_paged_attention(*args, features, memo=True)
+    mode = values.get_value_checks()
+    if mode != "off" and (mode != "eager" or q.shape[0] > max_seqlen_q or features.cache_leftpad is not None
+                          or features.alibi_slopes is not None or features.mask() is not None):
+        _check_values(args, features)
+    if kv_layout == "HND":
+        k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernel takes strides
+    if features is NO_FEATURES:  # the schema's defaults: fewer arguments to convert
+        return _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
+                       window_left, softcap, sinks, k_scale, v_scale)
+    return _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
+                   window_left, softcap, sinks, k_scale, v_scale, *features)
+
+
+_NATIVE = torch.ops.kvops._paged_attention_native.default
