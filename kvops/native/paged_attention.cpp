@@ -29,6 +29,8 @@
 #include <immintrin.h>
 #endif
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -412,6 +414,41 @@ inline vf load16(const T* p) {
   }
 }
 
+// Row r's scores s of the 16 positions j0 + c (lane c; positions past c >= n are masked): softcap, ALiBi (slope: the
+// KV head's per-row slopes, or null), the row's visible range [row_lo, row_hi), the custom mask. True when a visible
+// score is NaN (the row is then NaN, as SDPA's). Shared by the register kernel (chunk) and the GEMM one (attend_gemm).
+inline bool mask_scores(const Problem& pb, const Scratch& sc, int r, int64_t j0, int n, vf& s, const float* slope) {
+  vi lane;
+  for (int c = 0; c < L; ++c) lane[c] = c;
+  // a bound as a lane offset from j0, clamped into [-1, L] (int64 positions, int32 lanes)
+  auto rel = [j0](int64_t x) { return static_cast<int32_t>(std::clamp<int64_t>(x - j0, -1, L)); };
+  if (pb.softcap > 0.f) s = vtanh(s * (1.0f / pb.softcap)) * pb.softcap;
+  if (slope) {  // ALiBi: - slope * |pos - j|, after softcap, before masking
+    const int64_t d0 = j0 - sc.row_pos[r];  // lane c is at distance d0 + c
+    vf dist;
+    if (d0 > -(int64_t(1) << 24) && d0 < (int64_t(1) << 24)) {  // exact in int32 and fp32
+      dist = __builtin_convertvector(lane + splati(static_cast<int32_t>(d0)), vf);
+    } else {
+      for (int c = 0; c < L; ++c) dist[c] = static_cast<float>(d0 + c);
+    }
+    s -= slope[r] * vsel(dist < splat(0.f), -dist, dist);
+  }
+  const int64_t rlo = sc.row_lo[r], rhi = sc.row_hi[r];
+  if (!(n == L && rlo <= j0 && j0 + L <= rhi)) {
+    const vi vis = (lane >= splati(rel(rlo))) & (lane < splati(rel(std::min<int64_t>(rhi, j0 + n))));
+    s = vsel(vis, s, splat(NEG_INF));
+  }
+  if (pb.mask && j0 + n > sc.first_new) {  // custom mask: new key c = j - first_new is visible iff its bit is set
+    vi bits;
+    for (int c = 0; c < L; ++c) {
+      const int64_t key = j0 + c - sc.first_new;
+      bits[c] = key < 0 || c >= n || pb.mask_bit(sc.row_mask[r] + key) ? -1 : 0;
+    }
+    s = vsel(bits != splati(0), s, splat(NEG_INF));
+  }
+  return any_nan(s);
+}
+
 // One chunk of n <= 16 tokens whose K/V rows are kp[t], vp[t] (unit stride, dp / dvp elements readable, tokens
 // t >= n point at zeros): scores, online softmax, accumulation. Rows go RB at a time (RB = min(rows_pad, 8)).
 template <typename T, int RB>
@@ -460,38 +497,10 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     }
   }
   // online softmax per row (softcap before masking); lane c is position j0 + c
-  vi lane;
-  for (int c = 0; c < L; ++c) lane[c] = c;
-  // a bound as a lane offset from j0, clamped into [-1, L] (int64 positions, int32 lanes)
-  auto rel = [j0](int64_t x) { return static_cast<int32_t>(std::clamp<int64_t>(x - j0, -1, L)); };
   for (int r = 0; r < rows; ++r) {
     vf s = loadu(S + r * L);
-    if (pb.softcap > 0.f) s = vtanh(s * (1.0f / pb.softcap)) * pb.softcap;
-    if (slope) {  // ALiBi: - slope * |pos - j|, after softcap, before masking
-      const int64_t d0 = j0 - sc.row_pos[r];  // lane c is at distance d0 + c
-      vf dist;
-      if (d0 > -(int64_t(1) << 24) && d0 < (int64_t(1) << 24)) {  // exact in int32 and fp32
-        dist = __builtin_convertvector(lane + splati(static_cast<int32_t>(d0)), vf);
-      } else {
-        for (int c = 0; c < L; ++c) dist[c] = static_cast<float>(d0 + c);
-      }
-      s -= slope[r] * vsel(dist < splat(0.f), -dist, dist);
-    }
-    const int64_t rlo = sc.row_lo[r], rhi = sc.row_hi[r];
-    if (!(n == L && rlo <= j0 && j0 + L <= rhi)) {
-      const vi vis = (lane >= splati(rel(rlo))) & (lane < splati(rel(std::min<int64_t>(rhi, j0 + n))));
-      s = vsel(vis, s, splat(NEG_INF));
-    }
-    if (pb.mask && j0 + n > sc.first_new) {  // custom mask: new key c = j - first_new is visible iff its bit is set
-      vi bits;
-      for (int c = 0; c < L; ++c) {
-        const int64_t key = j0 + c - sc.first_new;
-        bits[c] = key < 0 || c >= n || pb.mask_bit(sc.row_mask[r] + key) ? -1 : 0;
-      }
-      s = vsel(bits != splati(0), s, splat(NEG_INF));
-    }
-    if (any_nan(s)) {  // a visible key's NaN score (NaN in q or K, a NaN slope): the row is NaN, as SDPA's (its
-      lv[r] = splat(std::numeric_limits<float>::quiet_NaN());  // l stays NaN: finalize writes NaN, never 0 / -inf)
+    if (mask_scores(pb, sc, r, j0, n, s, slope)) {  // a visible key's NaN score (NaN in q or K, a NaN slope): the row
+      lv[r] = splat(std::numeric_limits<float>::quiet_NaN());  // is NaN, as SDPA's (l stays NaN: finalize writes NaN)
       alpha[r] = 1.f;
       storeu(P + r * L, splat(0.f));
       continue;
@@ -655,6 +664,8 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
     for (int r = 0; r < rows; ++r) state[h * head_size + rows_pad + r] = hsum(sc.lv[h * rows_pad + r]);
 }
 
+#include "attend_gemm.h"  // attend_gemm: the GEMM form of attend for items with many rows
+
 // out / lse of KV head h's rows from (m, l, acc); sinks join the denominator here.
 template <typename TQ>
 void finalize(const Problem& pb, const Item& it, int h, int rows, int rows_pad, const float* state) {
@@ -693,6 +704,7 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
   const int64_t grain = kv_rows < TINY_KV_ROWS ? static_cast<int64_t>(work.size()) : 1;
   at::parallel_for(0, static_cast<int64_t>(work.size()), grain, [&](int64_t begin, int64_t end) {
     static thread_local Scratch sc;  // reused across calls: no allocation once warm
+    static thread_local GemmScratch gs;
     static thread_local std::vector<float> own;
     sc.size(max_rows_pad, pb);
     own.resize(part_size);
@@ -708,27 +720,31 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
       std::fill(sc.p.begin(), sc.p.end(), 0.f);
       std::fill(sc.alpha.begin(), sc.alpha.end(), 1.f);
       const int64_t start = pb.seq_start(it.b);
+      // KV positions [a, b) into the state: the GEMM path for many rows, the register kernel for a few
+      auto pass = [&](int64_t a, int64_t b) {
+        if (rows >= GEMM_MIN_ROWS) {
+          if (low_precision_gemm<TQ, TK>(pb))
+            return attend_gemm<TQ, TK, std::conditional_t<std::is_same_v<TQ, TK>, TK, float>>(
+                pb, it, a, b, rows, rows_pad, sc, gs, state, head_size);
+          return attend_gemm<TQ, TK, float>(pb, it, a, b, rows, rows_pad, sc, gs, state, head_size);
+        }
+        switch (rows_pad) {
+          case 1: return attend<TK, 1>(pb, it, a, b, rows, rows_pad, sc, state, head_size);
+          case 2: return attend<TK, 2>(pb, it, a, b, rows, rows_pad, sc, state, head_size);
+          case 3: return attend<TK, 3>(pb, it, a, b, rows, rows_pad, sc, state, head_size);
+          case 4: return attend<TK, 4>(pb, it, a, b, rows, rows_pad, sc, state, head_size);
+          default: return attend<TK, 8>(pb, it, a, b, rows, rows_pad, sc, state, head_size);
+        }
+      };
       if (part == 0 && it.sink_hi > start) {  // streaming: the sink rows first, with their own q and masks
         load_queries<TQ>(pb, it, rows_pad, sc, true);
-        switch (rows_pad) {
-          case 1: attend<TK, 1>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
-          case 2: attend<TK, 2>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
-          case 3: attend<TK, 3>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
-          case 4: attend<TK, 4>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size); break;
-          default: attend<TK, 8>(pb, it, start, it.sink_hi, rows, rows_pad, sc, state, head_size);
-        }
+        pass(start, it.sink_hi);
       }
       load_queries<TQ>(pb, it, rows_pad, sc);
       const int64_t span = it.hi - it.lo, per = (span + it.parts - 1) / it.parts;
       const int64_t lo = it.lo + part * per, hi = std::min(it.hi, lo + per);
       if (lo < hi) {
-        switch (rows_pad) {
-          case 1: attend<TK, 1>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
-          case 2: attend<TK, 2>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
-          case 3: attend<TK, 3>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
-          case 4: attend<TK, 4>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size); break;
-          default: attend<TK, 8>(pb, it, lo, hi, rows, rows_pad, sc, state, head_size);
-        }
+        pass(lo, hi);
       }
       if (it.parts == 1)
         for (int h = 0; h < nh; ++h) finalize<TQ>(pb, it, h, rows, rows_pad, state + h * head_size);
@@ -1102,13 +1118,15 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   pb.mask_off = mask_off.data();
   if (pb.mask) pb.window_right = -1;  // the mask decides among the new keys (the validator refuses window_right)
 
-  // items: (sequence, query tile of ~64 rows per KV head), all KV heads in one item
-  const int q_tile = std::max(1, 64 / pb.group);
+  // items: (sequence, query tile of ~64 rows per KV head, or GEMM_ROWS where the sequence has enough queries for the
+  // GEMM path), all KV heads in one item
+  const int q_tile_small = std::max(1, 64 / pb.group), q_tile_gemm = std::max(1, GEMM_ROWS / pb.group);
   std::vector<Item> items;
   int max_rows_pad = 1;
   for (int b = 0; b < batch; ++b) {
     const int q_len = pb.cu[b + 1] - pb.cu[b], kv_len = pb.seq_lens[b];
     const int64_t start = pb.seq_start(b), sink_end = start + sink_tokens;
+    const int q_tile = static_cast<int64_t>(q_len) * pb.group >= 2 * GEMM_MIN_ROWS ? q_tile_gemm : q_tile_small;
     for (int q0 = 0; q0 < q_len; q0 += q_tile) {
       const int nq = std::min(q_tile, q_len - q0);
       const int64_t first = static_cast<int64_t>(kv_len) - q_len + q0, last = first + nq - 1;

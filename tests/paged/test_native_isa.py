@@ -37,6 +37,9 @@ ENV = _variants.ENV
 CHILD_TESTS = (
     "tests/paged/test_native_isa.py::TestLoadedVariant",
     "tests/paged/test_native_paged_attention.py",
+    "tests/paged/test_native_gemm_path.py::TestGemmPath::test_tiles_of_a_long_prefill_with_threads",
+    "tests/paged/test_native_gemm_path.py::TestGemmPath::test_fp8_caches_joint_and_padded_layouts_sinks",
+    "tests/paged/test_native_gemm_path.py::TestGemmPath::test_custom_mask_both_forms",
     "tests/paged/test_paged_attention.py::TestPagedAttentionMatrix",
     "tests/paged/test_attention_features.py::TestPagedFeatures",
     "tests/packed/test_packed_attention.py::TestFusedAgainstReference",

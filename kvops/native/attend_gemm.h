@@ -1,0 +1,239 @@
+// The GEMM path of the native paged attention (included by paged_attention.cpp, after chunk(); hashed with the sources
+// by kvops/native/__init__.py): work items with many rows per KV head (chunked prefill: the tile's queries times the
+// GQA group) multiply through PyTorch's CPU micro-kernels, at::native::cpublas::brgemm (oneDNN's brgemm ukernel, per
+// ISA: AVX2, AVX-512, AMX; the kernels torch's CPU flash attention and Inductor's CPP GEMM template call), instead of
+// the register kernel, whose FMA loops are written for a few rows.
+//
+// Per tile of up to GEMM_KV positions (outer) and KV head (inner): the tile's K and V rows are gathered from their
+// blocks into scratch in the layout the micro-kernel reads (read once, in their stored dtype), S = Q K^T, masking /
+// softcap / ALiBi / custom mask are the register kernel's (mask_scores), the online softmax is per row over the whole
+// tile, and acc = acc * alpha + P V, each GEMM in column blocks of GEMM_N. Two forms:
+// * fp32 (TC = float): K / V converted to fp32 as they are gathered (RoPE at read rotates K here), Q is
+//   load_queries' scaled fp32 rows; every host.
+// * the cache dtype (TC = bf16 / fp16, where oneDNN packs it: AMX): Q as given and P in the cache dtype, the scale
+//   applied to S, K / V in the VNNI layout (pairs along the reduction dim), fp32 accumulation: what torch's
+//   scaled_dot_product_attention computes on such hosts. Needs an even head_dim and no RoPE at read.
+#pragma once
+
+constexpr int GEMM_KV = 512;  // KV positions per GEMM tile (a multiple of GEMM_N)
+constexpr int GEMM_N = 64;  // output columns per micro-kernel call (oneDNN's packed-B widths: 16, 32, 48, 64)
+constexpr int GEMM_ROWS = 256;  // rows (queries x GQA group) per prefill work item
+constexpr int GEMM_MIN_ROWS = 32;  // rows per KV head from which an item takes this path
+
+struct GemmScratch {
+  std::vector<float> s;  // S [rows][GEMM_KV] (fp32 form: then P in place)
+  std::vector<char> k, v, q, p;  // K^T, V (micro-kernel layouts), Q [H_kv][rows_pad][d] and P [rows][GEMM_KV] (TC)
+  std::vector<float> rc, rs;  // RoPE: cos / sin [GEMM_KV][d / 2] of the tile's positions
+  void size(int rows_pad, const Problem& pb, size_t tc) {
+    const size_t dv_n = static_cast<size_t>(round_up(pb.d_v, GEMM_N));
+    s.resize(static_cast<size_t>(rows_pad) * GEMM_KV);
+    k.resize(static_cast<size_t>(GEMM_KV) * round_up(pb.d, 2) * tc);
+    v.resize(static_cast<size_t>(GEMM_KV) * dv_n * tc);
+    if (tc != sizeof(float)) {
+      q.resize(static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d * tc);
+      p.resize(static_cast<size_t>(rows_pad) * GEMM_KV * tc);
+    }
+    if (pb.rope_freq) {
+      rc.resize(static_cast<size_t>(GEMM_KV) * (pb.d / 2));
+      rs.resize(static_cast<size_t>(GEMM_KV) * (pb.d / 2));
+    }
+  }
+};
+
+// whether the cache-dtype form runs for this problem (else fp32)
+template <typename TQ, typename TK>
+inline bool low_precision_gemm(const Problem& pb) {
+  if constexpr (std::is_same_v<TQ, TK> && (std::is_same_v<TK, c10::BFloat16> || std::is_same_v<TK, c10::Half>)) {
+    static const bool packs = at::native::cpublas::could_pack(c10::CppTypeToScalarType<TK>::value);
+    return packs && pb.d % 2 == 0 && !pb.rope_freq;
+  }
+  return false;
+}
+
+// element (r, c) of a VNNI block: pairs along the reduction dim r, `width` columns: [r / 2][width][2]
+inline size_t vnni(int r, int c, int width) { return (static_cast<size_t>(r >> 1) * width + c) * 2 + (r & 1); }
+
+// attend()'s contract: rows [0, rows) of every KV head over KV positions [lo, hi) of item `it`, state m / l / acc per
+// KV head updated in place. TC: float (fp32 form) or TK (cache-dtype form, low_precision_gemm).
+template <typename TQ, typename TK, typename TC>
+void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows, int rows_pad, Scratch& sc,
+                 GemmScratch& gs, float* state, int64_t head_size) {
+  constexpr bool low = !std::is_same_v<TC, float>;
+  RECORD_FUNCTION(low ? "kvops::paged_attention::gemm_path(cache dtype)" : "kvops::paged_attention::gemm_path(fp32)",
+                  c10::ArrayRef<const c10::IValue>{});  // (torch.profiler shows which items took this path)
+  const TK* kc = static_cast<const TK*>(pb.k);
+  const TK* vc = static_cast<const TK*>(pb.v);
+  const int32_t* table = pb.table + it.b * pb.table_stride;
+  const int d = pb.d, dv = pb.d_v, dvp = pb.dv_pad, nh = pb.num_kv_heads, half = d / 2;
+  const int dv_n = round_up(dv, GEMM_N);
+  gs.size(rows_pad, pb, sizeof(TC));
+  float* S = gs.s.data();
+  TC* K = reinterpret_cast<TC*>(gs.k.data());
+  TC* V = reinterpret_cast<TC*>(gs.v.data());
+  TC* P = low ? reinterpret_cast<TC*>(gs.p.data()) : reinterpret_cast<TC*>(S);
+  // Q rows r = i * G + g of KV head h: load_queries' scaled fp32 rows, or the queries as given (scale goes onto S)
+  const TC* Q = reinterpret_cast<const TC*>(sc.qf.data());
+  int64_t ld_q = pb.d_pad;
+  if constexpr (low) {
+    TC* q = reinterpret_cast<TC*>(gs.q.data());
+    const TQ* src = static_cast<const TQ*>(pb.q);
+    const int64_t t0 = pb.cu[it.b] + it.q0;
+    for (int h = 0; h < nh; ++h)
+      for (int r = 0; r < rows; ++r) {
+        const TQ* row = src + (t0 + r / pb.group) * pb.sq[0] + static_cast<int64_t>(h * pb.group + r % pb.group) * pb.sq[1];
+        TC* dst = q + (static_cast<size_t>(h) * rows_pad + r) * d;
+        for (int e = 0; e < d; ++e) dst[e] = row[e * pb.sq[2]];
+      }
+    Q = q;
+    ld_q = d;
+  }
+  const int64_t start = pb.seq_start(it.b);
+  const float qk_scale = low ? pb.scale : 1.f;
+  std::vector<float> kr(d), vr(dv);  // one row as fp32 (fp32 form; rotated K)
+  for (int64_t j0 = lo; j0 < hi; j0 += GEMM_KV) {
+    const int n = static_cast<int>(std::min<int64_t>(GEMM_KV, hi - j0));
+    const int n_pad = round_up(n, GEMM_N);  // S / P row stride; K^T columns; V rows (zeros past n)
+    if (pb.rope_freq) {  // cos / sin of the tile's positions (relative to the sequence start), angles in double
+      for (int t = 0; t < n; ++t)
+        for (int i = 0; i < half; ++i) {
+          const double a = static_cast<double>(j0 + t - start) * pb.rope_freq[i];
+          gs.rc[static_cast<size_t>(t) * half + i] = static_cast<float>(std::cos(a));
+          gs.rs[static_cast<size_t>(t) * half + i] = static_cast<float>(std::sin(a));
+        }
+    }
+    for (int h = 0; h < nh; ++h) {
+      // gather the tile's K / V rows of KV head h (positions < hi of blocks the table references: nothing else)
+      // into K^T [d][n_pad] and V [n_pad][dv_n] (fp32), or their VNNI forms in GEMM_N-wide column blocks
+      std::memset(gs.k.data(), 0, sizeof(TC) * static_cast<size_t>(round_up(d, 2)) * n_pad);
+      std::memset(gs.v.data(), 0, sizeof(TC) * static_cast<size_t>(n_pad) * dv_n);
+      int64_t blk_i = j0 / pb.block_size, row = j0 % pb.block_size, blk = table[blk_i];
+      const TK* vprev = nullptr;  // the previous token's V row (the cache-dtype form interleaves pairs)
+      for (int t = 0; t < n; ++t) {
+        const TK* ks = kc + blk * pb.sk[0] + row * pb.sk[1] + h * pb.sk[2];
+        const TK* vs = vc + blk * pb.sv[0] + row * pb.sv[1] + h * pb.sv[2];
+        const int tb = t / GEMM_N, tc = t % GEMM_N;
+        if constexpr (low) {
+          TC* kb = K + static_cast<size_t>(tb) * GEMM_N * round_up(d, 2);
+          if (pb.sk[3] == 1) {  // a pair of dims is one 32-bit word: K^T's VNNI block is a word transpose
+            uint32_t* kw = reinterpret_cast<uint32_t*>(kb) + tc;
+            for (int e = 0; e < d; e += 2) std::memcpy(kw + static_cast<size_t>(e / 2) * GEMM_N, ks + e, 4);
+          } else {
+            for (int e = 0; e < d; ++e) kb[vnni(e, tc, GEMM_N)] = ks[e * pb.sk[3]];
+          }
+          TC* vb = V + (static_cast<size_t>(t / 2) * GEMM_N * 2 + (t & 1));  // token pairs interleave
+          if (pb.sv[3] == 1 && dv % 16 == 0 && (t & 1)) {  // the pair (t - 1, t), 16 dims at a time
+            const uint16_t* a = reinterpret_cast<const uint16_t*>(vprev);
+            const uint16_t* b = reinterpret_cast<const uint16_t*>(vs);
+            for (int e = 0; e < dv; e += 16) {
+              vh x, y;
+              std::memcpy(&x, a + e, sizeof x);
+              std::memcpy(&y, b + e, sizeof y);
+              vh lo, hi;  // (x0, y0, x1, y1, ...): two-source permutes
+              for (int i = 0; i < 8; ++i) {
+                lo[2 * i] = x[i];
+                lo[2 * i + 1] = y[i];
+                hi[2 * i] = x[i + 8];
+                hi[2 * i + 1] = y[i + 8];
+              }
+              uint16_t* o = reinterpret_cast<uint16_t*>(V) + static_cast<size_t>(e / GEMM_N) * n_pad * GEMM_N +
+                            (static_cast<size_t>(t / 2) * GEMM_N + e % GEMM_N) * 2;
+              std::memcpy(o, &lo, sizeof lo);
+              std::memcpy(o + 16, &hi, sizeof hi);
+            }
+          } else if (!(pb.sv[3] == 1 && dv % 16 == 0 && t + 1 < n)) {  // else the next token writes the pair
+            for (int e = 0; e < dv; ++e)
+              vb[static_cast<size_t>(e / GEMM_N) * n_pad * GEMM_N + (e % GEMM_N) * 2] = vs[e * pb.sv[3]];
+          }
+          vprev = vs;
+        } else {
+          load_row(ks, pb.sk[3], d, kr.data(), d);
+          if (pb.rope_freq) {
+            const float* c = gs.rc.data() + static_cast<size_t>(t) * half;
+            const float* sn = gs.rs.data() + static_cast<size_t>(t) * half;
+            for (int i = 0; i < half; ++i) {
+              const float x1 = kr[i], x2 = kr[i + half];
+              kr[i] = x1 * c[i] - x2 * sn[i];
+              kr[i + half] = x2 * c[i] + x1 * sn[i];
+            }
+          }
+          for (int e = 0; e < d; ++e) K[static_cast<size_t>(e) * n_pad + t] = kr[e];
+          load_row(vs, pb.sv[3], dv, V + static_cast<size_t>(t) * dv_n, dv);
+        }
+        if (++row == pb.block_size && t + 1 < n) {
+          row = 0;
+          blk = table[++blk_i];
+        }
+      }
+      float* m = state + h * head_size;
+      float* l = m + rows_pad;
+      float* acc = m + 2 * rows_pad;
+      const float* slope = pb.alibi ? sc.slope.data() + static_cast<size_t>(h) * rows_pad : nullptr;
+      // S [rows][n_pad] = Q K^T, GEMM_N columns at a time
+      const TC* qh = Q + static_cast<size_t>(h) * rows_pad * ld_q;
+      for (int c0 = 0; c0 < n_pad; c0 += GEMM_N) {
+        if constexpr (low)
+          at::native::cpublas::brgemm(rows, GEMM_N, d, ld_q, GEMM_N, n_pad, false, qh,
+                                      K + static_cast<size_t>(c0) * round_up(d, 2), S + c0, true);
+        else
+          at::native::cpublas::brgemm(rows, GEMM_N, d, ld_q, n_pad, n_pad, false, qh, K + c0, S + c0, false);
+      }
+      const bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask;
+      for (int r = 0; r < rows; ++r) {
+        float* sr = S + static_cast<size_t>(r) * n_pad;
+        const int64_t rlo = sc.row_lo[r], rhi = sc.row_hi[r];
+        vf vmax = splat(NEG_INF);
+        vi vnan{};
+        for (int c0 = 0; c0 < n; c0 += L) {  // columns past n (zero K rows) are masked by mask_scores
+          const int nn = std::min(L, n - c0);
+          vf s = loadu(sr + c0);
+          if (low) s *= qk_scale;
+          if (!plain || !(nn == L && rlo <= j0 + c0 && j0 + c0 + L <= rhi)) mask_scores(pb, sc, r, j0 + c0, nn, s, slope);
+          storeu(sr + c0, s);
+          vnan |= s != s;
+          vmax = vsel(s > vmax, s, vmax);
+        }
+        const float mx = hmax(vmax);
+        int32_t any = 0;
+        for (int i = 0; i < L; ++i) any |= vnan[i];
+        const bool nan = any != 0;
+        TC* pr = P + static_cast<size_t>(r) * n_pad;
+        if (nan || mx == NEG_INF) {  // a NaN row stays NaN (its l); nothing visible: the row is unchanged
+          if (nan) l[r] = std::numeric_limits<float>::quiet_NaN();
+          for (int c = 0; c < n_pad; ++c) pr[c] = TC(0.f);
+          continue;
+        }
+        const float m_new = std::max(m[r], mx), alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
+        vf sum{};
+        for (int c0 = 0; c0 < n_pad; c0 += L) {
+          vf p = c0 < n ? vexp(loadu(sr + c0) - m_new) : splat(0.f);  // masked lanes: exp(-inf) = 0
+          sum += p;
+          if constexpr (std::is_same_v<TC, c10::BFloat16>) {  // round to nearest even (p is finite)
+            const vu u = (vu)p;
+            const vh b = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vh);
+            std::memcpy(pr + c0, &b, sizeof b);
+          } else if constexpr (low) {
+            for (int c = 0; c < L; ++c) pr[c0 + c] = TC(p[c]);
+          } else {
+            storeu(pr + c0, p);
+          }
+        }
+        l[r] = l[r] * alpha + hsum(sum);
+        m[r] = m_new;
+        if (alpha != 1.f) {
+          float* ar = acc + static_cast<size_t>(r) * dvp;
+          for (int e = 0; e < dv; ++e) ar[e] *= alpha;
+        }
+      }
+      // acc [rows][dv_pad] += P V, GEMM_N value columns at a time (reduction over n_pad: zero rows past n)
+      for (int e0 = 0; e0 < dvp; e0 += GEMM_N) {
+        const int w = std::min(GEMM_N, dvp - e0);
+        if constexpr (low)
+          at::native::cpublas::brgemm(rows, w, n_pad, n_pad, GEMM_N, dvp, true, P,
+                                      V + static_cast<size_t>(e0 / GEMM_N) * n_pad * GEMM_N, acc + e0, true);
+        else
+          at::native::cpublas::brgemm(rows, w, n_pad, n_pad, dv_n, dvp, true, P, V + e0, acc + e0, false);
+      }
+    }
+  }
+  if constexpr (low) at::native::cpublas::brgemm_release(true);
+}

@@ -1,0 +1,131 @@
+"""The GEMM path of the native CPU paged attention (kvops/native/attend_gemm.h): work items with many rows per KV head
+(chunked prefill: queries x GQA group >= 32) multiply through torch's CPU GEMM, and keep every feature of the register
+kernel. Each case is checked against the fp64 oracle (kvops/reference/attention.py) and shown to take the GEMM path
+(torch.profiler sees its kvops::paged_attention::gemm_path events) where rows are many, and the register kernel (no GEMM) for
+decode rows."""
+
+from __future__ import annotations
+
+import shutil
+import unittest
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import kvops
+import kvops.native as native
+from kvops.reference.attention import reference
+from tests.paged.test_attention_features import FEATURES, TOL, make_case, resolve
+from tests.paged.test_paged_attention import FP8, check_close, make_inputs, ref_kwargs
+
+HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+def gemm_calls(fn):
+    """(result of fn(), number of GEMM-path passes (a work item's KV range) it ran)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = fn()
+    return result, sum(e.count for e in prof.key_averages() if e.key.startswith("kvops::paged_attention::gemm_path"))
+
+
+@unittest.skipUnless(HAS_COMPILER, "no C++ compiler on this machine: the composite fallback is what runs")
+class TestGemmPath(unittest.TestCase):
+    def setUp(self):
+        self.assertTrue(native.available())
+
+    def check(self, q, k_cache, v_cache, cu, lens, table, kw, dtype, layout="NHD", gemm=True):
+        nhd = (k_cache, v_cache) if layout == "NHD" else (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
+        want, want_lse = reference(q, *nhd, cu, lens, table, **kw)
+        (out, lse), calls = gemm_calls(lambda: kvops.paged_attention(
+            q, k_cache, v_cache, cu, lens, table, int((cu[1:] - cu[:-1]).max()), return_lse=True, kv_layout=layout,
+            **kw))
+        self.assertEqual(calls > 0, gemm, f"GEMM calls: {calls}")
+        torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=0)
+        torch.testing.assert_close(lse.double(), want_lse, atol=TOL[dtype] * 4, rtol=0)
+
+    def test_every_feature_gqa_5_head_dim_80(self):
+        # 40 and 9 queries x GQA 5 = 200 / 45 rows: the GEMM path; a decode row in the same batch takes the other
+        for i, kw in enumerate(FEATURES):
+            with self.subTest(kw=kw):
+                q, kc, vc, cu, lens, table = make_case(i, q_lens=(40, 1, 9), seq_lens=(90, 40, 53), width=8)
+                self.check(q, kc, vc, cu, lens, table, resolve(kw, 3, 5, i), torch.float32)
+
+    def test_block_size_1_bf16_fp16_hnd_gqa_7(self):
+        for i, kw in enumerate(FEATURES[::3]):
+            for block_size, dtype, layout, (h_q, h_kv), d in ((1, torch.float32, "NHD", (7, 1), 16),
+                                                                (16, torch.bfloat16, "HND", (14, 2), 64),
+                                                                (16, torch.float16, "NHD", (8, 8), 32)):
+                with self.subTest(kw=kw, block_size=block_size, dtype=dtype, layout=layout):
+                    width = 96 // block_size if block_size > 1 else 96
+                    q, kc, vc, cu, lens, table = make_case(i, block_size=block_size, h_q=h_q, h_kv=h_kv, d=d,
+                                                           dtype=dtype, width=width, layout=layout,
+                                                           q_lens=(33, 0, 12), seq_lens=(90, 5, 53))
+                    self.check(q, kc, vc, cu, lens, table, resolve(kw, 3, h_q, i), dtype, layout)
+
+    def test_tiles_of_a_long_prefill_with_threads(self):
+        # 700 cached + 300 new tokens: several KV tiles (512 positions) and query items, one and two threads
+        q, kc, vc, cu, lens, table = make_case(3, batch=1, q_lens=(300,), seq_lens=(1000,), width=63, h_q=4, h_kv=2,
+                                               d=64, dtype=torch.bfloat16)
+        old = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for kw in (dict(), dict(window_left=600, softcap=30.0), dict(sink_tokens=4, window_left=300)):
+                    with self.subTest(threads=threads, kw=kw):
+                        self.check(q, kc, vc, cu, lens, table, kw, torch.bfloat16)
+        finally:
+            torch.set_num_threads(old)
+
+    def test_fp8_caches_joint_and_padded_layouts_sinks(self):
+        # the shared matrix's inputs: NaN in every unused slot and unreferenced block, fp8 with per-KV-head scales
+        for layout, cache_dtype, extra in (("joint", None, {}), ("padded", None, dict(window_left=20)),
+                                           ("separate", FP8, dict(softcap=10.0)), ("outer", FP8, {})):
+            with self.subTest(layout=layout, cache_dtype=cache_dtype):
+                inputs = make_inputs(7, [129, 40, 0], [40, 17, 0], block_size=16, h_q=14, h_kv=2, d=64,
+                                     layout=layout, cache_dtype=cache_dtype, scale_per_head=cache_dtype is not None,
+                                     sinks=True)
+                (out, lse), calls = gemm_calls(lambda: kvops.paged_attention(**inputs, **extra, return_lse=True))
+                self.assertGreater(calls, 0)
+                from tests.paged.test_paged_attention import reference as matrix_reference
+                check_close(self, out, lse, *matrix_reference(**ref_kwargs(inputs, **extra)), inputs["q"].dtype)
+
+    def test_custom_mask_both_forms(self):
+        from kvops.custom_mask import packbits
+
+        q, kc, vc, cu, lens, table = make_case(11, q_lens=(24, 1, 30), seq_lens=(60, 40, 53), width=8, h_q=4, h_kv=2,
+                                               d=32)
+        g = torch.Generator().manual_seed(0)
+        blocks = [torch.rand(n, n, generator=g) < 0.5 for n in (24, 1, 30)]
+        for blk in blocks:
+            blk.fill_diagonal_(True)
+        flat = torch.cat([b.flatten() for b in blocks])
+        packed = torch.cat([packbits(b.flatten()) for b in blocks])
+        want = reference(q, kc, vc, cu, lens, table, custom_mask=flat)
+        for name, mask in (("custom_mask", flat), ("packed_custom_mask", packed)):
+            with self.subTest(form=name):
+                (out, lse), calls = gemm_calls(lambda: kvops.paged_attention(
+                    q, kc, vc, cu, lens, table, 30, return_lse=True, **{name: mask}))
+                self.assertGreater(calls, 0)
+                torch.testing.assert_close(out.double(), want[0], atol=2e-5, rtol=0)
+                torch.testing.assert_close(lse.double(), want[1], atol=8e-5, rtol=0)
+
+    def test_nan_query_row_is_nan_and_others_are_not(self):
+        # a visible key's NaN score makes that row NaN (as SDPA's), on the GEMM path too; other rows are unaffected
+        q, kc, vc, cu, lens, table = make_case(12, q_lens=(40, 1, 9), seq_lens=(90, 40, 53), width=8)
+        q = q.clone()
+        q[5, 2, 7] = float("nan")
+        (out, lse), calls = gemm_calls(lambda: kvops.paged_attention(q, kc, vc, cu, lens, table, 40, return_lse=True))
+        self.assertGreater(calls, 0)
+        self.assertTrue(out[5, 2].isnan().all() and lse[2, 5].isnan())
+        out[5, 2] = 0
+        lse[2, 5] = 0
+        self.assertTrue(torch.isfinite(out).all())
+        self.assertTrue(torch.isfinite(lse[:, :40]).all())
+
+    def test_decode_rows_take_the_register_kernel(self):
+        q, kc, vc, cu, lens, table = make_case(13, q_lens=(1, 1, 1), h_q=14, h_kv=2, d=64)
+        self.check(q, kc, vc, cu, lens, table, {}, torch.float32, gemm=False)
+
+
+if __name__ == "__main__":
+    unittest.main()
