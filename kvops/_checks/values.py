@@ -265,42 +265,51 @@ def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_bloc
     """Eager CPU fast path: True when the native kernel's one-pass check (``kvops/native/paged_attention.cpp``, the
     same contracts as ``_attention_violations``) finds every contract held. False when one is violated (the torch
     path then finds it and raises) or the fast path does not apply (not CPU/int32, no native build)."""
-    if q.device.type != "cpu" or not all(t.dtype == torch.int32 for t in (cu_seqlens_q, seq_lens, block_table)):
+    int32 = torch.int32
+    if not (q.is_cpu and cu_seqlens_q.dtype == int32 and seq_lens.dtype == int32 and block_table.dtype == int32):
         return False
-    if cache_leftpad is not None and (cache_leftpad.dtype != torch.int32 or cache_leftpad.device != q.device):
+    if cache_leftpad is not None and (cache_leftpad.dtype != int32 or cache_leftpad.device != q.device):
         return False
     if native_available is None or not native_available():
         return False
     if cache_leftpad is not None and bool((cache_leftpad > seq_lens).any()):  # not in the native pass
         return False
     if window_left < 0 and sink_tokens == 0 and cache_leftpad is None:  # the call graphs had before the features
-        return not torch.ops.kvops._paged_attention_values_bad(
+        return not torch.ops.kvops._paged_attention_values_bad.default(
             cu_seqlens_q, seq_lens, block_table, q.shape[0], max_seqlen_q, num_blocks, block_size)
-    return not torch.ops.kvops._paged_attention_values_bad(
+    return not torch.ops.kvops._paged_attention_values_bad.default(
         cu_seqlens_q, seq_lens, block_table, q.shape[0], max_seqlen_q, num_blocks, block_size, window_left,
         sink_tokens, cache_leftpad)
 
 
 def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout: str = "NHD",
                           op: str = "kvops.paged_attention", *, window_left=-1, sink_tokens=0,
-                          cache_leftpad=None) -> None:
+                          cache_leftpad=None, validated: bool = False) -> None:
     """Apply the value contracts of ``paged_attention`` in the current mode (docs/semantics.md §7).
 
     eager: one host sync; ``RuntimeError`` naming the argument, index, value, bound and fix. async: one
     ``torch._assert_async`` per contract. ``cu_seqlens_q[-1] < T_q`` is allowed (rows owned by no sequence are 0).
     With a window (``window_left >= 0``, ``sink_tokens``) or ``cache_leftpad``, only the block ids of the rows the
     queries can see must be valid (docs/attention_features.md); ``cache_leftpad`` must be in ``[0, seq_len]``.
+    ``validated``: the op's validator passed these arguments, plain CPU tensors outside tracing (the eager CPU path
+    of ``kvops.paged_attention``), so the guard against metadata it reports is skipped.
     """
     geometry = cache_geometry(k_cache, kv_layout)
-    mode = _active(q, cu_seqlens_q, seq_lens, block_table)
-    if (mode is None or geometry is None or q.dim() != 3 or not _index(cu_seqlens_q, 1) or not _index(seq_lens, 1)
-            or not _index(block_table, 2) or not block_table.shape[0] == seq_lens.shape[0] == cu_seqlens_q.shape[0] - 1
-            or any(t.device != q.device for t in (k_cache, cu_seqlens_q, seq_lens, block_table))
-            or (max_seqlen_q < 1 and q.shape[0] > 0)
-            or (cache_leftpad is not None and (not _index(cache_leftpad, 1) or cache_leftpad.device != q.device
-                                               or cache_leftpad.shape[0] != seq_lens.shape[0]))
-            or not isinstance(window_left, int) or not isinstance(sink_tokens, int)):
-        return  # checks off, or a metadata error that the op's validator reports (or symbolic window bounds)
+    if validated:
+        mode = get_value_checks()
+        if mode == "off" or not isinstance(window_left, int) or not isinstance(sink_tokens, int):
+            return
+    else:
+        mode = _active(q, cu_seqlens_q, seq_lens, block_table)
+        if (mode is None or geometry is None or q.dim() != 3 or not _index(cu_seqlens_q, 1) or not _index(seq_lens, 1)
+                or not _index(block_table, 2)
+                or not block_table.shape[0] == seq_lens.shape[0] == cu_seqlens_q.shape[0] - 1
+                or any(t.device != q.device for t in (k_cache, cu_seqlens_q, seq_lens, block_table))
+                or (max_seqlen_q < 1 and q.shape[0] > 0)
+                or (cache_leftpad is not None and (not _index(cache_leftpad, 1) or cache_leftpad.device != q.device
+                                                   or cache_leftpad.shape[0] != seq_lens.shape[0]))
+                or not isinstance(window_left, int) or not isinstance(sink_tokens, int)):
+            return  # checks off, or a metadata error that the op's validator reports (or symbolic window bounds)
     num_blocks, block_size = geometry
     if mode == "eager" and _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_blocks, block_size,
                                          window_left, sink_tokens, cache_leftpad):

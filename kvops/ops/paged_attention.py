@@ -302,13 +302,13 @@ def paged_attention(
 _INT62 = 2**62  # |max_seqlen_q| below this fits in int64 without int64_error's look
 
 
-def _check_values(args, features) -> None:
+def _check_values(args, features, validated: bool = False) -> None:
     """The value contracts of a call (docs/semantics.md §7), in the current mode: the batch metadata's, then the ALiBi
-    slopes', then the custom mask's."""
+    slopes', then the custom mask's (``validated``: see ``values.check_paged_attention``)."""
     q, k_cache, _, cu_seqlens_q, seq_lens, block_table, max_seqlen_q = args[:7]
     values.check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, args[14],
                                  window_left=args[9], sink_tokens=features.sink_tokens,
-                                 cache_leftpad=features.cache_leftpad)
+                                 cache_leftpad=features.cache_leftpad, validated=validated)
     if features.alibi_slopes is not None:
         values.check_alibi_slopes(features.alibi_slopes)
     if features.mask() is not None:
@@ -331,7 +331,7 @@ def _eager_native(args, features):
     mode = values.get_value_checks()
     if mode != "off" and (mode != "eager" or q.shape[0] > max_seqlen_q or features.cache_leftpad is not None
                           or features.alibi_slopes is not None or features.mask() is not None):
-        _check_values(args, features)
+        _check_values(args, features, validated=True)
     if kv_layout == "HND":
         k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernel takes strides
     if features is NO_FEATURES:  # the schema's defaults: fewer arguments to convert
@@ -342,3 +342,4 @@ def _eager_native(args, features):
 
 
 _NATIVE = torch.ops.kvops._paged_attention_native.default
+_NATIVE = getattr(_NATIVE, "_op", _NATIVE)  # (the C++ callable the overload's __call__ forwards to: one frame less)
