@@ -202,20 +202,36 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       for (int r = 0; r < rows; ++r) {
         float* sr = S + static_cast<size_t>(r) * n_pad;
         const int64_t rlo = sc.row_lo[r], rhi = sc.row_hi[r];
-        vf vmax = splat(NEG_INF);
-        vi vnan{};
-        for (int c0 = 0; c0 < n; c0 += L) {  // columns past n (zero K rows) are masked by mask_scores
+        // (in hardware-width vectors, nv: the 16-lane vf of mask_scores only where a chunk is masked)
+        nv vmax = nv{} + NEG_INF;
+        nvi vnan{};
+        auto track = [&](const float* x) {  // the running max and NaN lanes of 16 stored scores
+          for (int k = 0; k < L; k += NW) {
+            const nv s = loadn(x + k);
+            const nvi more = s > vmax;
+            vnan |= s != s;
+            vmax = (nv)((more & (nvi)s) | (~more & (nvi)vmax));
+          }
+        };
+        for (int c0 = 0; c0 < n; c0 += L) {  // columns past n (stale K rows) are masked by mask_scores
           const int nn = std::min(L, n - c0);
-          vf s = loadu(sr + c0);
-          if (low) s *= qk_scale;
-          if (!plain || !(nn == L && rlo <= j0 + c0 && j0 + c0 + L <= rhi)) mask_scores(pb, sc, r, j0 + c0, nn, s, slope);
-          storeu(sr + c0, s);
-          vnan |= s != s;
-          vmax = vsel(s > vmax, s, vmax);
+          if (plain && nn == L && rlo <= j0 + c0 && j0 + c0 + L <= rhi) {
+            if (low)
+              for (int k = 0; k < L; k += NW) storen(sr + c0 + k, loadn(sr + c0 + k) * qk_scale);
+          } else {
+            vf s = loadu(sr + c0);
+            if (low) s *= qk_scale;
+            mask_scores(pb, sc, r, j0 + c0, nn, s, slope);
+            storeu(sr + c0, s);
+          }
+          track(sr + c0);
         }
-        const float mx = hmax(vmax);
+        float mx = NEG_INF;
         int32_t any = 0;
-        for (int i = 0; i < L; ++i) any |= vnan[i];
+        for (int i = 0; i < NW; ++i) {
+          mx = std::max(mx, vmax[i]);
+          any |= vnan[i];
+        }
         const bool nan = any != 0;
         TC* pr = P + static_cast<size_t>(r) * n_pad;
         if (nan || mx == NEG_INF) {  // a NaN row stays NaN (its l); nothing visible: the row is unchanged
@@ -224,21 +240,25 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
           continue;
         }
         const float m_new = std::max(m[r], mx), alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
-        vf sum{};
-        for (int c0 = 0; c0 < n_pad; c0 += L) {
-          vf p = c0 < n ? vexp(loadu(sr + c0) - m_new) : splat(0.f);  // masked lanes: exp(-inf) = 0
+        nv sum{};
+        for (int c0 = 0; c0 < n_pad; c0 += NW) {
+          const nv p = c0 < n ? vexpn(loadn(sr + c0) - m_new) : nv{};  // masked lanes: exp(-inf) = 0
           sum += p;
           if constexpr (std::is_same_v<TC, c10::BFloat16>) {  // round to nearest even (p is finite)
-            const vu u = (vu)p;
-            const vh b = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vh);
+            typedef uint32_t nvu __attribute__((vector_size(NW * 4)));
+            typedef uint16_t nvh __attribute__((vector_size(NW * 2)));
+            const nvu u = (nvu)p;
+            const nvh b = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, nvh);
             std::memcpy(pr + c0, &b, sizeof b);
           } else if constexpr (low) {
-            for (int c = 0; c < L; ++c) pr[c0 + c] = TC(p[c]);
+            for (int c = 0; c < NW; ++c) pr[c0 + c] = TC(p[c]);
           } else {
-            storeu(pr + c0, p);
+            storen(pr + c0, p);
           }
         }
-        l[r] = l[r] * alpha + hsum(sum);
+        float sum_all = 0.f;
+        for (int i = 0; i < NW; ++i) sum_all += sum[i];
+        l[r] = l[r] * alpha + sum_all;
         m[r] = m_new;
         if (alpha != 1.f) {
           float* ar = acc + static_cast<size_t>(r) * dvp;

@@ -37,24 +37,30 @@ inline bool any_nan(vf v) {
   return any != 0;
 }
 
-// exp with exact 0 for x < -87 (incl. -inf); Cephes expf polynomial, ~1 ulp
-inline vf vexp(vf x) {
-  const vi under = x < splat(-87.0f);
-  x = vsel(under, splat(-87.0f), x);
-  x = vsel(x > splat(88.0f), splat(88.0f), x);
-  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  vf r = x - n * 0.693359375f;
+// exp with exact 0 for x < -87 (incl. -inf); Cephes expf polynomial, ~1 ulp; any vector width (V: float lanes, VI:
+// int32 lanes of the same count): vf, or nv where the hardware vector is narrower
+template <typename V, typename VI>
+inline V vexp_t(V x) {
+  auto sel = [](VI mask, V a, V b) { return (V)((mask & (VI)a) | (~mask & (VI)b)); };
+  const VI under = x < (V{} - 87.0f);
+  x = sel(under, V{} - 87.0f, x);
+  x = sel(x > (V{} + 88.0f), V{} + 88.0f, x);
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  V r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return vsel(under, splat(0.0f), p * (vf)e);
+  const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
+  return sel(under, V{}, p * (V)e);
 }
+inline vf vexp(vf x) { return vexp_t<vf, vi>(x); }
+typedef int32_t nvi __attribute__((vector_size(NW * 4)));
+inline nv vexpn(nv x) { return vexp_t<nv, nvi>(x); }
 
 struct Fp8Lut {
   float v[256];
