@@ -1,18 +1,20 @@
 // The GEMM path of the native paged attention (included by paged_attention.cpp, after chunk(); hashed with the sources
 // by kvops/native/__init__.py): work items with many rows per KV head (chunked prefill: the tile's queries times the
-// GQA group) multiply through PyTorch's CPU micro-kernels, at::native::cpublas::brgemm (oneDNN's brgemm ukernel, per
-// ISA: AVX2, AVX-512, AMX; the kernels torch's CPU flash attention and Inductor's CPP GEMM template call), instead of
-// the register kernel, whose FMA loops are written for a few rows.
+// GQA group) multiply through PyTorch's own CPU GEMMs instead of the register kernel, whose FMA loops are written for a
+// few rows.
 //
 // Per tile of up to GEMM_KV positions (outer) and KV head (inner): the tile's K and V rows are gathered from their
-// blocks into scratch in the layout the micro-kernel reads (read once, in their stored dtype), S = Q K^T, masking /
-// softcap / ALiBi / custom mask are the register kernel's (mask_scores), the online softmax is per row over the whole
-// tile, and acc = acc * alpha + P V, each GEMM in column blocks of GEMM_N. Two forms:
+// blocks into scratch in the layout the GEMM reads (read once, in their stored dtype), S = Q K^T, masking / softcap /
+// ALiBi / custom mask are the register kernel's (mask_scores), the online softmax is per row over the whole tile (in
+// hardware-width vectors), and acc = acc * alpha + P V. Two forms:
 // * fp32 (TC = float): K / V converted to fp32 as they are gathered (RoPE at read rotates K here), Q is
-//   load_queries' scaled fp32 rows; every host.
-// * the cache dtype (TC = bf16 / fp16, where oneDNN packs it: AMX): Q as given and P in the cache dtype, the scale
-//   applied to S, K / V in the VNNI layout (pairs along the reduction dim), fp32 accumulation: what torch's
-//   scaled_dot_product_attention computes on such hosts. Needs an even head_dim and no RoPE at read.
+//   load_queries' scaled fp32 rows; the GEMMs are at::mm_out / addmm_ over the scratch (the BLAS torch's CPU SDPA
+//   uses for fp32: MKL on x86 wheels, per ISA). oneDNN's fp32 brgemm ukernel measured slower on AVX2 (1.24x against
+//   1.05x the SDPA ideal, Llama-3.1-8B geometry) and no faster on AVX-512.
+// * the cache dtype (TC = bf16, where oneDNN packs it: AMX): Q as given and P in bf16, the scale applied to S, K / V
+//   in the VNNI layout (pairs along the reduction dim), fp32 accumulation, through at::native::cpublas::brgemm in
+//   GEMM_N-column blocks (oneDNN's brgemm ukernel, what torch's CPU flash attention and Inductor's CPP GEMM template
+//   call): what torch's scaled_dot_product_attention computes on such hosts. Needs an even head_dim, no RoPE at read.
 #pragma once
 
 constexpr int GEMM_KV = 512;  // KV positions per GEMM tile (a multiple of GEMM_N)
@@ -41,6 +43,11 @@ struct GemmScratch {
     }
   }
 };
+
+// a [rows, cols] fp32 matrix over scratch memory, row stride ld
+inline at::Tensor matrix(float* p, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
+}
 
 // whether the cache-dtype form runs for this problem (else fp32)
 template <typename TQ, typename TK>
@@ -116,6 +123,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
           gs.rs[static_cast<size_t>(t) * half + i] = static_cast<float>(std::sin(a));
         }
     }
+    at::Tensor S_t = matrix(S, rows, n_pad, n_pad);
     for (int h = 0; h < nh; ++h) {
       // gather the tile's K / V rows of KV head h (positions < hi of blocks the table references: nothing else)
       // into K^T [d][n_pad] and V [n_pad][dv_n] (fp32), or their VNNI forms in GEMM_N-wide column blocks
@@ -191,13 +199,12 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       const float* slope = pb.alibi ? sc.slope.data() + static_cast<size_t>(h) * rows_pad : nullptr;
       // S [rows][n_pad] = Q K^T, GEMM_N columns at a time
       const TC* qh = Q + static_cast<size_t>(h) * rows_pad * ld_q;
-      for (int c0 = 0; c0 < n_pad; c0 += GEMM_N) {
+      for (int c0 = 0; low && c0 < n_pad; c0 += GEMM_N) {
         if constexpr (low)
           at::native::cpublas::brgemm(rows, GEMM_N, d, ld_q, GEMM_N, n_pad, false, qh,
                                       K + static_cast<size_t>(c0) * round_up(d, 2), S + c0, true);
-        else
-          at::native::cpublas::brgemm(rows, GEMM_N, d, ld_q, n_pad, n_pad, false, qh, K + c0, S + c0, false);
       }
+      if constexpr (!low) at::mm_out(S_t, matrix(const_cast<float*>(qh), rows, d, ld_q), matrix(K, d, n_pad, n_pad));
       const bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask;
       for (int r = 0; r < rows; ++r) {
         float* sr = S + static_cast<size_t>(r) * n_pad;
@@ -266,14 +273,13 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
         }
       }
       // acc [rows][dv_pad] += P V, GEMM_N value columns at a time (reduction over n_pad: zero rows past n)
-      for (int e0 = 0; e0 < dvp; e0 += GEMM_N) {
+      for (int e0 = 0; low && e0 < dvp; e0 += GEMM_N) {
         const int w = std::min(GEMM_N, dvp - e0);
         if constexpr (low)
           at::native::cpublas::brgemm(rows, w, n_pad, n_pad, GEMM_N, dvp, true, P,
                                       V + static_cast<size_t>(e0 / GEMM_N) * n_pad * GEMM_N, acc + e0, true);
-        else
-          at::native::cpublas::brgemm(rows, w, n_pad, n_pad, dv_n, dvp, true, P, V + e0, acc + e0, false);
       }
+      if constexpr (!low) matrix(acc, rows, dv, dvp).addmm_(S_t, matrix(V, n_pad, dv, dv_n));
     }
   }
   if constexpr (low) at::native::cpublas::brgemm_release(true);
