@@ -24,7 +24,9 @@ struct GemmScratch {
   std::vector<float> s;  // S [rows][GEMM_KV] (fp32 form: then P in place)
   std::vector<char> k, v, q, p;  // K^T, V (micro-kernel layouts), Q [H_kv][rows_pad][d] and P [rows][GEMM_KV] (TC)
   std::vector<float> rc, rs;  // RoPE: cos / sin [GEMM_KV][d / 2] of the tile's positions
+  std::vector<uint32_t> krows;  // the K rows of one GEMM_N-token block, before their transpose (32-bit words)
   void size(int rows_pad, const Problem& pb, size_t tc) {
+    krows.resize(static_cast<size_t>(GEMM_N) * pb.d);
     const size_t dv_n = static_cast<size_t>(round_up(pb.d_v, GEMM_N));
     s.resize(static_cast<size_t>(rows_pad) * GEMM_KV);
     k.resize(static_cast<size_t>(GEMM_KV) * round_up(pb.d, 2) * tc);
@@ -82,14 +84,27 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       for (int r = 0; r < rows; ++r) {
         const TQ* row = src + (t0 + r / pb.group) * pb.sq[0] + static_cast<int64_t>(h * pb.group + r % pb.group) * pb.sq[1];
         TC* dst = q + (static_cast<size_t>(h) * rows_pad + r) * d;
-        for (int e = 0; e < d; ++e) dst[e] = row[e * pb.sq[2]];
+        if (pb.sq[2] == 1) std::memcpy(dst, row, sizeof(TC) * d);
+        else for (int e = 0; e < d; ++e) dst[e] = row[e * pb.sq[2]];
       }
     Q = q;
     ld_q = d;
   }
   const int64_t start = pb.seq_start(it.b);
   const float qk_scale = low ? pb.scale : 1.f;
-  std::vector<float> kr(d), vr(dv);  // one row as fp32 (fp32 form; rotated K)
+  // the staged K rows [0, last] of a GEMM_N-token block (w 32-bit words each: fp32 values or bf16 / fp16 pairs) into
+  // K^T's block at dst (row stride ld words), in 16 x 16 register transposes; token rows past `last` are stale
+  auto turn = [&gs](int w, uint32_t* dst, int64_t ld, int last) {
+    float tmp[L * L];
+    for (int t0 = 0; t0 <= last; t0 += L)
+      for (int w0 = 0; w0 < w; w0 += L) {
+        vf tile[L];
+        for (int i = 0; i < L; ++i)
+          std::memcpy(&tile[i], gs.krows.data() + static_cast<size_t>(t0 + i) * w + w0, sizeof(vf));
+        transpose16_to(tile, tmp);
+        for (int e = 0; e < L; ++e) std::memcpy(dst + static_cast<size_t>(w0 + e) * ld + t0, tmp + e * L, sizeof(vf));
+      }
+  };
   for (int64_t j0 = lo; j0 < hi; j0 += GEMM_KV) {
     const int n = static_cast<int>(std::min<int64_t>(GEMM_KV, hi - j0));
     const int n_pad = round_up(n, GEMM_N);  // S / P row stride; K^T columns; V rows (zeros past n)
@@ -104,8 +119,15 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
     for (int h = 0; h < nh; ++h) {
       // gather the tile's K / V rows of KV head h (positions < hi of blocks the table references: nothing else)
       // into K^T [d][n_pad] and V [n_pad][dv_n] (fp32), or their VNNI forms in GEMM_N-wide column blocks
-      std::memset(gs.k.data(), 0, sizeof(TC) * static_cast<size_t>(round_up(d, 2)) * n_pad);
-      std::memset(gs.v.data(), 0, sizeof(TC) * static_cast<size_t>(n_pad) * dv_n);
+      // K^T columns past n are left stale (their scores are never read); V rows past n must be zeros (their P is 0,
+      // and 0 x NaN is NaN): the pairs from token n / 2 * 2 on, in every column block
+      if constexpr (low) {
+        for (int c = 0; c < dv_n / GEMM_N; ++c)
+          std::memset(V + (static_cast<size_t>(c) * n_pad + n / 2 * 2) * GEMM_N, 0,
+                      sizeof(TC) * static_cast<size_t>(n_pad - n / 2 * 2) * GEMM_N);
+      } else {
+        std::memset(V + static_cast<size_t>(n) * dv_n, 0, sizeof(TC) * static_cast<size_t>(n_pad - n) * dv_n);
+      }
       int64_t blk_i = j0 / pb.block_size, row = j0 % pb.block_size, blk = table[blk_i];
       const TK* vprev = nullptr;  // the previous token's V row (the cache-dtype form interleaves pairs)
       for (int t = 0; t < n; ++t) {
@@ -114,9 +136,9 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
         const int tb = t / GEMM_N, tc = t % GEMM_N;
         if constexpr (low) {
           TC* kb = K + static_cast<size_t>(tb) * GEMM_N * round_up(d, 2);
-          if (pb.sk[3] == 1) {  // a pair of dims is one 32-bit word: K^T's VNNI block is a word transpose
-            uint32_t* kw = reinterpret_cast<uint32_t*>(kb) + tc;
-            for (int e = 0; e < d; e += 2) std::memcpy(kw + static_cast<size_t>(e / 2) * GEMM_N, ks + e, 4);
+          if (pb.sk[3] == 1 && (d / 2) % L == 0) {  // a pair of dims is one 32-bit word: K^T's VNNI block is a
+            std::memcpy(gs.krows.data() + static_cast<size_t>(tc) * (d / 2), ks, sizeof(TC) * d);  // word transpose
+            if (tc == GEMM_N - 1 || t == n - 1) turn(d / 2, reinterpret_cast<uint32_t*>(kb), GEMM_N, tc);
           } else {
             for (int e = 0; e < d; ++e) kb[vnni(e, tc, GEMM_N)] = ks[e * pb.sk[3]];
           }
@@ -128,17 +150,11 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
               vh x, y;
               std::memcpy(&x, a + e, sizeof x);
               std::memcpy(&y, b + e, sizeof y);
-              vh lo, hi;  // (x0, y0, x1, y1, ...): two-source permutes
-              for (int i = 0; i < 8; ++i) {
-                lo[2 * i] = x[i];
-                lo[2 * i + 1] = y[i];
-                hi[2 * i] = x[i + 8];
-                hi[2 * i + 1] = y[i + 8];
-              }
+              // (x0, y0, x1, y1, ...): one 32-bit word per dim, little-endian (even token first)
+              const vu w = __builtin_convertvector(x, vu) | (__builtin_convertvector(y, vu) << 16);
               uint16_t* o = reinterpret_cast<uint16_t*>(V) + static_cast<size_t>(e / GEMM_N) * n_pad * GEMM_N +
                             (static_cast<size_t>(t / 2) * GEMM_N + e % GEMM_N) * 2;
-              std::memcpy(o, &lo, sizeof lo);
-              std::memcpy(o + 16, &hi, sizeof hi);
+              std::memcpy(o, &w, sizeof w);
             }
           } else if (!(pb.sv[3] == 1 && dv % 16 == 0 && t + 1 < n)) {  // else the next token writes the pair
             for (int e = 0; e < dv; ++e)
@@ -146,7 +162,8 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
           }
           vprev = vs;
         } else {
-          load_row(ks, pb.sk[3], d, kr.data(), d);
+          float* kr = reinterpret_cast<float*>(gs.krows.data()) + static_cast<size_t>(tc) * d;
+          load_row(ks, pb.sk[3], d, kr, d);
           if (pb.rope_freq) {
             const float* c = gs.rc.data() + static_cast<size_t>(t) * half;
             const float* sn = gs.rs.data() + static_cast<size_t>(t) * half;
@@ -156,7 +173,11 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
               kr[i + half] = x2 * c[i] + x1 * sn[i];
             }
           }
-          for (int e = 0; e < d; ++e) K[static_cast<size_t>(e) * n_pad + t] = kr[e];
+          if (d % L == 0) {
+            if (tc == GEMM_N - 1 || t == n - 1) turn(d, reinterpret_cast<uint32_t*>(K) + tb * GEMM_N, n_pad, tc);
+          } else {
+            for (int e = 0; e < d; ++e) K[static_cast<size_t>(e) * n_pad + t] = kr[e];
+          }
           load_row(vs, pb.sv[3], dv, V + static_cast<size_t>(t) * dv_n, dv);
         }
         if (++row == pb.block_size && t + 1 < n) {

@@ -415,9 +415,9 @@ inline vf load16(const T* p) {
 }
 
 // Row r's scores s of the 16 positions j0 + c (lane c; positions past c >= n are masked): softcap, ALiBi (slope: the
-// KV head's per-row slopes, or null), the row's visible range [row_lo, row_hi), the custom mask. True when a visible
-// score is NaN (the row is then NaN, as SDPA's). Shared by the register kernel (chunk) and the GEMM one (attend_gemm).
-inline bool mask_scores(const Problem& pb, const Scratch& sc, int r, int64_t j0, int n, vf& s, const float* slope) {
+// KV head's per-row slopes, or null), the row's visible range [row_lo, row_hi), the custom mask (masked lanes: -inf).
+// Shared by the register kernel (chunk) and the GEMM one (attend_gemm).
+inline void mask_scores(const Problem& pb, const Scratch& sc, int r, int64_t j0, int n, vf& s, const float* slope) {
   vi lane;
   for (int c = 0; c < L; ++c) lane[c] = c;
   // a bound as a lane offset from j0, clamped into [-1, L] (int64 positions, int32 lanes)
@@ -446,7 +446,6 @@ inline bool mask_scores(const Problem& pb, const Scratch& sc, int r, int64_t j0,
     }
     s = vsel(bits != splati(0), s, splat(NEG_INF));
   }
-  return any_nan(s);
 }
 
 // One chunk of n <= 16 tokens whose K/V rows are kp[t], vp[t] (unit stride, dp / dvp elements readable, tokens
@@ -499,16 +498,15 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
   // online softmax per row (softcap before masking); lane c is position j0 + c
   for (int r = 0; r < rows; ++r) {
     vf s = loadu(S + r * L);
-    if (mask_scores(pb, sc, r, j0, n, s, slope)) {  // a visible key's NaN score (NaN in q or K, a NaN slope): the row
-      lv[r] = splat(std::numeric_limits<float>::quiet_NaN());  // is NaN, as SDPA's (l stays NaN: finalize writes NaN)
-      alpha[r] = 1.f;
-      storeu(P + r * L, splat(0.f));
-      continue;
-    }
+    mask_scores(pb, sc, r, j0, n, s, slope);
+    // a visible key's NaN score (NaN in q or K, a NaN slope) makes the row NaN, as SDPA's: the max over lanes drops
+    // NaN, so with a finite max the NaN lanes reach exp, P and l (finalize then writes NaN); only a chunk whose
+    // other lanes are all masked needs the explicit check
     const float mc = hmax(s);
     if (mc <= m[r]) {  // running max unchanged (also: nothing visible in this chunk)
       alpha[r] = 1.f;
       if (mc == NEG_INF) {
+        if (any_nan(s)) lv[r] = splat(std::numeric_limits<float>::quiet_NaN());
         storeu(P + r * L, splat(0.f));
         continue;
       }
