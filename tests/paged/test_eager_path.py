@@ -100,6 +100,14 @@ class TestEagerPath(unittest.TestCase):
         # remembered: the base call, the valid variants and the one that passes the validator; never a failing one
         self.assertEqual(len(checks._PASSED), 2 + sum("(valid" in n for n in MUTATIONS))
 
+    def test_memo_tells_number_types_apart(self):
+        # require_finite checks Python numbers only: a numpy float32 inf passes the validator, a Python inf never
+        import numpy as np
+
+        outcome(lambda: kvops.paged_attention(**base(), scale=np.float32("inf")))
+        with self.assertRaisesRegex(ValueError, "scale must be a finite number"):
+            kvops.paged_attention(**base(), scale=float("inf"))
+
     def test_memo_never_hides_a_generated_case(self):
         # the unhappy-path generator's cases of paged_attention (tests/unhappy_ops_cases.py), in this process: the
         # same outcome with an empty memo and after the valid base call filled it
