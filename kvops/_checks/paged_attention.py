@@ -91,14 +91,16 @@ def _meta(t):
 def signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
               sinks, k_scale, v_scale, kv_layout, features) -> tuple:
     """What :func:`_check` reads of CPU tensors, as a hashable key: every tensor's shape and dtype (its device is the
-    CPU; never its values or strides), and the scalar arguments (``causal`` is not among them: any value is valid)."""
+    CPU; never its values or strides), and the scalar arguments (``causal`` is not among them: any value is valid),
+    the floats with their types (``require_finite`` checks Python numbers only)."""
     return (q.shape, q.dtype, k_cache.shape, k_cache.dtype, _meta(v_cache), cu_seqlens_q.shape, cu_seqlens_q.dtype,
-            seq_lens.shape, seq_lens.dtype, block_table.shape, block_table.dtype, max_seqlen_q, scale, window_left,
-            softcap, kv_layout, _meta(sinks), _meta(k_scale), _meta(v_scale),
+            seq_lens.shape, seq_lens.dtype, block_table.shape, block_table.dtype, max_seqlen_q, scale, type(scale),
+            window_left, softcap, type(softcap), kv_layout, _meta(sinks), _meta(k_scale), _meta(v_scale),
             None if features is NO_FEATURES else (_meta(features.alibi_slopes), features.window_right,
                                                   _meta(features.cache_leftpad), features.sink_tokens,
-                                                  features.rope_theta, features.rope_scale,
-                                                  _meta(features.custom_mask), _meta(features.packed_custom_mask)))
+                                                  features.rope_theta, type(features.rope_theta), features.rope_scale,
+                                                  type(features.rope_scale), _meta(features.custom_mask),
+                                                  _meta(features.packed_custom_mask)))
 
 
 def _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,

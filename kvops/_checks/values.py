@@ -282,6 +282,22 @@ def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_bloc
         sink_tokens, cache_leftpad)
 
 
+def native_checks_all(q, cu_seqlens_q, max_seqlen_q, cache_leftpad=None) -> bool:
+    """Whether the native kernel's own check (``kvops/native/paged_attention.cpp``: ``cu_seqlens_q``, ``seq_lens`` and
+    the block ids it reads, in every mode, with this module's messages word for word) is the whole eager check of a
+    ``paged_attention`` call on CPU whose metadata the op's validator passed. Not with ``cache_leftpad`` (its bound
+    ``<= seq_len`` is not in the kernel's pass); else when every ``q_len <= max_seqlen_q``, the one contract the kernel
+    leaves out: certain without reading ``cu_seqlens_q`` when ``T_q <= max_seqlen_q`` (a valid ``cu_seqlens_q`` bounds
+    every ``q_len`` by ``T_q``), otherwise read here. False sends the call through :func:`check_paged_attention`,
+    which reports the first violated contract (a broken ``cu_seqlens_q`` before a ``q_len``)."""
+    if cache_leftpad is not None:
+        return False
+    if q.shape[0] <= max_seqlen_q:
+        return True
+    cu = cu_seqlens_q.tolist()
+    return max(b - a for a, b in zip(cu, cu[1:])) <= max_seqlen_q
+
+
 def check_paged_attention(q, k_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, kv_layout: str = "NHD",
                           op: str = "kvops.paged_attention", *, window_left=-1, sink_tokens=0,
                           cache_leftpad=None, validated: bool = False) -> None:

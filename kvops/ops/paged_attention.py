@@ -322,15 +322,14 @@ def _eager_native(args, features):
 
     In the ``"eager"`` mode the native kernel's own check (the contracts it addresses memory with: ``cu_seqlens_q``,
     ``seq_lens``, the block ids read, whatever the mode; the same messages, word for word) stands in for the separate
-    value pass when that is all there is to check: no ``cache_leftpad``, ALiBi slopes or custom mask (checked before
-    the kernel, in this order), and ``T_q <= max_seqlen_q``, which with a valid ``cu_seqlens_q`` bounds every
-    ``q_len`` (one dispatcher call fewer: decode at B = 1, a single sequence's prefill)."""
+    value pass when it covers every contract of the call (``values.native_checks_all``) and there are no ALiBi
+    slopes or custom mask (checked before the kernel, in this order): one dispatcher call fewer."""
     q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap, \
         sinks, k_scale, v_scale, kv_layout = args
     sm_scale, window_left, features = check_paged_attention(*args, features, memo=True)
     mode = values.get_value_checks()
-    if mode != "off" and (mode != "eager" or q.shape[0] > max_seqlen_q or features.cache_leftpad is not None
-                          or features.alibi_slopes is not None or features.mask() is not None):
+    if mode != "off" and (mode != "eager" or features.alibi_slopes is not None or features.mask() is not None
+                          or not values.native_checks_all(q, cu_seqlens_q, max_seqlen_q, features.cache_leftpad)):
         _check_values(args, features, validated=True)
     if kv_layout == "HND":
         k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernel takes strides

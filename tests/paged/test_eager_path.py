@@ -100,6 +100,14 @@ class TestEagerPath(unittest.TestCase):
         # remembered: the base call, the valid variants and the one that passes the validator; never a failing one
         self.assertEqual(len(checks._PASSED), 2 + sum("(valid" in n for n in MUTATIONS))
 
+    def test_memo_tells_number_types_apart(self):
+        # require_finite checks Python numbers only: a numpy float32 inf passes the validator, a Python inf never
+        import numpy as np
+
+        outcome(lambda: kvops.paged_attention(**base(), scale=np.float32("inf")))
+        with self.assertRaisesRegex(ValueError, "scale must be a finite number"):
+            kvops.paged_attention(**base(), scale=float("inf"))
+
     def test_memo_never_hides_a_generated_case(self):
         # the unhappy-path generator's cases of paged_attention (tests/unhappy_ops_cases.py), in this process: the
         # same outcome with an empty memo and after the valid base call filled it
@@ -121,8 +129,8 @@ class TestEagerPath(unittest.TestCase):
             self.assertLessEqual(len(checks._PASSED), checks.MEMO_SIZE)
 
     def test_value_errors_of_the_eager_mode(self):
-        # T_q <= max_seqlen_q: the kernel's check stands in for the value pass, with the value pass's messages word
-        # for word; T_q > max_seqlen_q: the value pass runs (q_len <= max_seqlen_q is the eager mode's alone)
+        # every q_len <= max_seqlen_q: the kernel's check stands in for the value pass, with the value pass's messages
+        # word for word; else the value pass runs (q_len <= max_seqlen_q is the eager mode's alone)
         q, k, v = torch.randn(1, 2, 8), torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8)
         bad = [([0, 1], [9], [[0, 1]]), ([0, 1], [8], [[0, 99]]), ([0, 1], [5], [[-5, 1]]), ([0, 1000], [8], [[0, 1]]),
                ([0, 1], [-3], [[0, 1]]), ([1, 1], [3], [[0, 1]])]
@@ -134,6 +142,19 @@ class TestEagerPath(unittest.TestCase):
                 with self.assertRaises(RuntimeError) as value_pass:
                     values.check_paged_attention(q, k, cu, lens, table, 1)
                 self.assertEqual(str(call.exception), str(value_pass.exception))
+        # T_q > max_seqlen_q (decode of 2 sequences, a prefill chunk beside a decode): q_len read from cu_seqlens_q
+        q3 = torch.randn(3, 2, 8)
+        two = [([0, 1, 2], [4, 8], [[0, 1], [2, 9]], 1), ([0, 1, 3], [4, 9], [[0, 1], [2, 3]], 2),
+               ([0, 2, 1], [4, 4], [[0, 1], [2, 3]], 1), ([0, 3, 2], [4, 4], [[0, 1], [2, 3]], 1)]
+        for cu, lens, table, max_q in two:
+            cu, lens, table = (torch.tensor(x, dtype=I32) for x in (cu, lens, table))
+            with self.subTest(cu=cu.tolist(), lens=lens.tolist(), table=table.tolist(), max_seqlen_q=max_q):
+                with self.assertRaises(RuntimeError) as call:
+                    kvops.paged_attention(q3, k, v, cu, lens, table, max_seqlen_q=max_q)
+                with self.assertRaises(RuntimeError) as value_pass:
+                    values.check_paged_attention(q3, k, cu, lens, table, max_q)
+                self.assertEqual(str(call.exception), str(value_pass.exception))
+        self.assertIn("cu_seqlens_q = [0, 3, 2] must be non-decreasing", str(value_pass.exception))  # before q_len
         q2 = torch.randn(2, 2, 8)
         args = (q2, k, v, torch.tensor([0, 2], dtype=I32), torch.tensor([4], dtype=I32),
                 torch.tensor([[0, 1]], dtype=I32))
@@ -141,6 +162,9 @@ class TestEagerPath(unittest.TestCase):
             kvops.paged_attention(*args, max_seqlen_q=1)
         with kvops.value_checks("off"):  # not a contract the kernel addresses memory with
             self.assertEqual(kvops.paged_attention(*args, max_seqlen_q=1).shape, (2, 2, 8))
+        self.assertTrue(values.native_checks_all(q3, torch.tensor([0, 1, 3], dtype=I32), 2))
+        self.assertFalse(values.native_checks_all(q3, torch.tensor([0, 1, 3], dtype=I32), 1))
+        self.assertFalse(values.native_checks_all(q3, torch.tensor([0, 1, 3], dtype=I32), 3, torch.zeros(2, dtype=I32)))
 
     def test_results_are_the_dispatched_ops(self):
         for name, change in MUTATIONS.items():
