@@ -22,7 +22,9 @@ def main(argv=None) -> int:
         print(f"kvops: {e}", file=sys.stderr)
         return 2
     if not ok:
-        print("kvops: the native CPU kernels are not available (see the warning above); the composite kernels run.")
+        why = ("KVOPS_NATIVE=0 is set: unset it to build them" if os.environ.get("KVOPS_NATIVE", "1") == "0"
+               else "see the warning above")
+        print(f"kvops: the native CPU kernels are not available ({why}); the composite kernels run.")
         return 1
     macros = ", ".join(f"{m} {'defined' if on else 'undefined'}" for m, on in isa_macros().items())
     print(f"kvops: native CPU kernels ready in {build_directory()} ({isa()}: {macros})")

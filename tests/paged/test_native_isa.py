@@ -132,6 +132,13 @@ isa_macros(): no native build is loaded in this process (kvops.native.available(
         self.assertEqual(out.returncode, 2, out.stdout + out.stderr)  # kvops imported; the build was refused
         self.assertIn("kvops: KVOPS_NATIVE_ISA='v4' is not a build variant", out.stderr)
 
+    def test_opt_out_says_so_in_the_command(self):
+        out = subprocess.run([sys.executable, "-m", "kvops.native"], capture_output=True, text=True, timeout=300,
+                             cwd=ROOT, env=_env(KVOPS_NATIVE="0"))
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertExpectedInline(out.stdout.strip(), """\
+kvops: the native CPU kernels are not available (KVOPS_NATIVE=0 is set: unset it to build them); the composite kernels run.""")
+
 
 @unittest.skipUnless(HAS_COMPILER and X86_64, "the x86-64-v3 variant needs an x86-64 machine and a C++ compiler")
 class TestOtherVariantInAChild(unittest.TestCase):
