@@ -53,7 +53,8 @@ inline at::Tensor matrix(float* p, int64_t rows, int64_t cols, int64_t ld) {
 template <typename TQ, typename TK>
 inline bool low_precision_gemm(const Problem& pb) {
   if constexpr (std::is_same_v<TQ, TK> && (std::is_same_v<TK, c10::BFloat16> || std::is_same_v<TK, c10::Half>)) {
-    static const bool packs = at::native::cpublas::could_pack(c10::CppTypeToScalarType<TK>::value);
+    // asked per call: it follows torch.backends.mkldnn.enabled, which brgemm's VNNI form also needs
+    const bool packs = at::native::cpublas::could_pack(c10::CppTypeToScalarType<TK>::value);
     return packs && pb.d % 2 == 0 && !pb.rope_freq;
   }
   return false;

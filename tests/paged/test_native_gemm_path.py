@@ -122,6 +122,23 @@ class TestGemmPath(unittest.TestCase):
         self.assertTrue(torch.isfinite(out).all())
         self.assertTrue(torch.isfinite(lse[:, :40]).all())
 
+    def test_bf16_form_follows_the_mkldnn_switch(self):
+        # the bf16 (VNNI, brgemm) form runs only where oneDNN packs bf16 and torch.backends.mkldnn is enabled; with it
+        # disabled the same call takes the fp32 form (never the brgemm call that would refuse it)
+        q, kc, vc, cu, lens, table = make_case(14, q_lens=(40, 9), seq_lens=(90, 53), batch=2, width=8, h_q=4,
+                                               h_kv=2, d=64, dtype=torch.bfloat16)
+        want, _ = reference(q, kc, vc, cu, lens, table)
+        for enabled in (True, False):
+            with self.subTest(mkldnn=enabled), torch.backends.mkldnn.flags(enabled=enabled):
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    out = kvops.paged_attention(q, kc, vc, cu, lens, table, 40)
+                names = {e.key for e in prof.key_averages() if e.key.startswith("kvops::paged_attention::gemm_path")}
+                if not enabled:
+                    self.assertEqual(names, {"kvops::paged_attention::gemm_path(fp32)"})
+                else:
+                    self.assertEqual(len(names), 1)  # one form per call: the bf16 one on AMX hosts, else fp32
+                torch.testing.assert_close(out.double(), want, atol=TOL[torch.bfloat16], rtol=0)
+
     def test_decode_rows_take_the_register_kernel(self):
         q, kc, vc, cu, lens, table = make_case(13, q_lens=(1, 1, 1), h_q=14, h_kv=2, d=64)
         self.check(q, kc, vc, cu, lens, table, {}, torch.float32, gemm=False)
