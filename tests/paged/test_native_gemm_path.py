@@ -128,8 +128,11 @@ class TestGemmPath(unittest.TestCase):
         q, kc, vc, cu, lens, table = make_case(14, q_lens=(40, 9), seq_lens=(90, 53), batch=2, width=8, h_q=4,
                                                h_kv=2, d=64, dtype=torch.bfloat16)
         want, _ = reference(q, kc, vc, cu, lens, table)
+        before = torch.backends.mkldnn.enabled
+        self.addCleanup(setattr, torch.backends.mkldnn, "enabled", before)
         for enabled in (True, False):
-            with self.subTest(mkldnn=enabled), torch.backends.mkldnn.flags(enabled=enabled):
+            with self.subTest(mkldnn=enabled):
+                torch.backends.mkldnn.enabled = enabled
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     out = kvops.paged_attention(q, kc, vc, cu, lens, table, 40)
                 names = {e.key for e in prof.key_averages() if e.key.startswith("kvops::paged_attention::gemm_path")}
