@@ -6,7 +6,8 @@
 // every value it addresses memory with (the value contracts of docs/semantics.md §7: cu_seqlens_q, seq_lens, the
 // block ids in use) and raises the contract's RuntimeError, whatever the value-check mode (values_bad/raise_values).
 //
-// Work: one item per (sequence, tile of ~64 query rows per KV head) covering every KV head, optionally split along
+// Work: one item per (sequence, tile of ~64 query rows per KV head; up to GEMM_ROWS where a sequence has many
+// queries) covering every KV head, optionally split along
 // the KV range (split-KV, merged afterwards) when there are fewer than two items per thread; items run under
 // at::parallel_for. A KV head's rows are all its GQA query heads times the tile's queries (row r = query i * G +
 // group head g), so every K/V token is read once per KV head (once per query tile in prefill), in its stored dtype
@@ -20,6 +21,7 @@
 // addressed through their four strides (joint K|V allocations, interleaved blocks, HND caches viewed as NHD, sliced
 // heads); a last-dim stride != 1 or a head_dim that is not a multiple of 16 goes through a small fp32 staging tile.
 // A KV head's rows go through the math in blocks of 1, 2, 3, 4 (decode with GQA ratio <= 4: no padding) or 8.
+// Items with GEMM_MIN_ROWS rows per KV head or more (chunked prefill) take the GEMM path instead: attend_gemm.h.
 // The K/V rows ~8 KiB ahead are software-prefetched (blocks are scattered), one cache line per inner-loop step
 // (a burst per chunk overflows the miss buffers and is mostly dropped). Vector code uses GCC/Clang vector
 // extensions (AVX-512 / AVX2 / NEON under -march=native). Also here: the one-pass value-contract check of eager CPU
