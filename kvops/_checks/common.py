@@ -253,3 +253,15 @@ def require_scale_tensor(op: str, name: str, scale, what: str = "float32 scalar 
             f"{op}: {name} must be a {what} (or None), got {type(scale).__name__} {scale!r}. "
             f"Pass {name}=torch.tensor({value}, dtype=torch.float32) on the cache's device."
         )
+
+
+
+def kv_scale_tensors(op: str, k_scale, v_scale):
+    """``(k_scale, v_scale)`` as the ops take them: each None or a tensor (:func:`require_scale_tensor`, the fp8 scales
+    ``float32 [1]`` or ``[H_kv]``), a 0-d per-tensor scale (vLLM's form) as ``[1]`` (a view). Public wrappers call it
+    before dispatch."""
+    if k_scale is None and v_scale is None:
+        return None, None
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):  # a float: a clear error
+        require_scale_tensor(op, name, scale, "float32 tensor of shape [1] or [H_kv]")
+    return tuple(t.reshape(1) if t is not None and t.dim() == 0 else t for t in (k_scale, v_scale))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import values
-from .._checks.common import index_fix, require_scale_tensor
+from .._checks.common import index_fix, kv_scale_tensors
 from .._checks.flash_attn import OP, check_flash_attn_with_kvcache, check_mask_length
 from .._checks.features import AttnFeatures
 from .._checks.paged_attention import check_paged_attention
@@ -161,12 +161,7 @@ def flash_attn_with_kvcache(
                                          window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
                                          return_softmax_lse)
     cache_seqlens, softmax_scale, softcap = args.cache_seqlens, args.softmax_scale, args.softcap
-    for _name, _scale in (("k_scale", k_scale), ("v_scale", v_scale)):  # a float: a clear error
-        require_scale_tensor(OP, _name, _scale, "float32 tensor of shape [1] or [H_kv]")
-    if k_scale is not None and k_scale.dim() == 0:  # a 0-d per-tensor scale is [1] (a view), as the ops take it
-        k_scale = k_scale.reshape(1)
-    if v_scale is not None and v_scale.dim() == 0:
-        v_scale = v_scale.reshape(1)
+    k_scale, v_scale = kv_scale_tensors(OP, k_scale, v_scale)
     batch, s_q = q.shape[0], q.shape[1]
     device = q.device
     user_table = block_table

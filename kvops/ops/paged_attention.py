@@ -26,7 +26,7 @@ import torch
 
 from .. import _library
 from .._checks import values
-from .._checks.common import int64_error, require_scale_tensor
+from .._checks.common import int64_error, kv_scale_tensors
 from .._checks.features import NO_FEATURES, AttnFeatures, resolve
 from .._checks.paged_attention import check_paged_attention
 from .._checks.paged_write import as_nhd
@@ -271,13 +271,7 @@ def paged_attention(
         window_left, features = resolve(
             window_left, AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale,
                                       custom_mask, packed_custom_mask))
-    if k_scale is not None or v_scale is not None:
-        for _name, _scale in (("k_scale", k_scale), ("v_scale", v_scale)):  # a float: a clear error
-            require_scale_tensor("kvops.paged_attention", _name, _scale, "float32 tensor of shape [1] or [H_kv]")
-        if k_scale is not None and k_scale.dim() == 0:  # vLLM's per-tensor form: a 0-d scale is [1] (a view)
-            k_scale = k_scale.reshape(1)
-        if v_scale is not None and v_scale.dim() == 0:
-            v_scale = v_scale.reshape(1)
+    k_scale, v_scale = kv_scale_tensors("kvops.paged_attention", k_scale, v_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
     if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,

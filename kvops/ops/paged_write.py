@@ -14,7 +14,7 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
 from .. import native
-from .._checks.common import index_fix, require_scale_tensor
+from .._checks.common import index_fix, kv_scale_tensors
 from .._checks.paged_write import as_nhd, check_paged_cache_write
 from ..cpu import paged_write as cpu
 from ..triton import HAS_TRITON
@@ -83,12 +83,7 @@ def paged_cache_write(
     2.13) pass a ``.clone()`` of such a view on every call, the first included: torch does not recompile when the
     inputs' aliasing changes (pytorch/pytorch#139789), so a later call can read the traced offset or fail.
     """
-    for _name, _scale in (("k_scale", k_scale), ("v_scale", v_scale)):  # a float: a clear error
-        require_scale_tensor("kvops.paged_cache_write", _name, _scale, "float32 tensor of shape [1] or [H_kv]")
-    if k_scale is not None and k_scale.dim() == 0:  # vLLM's per-tensor form: a 0-d scale is [1] (a view)
-        k_scale = k_scale.reshape(1)
-    if v_scale is not None and v_scale.dim() == 0:
-        v_scale = v_scale.reshape(1)
+    k_scale, v_scale = kv_scale_tensors("kvops.paged_cache_write", k_scale, v_scale)
     if _traced():  # traced: the op (and the async value check), through few globals (few guards, see above)
         if values.get_value_checks() == "async":
             slot_mapping = values.check_paged_write(slot_mapping, k_cache, kv_layout)
