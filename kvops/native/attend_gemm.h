@@ -9,8 +9,8 @@
 // hardware-width vectors), and acc = acc * alpha + P V. Two forms:
 // * fp32 (TC = float): K / V converted to fp32 as they are gathered (RoPE at read rotates K here), Q is
 //   load_queries' scaled fp32 rows; the GEMMs are at::mm_out / addmm_ over the scratch (the BLAS torch's CPU SDPA
-//   uses for fp32: MKL on x86 wheels, per ISA). oneDNN's fp32 brgemm ukernel measured slower on AVX2 (1.24x against
-//   1.05x the SDPA ideal, Llama-3.1-8B geometry) and no faster on AVX-512.
+//   uses for fp32: MKL on x86 wheels, per ISA). oneDNN's fp32 brgemm ukernel measured slower on AVX2 (emulated on an
+//   AVX-512 host: 1.24x against 1.05x the SDPA ideal, Llama-3.1-8B geometry) and no faster on AVX-512 with AMX.
 // * the cache dtype (TC = bf16, where oneDNN packs it: AMX): Q as given and P in bf16, the scale applied to S, K / V
 //   in the VNNI layout (pairs along the reduction dim), fp32 accumulation, through at::native::cpublas::brgemm in
 //   GEMM_N-column blocks (oneDNN's brgemm ukernel, what torch's CPU flash attention and Inductor's CPP GEMM template
