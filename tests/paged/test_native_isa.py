@@ -37,6 +37,7 @@ ENV = _variants.ENV
 CHILD_TESTS = (
     "tests/paged/test_native_isa.py::TestLoadedVariant",
     "tests/paged/test_native_paged_attention.py",
+    "tests/paged/test_native_bf16_words.py",
     "tests/paged/test_native_gemm_path.py::TestGemmPath::test_tiles_of_a_long_prefill_with_threads",
     "tests/paged/test_native_gemm_path.py::TestGemmPath::test_fp8_caches_joint_and_padded_layouts_sinks",
     "tests/paged/test_native_gemm_path.py::TestGemmPath::test_custom_mask_both_forms",

@@ -1,0 +1,82 @@
+"""The bf16 word form of the native register kernel (kvops/native/chunk_pairs.h): bf16 caches read in place with
+head_dim % 32 == 0 read K and V as 32-bit words (two dims each) and keep the accumulators in an even/odd layout while a
+pass runs. Every feature it serves, every row block (GQA 1, 2, 3, 4, 5, 7, 8), both layouts, joint and padded caches with
+NaN in unused slots, block_size 1, split-KV with two threads and a streaming sink pass before the window pass (the
+layout must survive between passes) are checked against the fp64 oracle (kvops/reference/attention.py). head_dim 80
+and RoPE at read keep the fp32 form in the same calls' neighbours (they are checked by the other native tests)."""
+
+from __future__ import annotations
+
+import shutil
+import unittest
+
+import torch
+
+import kvops
+import kvops.native as native
+from kvops.reference.attention import reference
+from tests.paged.test_attention_features import FEATURES, TOL, make_case, resolve
+from tests.paged.test_paged_attention import check_close, make_inputs, ref_kwargs
+from tests.paged.test_paged_attention import reference as matrix_reference
+
+HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+BF16 = torch.bfloat16
+NO_ROPE = [kw for kw in FEATURES if "rope_theta" not in kw]
+
+
+@unittest.skipUnless(HAS_COMPILER, "no C++ compiler on this machine: the composite fallback is what runs")
+class TestBf16WordForm(unittest.TestCase):
+    def setUp(self):
+        self.assertTrue(native.available())
+
+    def check(self, q, k_cache, v_cache, cu, lens, table, kw, layout="NHD"):
+        nhd = (k_cache, v_cache) if layout == "NHD" else (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
+        want, want_lse = reference(q, *nhd, cu, lens, table, **kw)
+        out, lse = kvops.paged_attention(q, k_cache, v_cache, cu, lens, table, int((cu[1:] - cu[:-1]).max()),
+                                         return_lse=True, kv_layout=layout, **kw)
+        torch.testing.assert_close(out.double(), want, atol=TOL[BF16], rtol=0)
+        torch.testing.assert_close(lse.double(), want_lse, atol=TOL[BF16], rtol=0)
+
+    def test_every_feature_every_row_block(self):
+        # decode and short extends (rows = q_len x G < 32: the register kernel); G = 7 pads its rows to 8
+        for i, kw in enumerate(NO_ROPE):
+            for h_q, h_kv, d in ((7, 1, 64), (10, 2, 96), (4, 4, 128), (6, 2, 32), (8, 1, 64), (16, 4, 64)):
+                with self.subTest(kw=kw, h_q=h_q, h_kv=h_kv, d=d):
+                    q, kc, vc, cu, lens, table = make_case(i, h_q=h_q, h_kv=h_kv, d=d, dtype=BF16, q_lens=(1, 2, 3))
+                    self.check(q, kc, vc, cu, lens, table, resolve(kw, 3, h_q, i))
+
+    def test_block_size_1_and_hnd(self):
+        for i, kw in enumerate(NO_ROPE[::2]):
+            for block_size, layout in ((1, "NHD"), (16, "HND"), (1, "HND")):
+                with self.subTest(kw=kw, block_size=block_size, layout=layout):
+                    width = 96 // block_size
+                    q, kc, vc, cu, lens, table = make_case(i, block_size=block_size, h_q=14, h_kv=2, d=64, dtype=BF16,
+                                                           width=width, layout=layout, q_lens=(1, 1, 2),
+                                                           seq_lens=(90, 5, 53))
+                    self.check(q, kc, vc, cu, lens, table, resolve(kw, 3, 14, i), layout)
+
+    def test_joint_padded_outer_caches_nan_in_unused_slots(self):
+        for layout in ("joint", "padded", "outer", "separate"):
+            for extra in ({}, dict(window_left=20, softcap=10.0)):
+                with self.subTest(layout=layout, extra=extra):
+                    inputs = make_inputs(7, [129, 40, 0, 1], [1, 1, 0, 1], block_size=16, h_q=14, h_kv=2, d=64,
+                                         dtype=BF16, layout=layout, sinks=True)
+                    out, lse = kvops.paged_attention(**inputs, **extra, return_lse=True)
+                    check_close(self, out, lse, *matrix_reference(**ref_kwargs(inputs, **extra)), BF16)
+
+    def test_split_kv_and_sink_pass_with_threads(self):
+        # one long sequence: split along its KV range (merged afterwards) with two threads; the streaming sink pass
+        # runs before the window pass on the same accumulators
+        q, kc, vc, cu, lens, table = make_case(3, batch=1, q_lens=(1,), seq_lens=(3000,), width=190, h_q=14, h_kv=2,
+                                               d=64, dtype=BF16)
+        old = torch.get_num_threads()
+        self.addCleanup(torch.set_num_threads, old)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for kw in ({}, dict(sink_tokens=4, window_left=1000), dict(softcap=30.0, window_left=2500)):
+                with self.subTest(threads=threads, kw=kw):
+                    self.check(q, kc, vc, cu, lens, table, kw)
+
+
+if __name__ == "__main__":
+    unittest.main()
