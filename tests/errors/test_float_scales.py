@@ -1,7 +1,9 @@
 """A Python float where an op takes a scale tensor (``k_scale``/``v_scale``; vLLM layers keep a float next to the
 tensor, so it is an easy slip): a ``ValueError`` naming the argument, the value and the fix, before anything is written,
 in eager, compile and export (the dispatcher's own error names the schema type; ``.dim()`` on a float was an
-AttributeError)."""
+AttributeError); the same when the float is an argument of the compiled function that changes between calls (the
+recompile makes it a SymFloat). A 0-d scale of another dtype than float32 is reported with the shape and dtype it was
+passed with."""
 
 import ast
 import re
