@@ -61,6 +61,36 @@ def raises_everywhere(
     return message
 
 
+def raises_for_each(
+    test,
+    exc_type: type[BaseException],
+    fn,
+    args,
+    values,
+    compile_exc: type[BaseException] = torch._dynamo.exc.TorchRuntimeError,
+) -> list[str]:
+    """``fn(*args, value)`` for each of ``values`` (Python numbers) must raise ``exc_type`` with one message in eager,
+    ``torch.export`` and one ``torch.compile(fullgraph=True)`` function called with each value in turn; returns the
+    messages, one per value.
+
+    The compiled function is the same across the values, so its second call recompiles with the number symbolic
+    (Dynamo's automatic dynamic shapes: a SymFloat or SymInt): a message that formats the traced number must still
+    come out whole, not as Dynamo's error about formatting it (``compile_exc``: as in :func:`raises_everywhere`).
+    """
+    messages = []
+    for value in values:
+        messages.append(raises_everywhere(test, exc_type, lambda *a, v=value: fn(*a, v), args,
+                                          modes=("eager", "export"), compile_exc=compile_exc))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    for value, message in zip(values, messages):
+        with test.assertRaises(compile_exc) as cm:
+            compiled(*args, value)
+        text = str(cm.exception)
+        test.assertTrue(any(form in text for form in dynamo_exception_forms(exc_type, message)), text)
+    return messages
+
+
 def dynamo_exception_forms(exc_type: type[BaseException], message: str) -> tuple[str, ...]:
     """How Dynamo's error text shows the exception ``exc_type(message)`` it traced: ``ValueError('msg')`` (torch
     2.13-2.15, and any wrapped fake-rule error); torch 2.11 prints an exception raised by traced Python code with its

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_scalar
 
 
 def as_int(x) -> int:
@@ -178,6 +179,22 @@ def check_fp8_scales(op: str, k_cache: torch.Tensor, k_scale, v_scale) -> None:
         require_same_device(op, name, scale, "k_cache", k_cache)
 
 
+_FAR = 1e300  # number_text's probe: every backed number is either side of -_FAR
+
+
+def number_text(x) -> str | None:
+    """``repr`` of the Python number ``x`` (an int or a float) for an error message, also when ``torch.compile`` traces
+    it: Dynamo makes a number argument symbolic (a SymInt or SymFloat) when a later call passes another value, and
+    cannot format a traced number ("repr_impl not implemented"). A traced number is guarded to its value at this call
+    (the call raises: the guard costs nothing), so the message is the eager one; a traced number without a value
+    (unbacked: e.g. from ``.item()``, which no guard can read) gives None. Only called on the error path."""
+    if not torch.compiler.is_compiling() and not isinstance(x, (torch.SymInt, torch.SymFloat)):
+        return repr(x)
+    if not (guard_or_false(x > -_FAR) or guard_or_false(x <= -_FAR)):  # both undecided: unbacked
+        return None
+    return repr(guard_scalar(x))
+
+
 def require_finite(op: str, name: str, value, what: str, fix: str) -> None:
     """``ValueError`` when the float ``value`` is NaN or +-inf (``what``: what it is; ``fix``: the sentence that says
     what to pass). A NaN or infinite scalar turns every score into NaN or 0 inside the kernels, indistinguishable from
@@ -248,20 +265,25 @@ def require_scale_tensor(op: str, name: str, scale, what: str = "float32 scalar 
     Python float names the schema type, not the fix; ``.dim()`` on a float is an AttributeError). ``ValueError``
     naming ``name``, the value and ``torch.tensor(value, dtype=torch.float32)`` as the fix."""
     if scale is not None and not isinstance(scale, torch.Tensor):
-        value = repr(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else "s"
+        number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+        text = number_text(scale) if number else repr(scale)
+        got = f"{type(scale).__name__} {text}" if text is not None else f"a traced {type(scale).__name__}"
         raise ValueError(
-            f"{op}: {name} must be a {what} (or None), got {type(scale).__name__} {scale!r}. "
-            f"Pass {name}=torch.tensor({value}, dtype=torch.float32) on the cache's device."
+            f"{op}: {name} must be a {what} (or None), got {got}. "
+            f"Pass {name}=torch.tensor({text if number and text is not None else 's'}, dtype=torch.float32) on the "
+            f"cache's device."
         )
 
 
 
 def kv_scale_tensors(op: str, k_scale, v_scale):
     """``(k_scale, v_scale)`` as the ops take them: each None or a tensor (:func:`require_scale_tensor`, the fp8 scales
-    ``float32 [1]`` or ``[H_kv]``), a 0-d per-tensor scale (vLLM's form) as ``[1]`` (a view). Public wrappers call it
-    before dispatch."""
+    ``float32 [1]`` or ``[H_kv]``), a 0-d float32 per-tensor scale (vLLM's form) as ``[1]`` (a view). A 0-d scale of
+    another dtype is left as it is, so that the validator's error reports the shape and dtype it was passed with.
+    Public wrappers call it before dispatch."""
     if k_scale is None and v_scale is None:
         return None, None
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):  # a float: a clear error
         require_scale_tensor(op, name, scale, "float32 tensor of shape [1] or [H_kv]")
-    return tuple(t.reshape(1) if t is not None and t.dim() == 0 else t for t in (k_scale, v_scale))
+    return tuple(t.reshape(1) if t is not None and t.dim() == 0 and t.dtype == torch.float32 else t
+                 for t in (k_scale, v_scale))

@@ -82,6 +82,8 @@ def float_arg(op: str, name: str, x, *, optional: bool = False):
         return float(x)
     if isinstance(x, _SYM[:2]):
         return x
+    if isinstance(x, (int, float)):  # before hasattr, which Dynamo cannot trace on a number it made symbolic
+        return float(x)
     if isinstance(x, (str, bytes, complex)) or not hasattr(x, "__float__"):
         raise ValueError(
             f"{op}: {name} must be a float{' or None' if optional else ''} (an int, a float or a one-element tensor, "

@@ -129,7 +129,7 @@ def _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_
 
     check_varlen_metadata(OP, q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q)
     if window_left < -1:
-        raise ValueError(f"{OP}: window_left must be -1 (no window) or >= 0, got {window_left}.")
+        raise ValueError(f"{OP}: window_left must be -1 (no window) or >= 0, got {as_int(window_left)}.")
     if softcap < 0:
         raise ValueError(f"{OP}: softcap must be >= 0 (0 disables it), got {softcap}.")
     require_finite(OP, "softcap", softcap, "scores become softcap * tanh(score / softcap); 0 disables it",
