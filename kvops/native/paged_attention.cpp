@@ -21,8 +21,7 @@
 // addressed through their four strides (joint K|V allocations, interleaved blocks, HND caches viewed as NHD, sliced
 // heads); a last-dim stride != 1 or a head_dim that is not a multiple of 16 goes through a small fp32 staging tile.
 // A KV head's rows go through the math in blocks of 1, 2, 3, 4 (decode with GQA ratio <= 4: no padding) or 8.
-// bf16 caches read in place take chunk_pairs.h instead of chunk(): K / V read as 32-bit words (two dims each), with
-// AVX512-BF16 dot products where the build has them.
+// bf16 caches read in place take chunk_pairs.h instead of chunk(): K / V read as 32-bit words (two dims each).
 // Items with GEMM_MIN_ROWS rows per KV head or more (chunked prefill) take the GEMM path instead: attend_gemm.h.
 // The K/V rows ~8 KiB ahead are software-prefetched (blocks are scattered), one cache line per inner-loop step
 // (a burst per chunk overflows the miss buffers and is mostly dropped). Vector code uses GCC/Clang vector
@@ -291,8 +290,6 @@ struct Scratch {
   std::vector<vf> lv;
   std::vector<int64_t> row_lo, row_hi;
   std::vector<int64_t> row_mask;  // custom mask: the element / bit of (row's query, new key 0)
-  std::vector<uint32_t> qw, pw;  // chunk_dp (chunk_pairs.h): q as bf16 pairs [H_kv][rows_pad][d / 2], P of a chunk
-  bool qw_ready = false;  // qw holds this pass's queries
   int64_t first_new = 0;  // custom mask: the first new key's position (seq_len - q_len)
   void size(int rows_pad, const Problem& pb) {
     qf.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d_pad, 0.f);
@@ -308,8 +305,6 @@ struct Scratch {
     row_hi.resize(rows_pad);
     row_pos.resize(rows_pad);
     row_mask.resize(rows_pad);
-    qw.resize(static_cast<size_t>(pb.num_kv_heads) * rows_pad * (pb.d / 2));
-    pw.resize(static_cast<size_t>(rows_pad) * L / 2);
     if (pb.alibi) slope.resize(static_cast<size_t>(pb.num_kv_heads) * rows_pad);
     if (pb.rope_freq) {
       const int half = pb.d / 2;
@@ -363,24 +358,6 @@ void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, 
       }
     }
   }
-  sc.qw_ready = false;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<TQ, c10::BFloat16>) {  // chunk_dp's query words: q as given, unscaled (scale: on S)
-    if (pb.d % 2 == 0 && !pb.rope_freq && !pb.k_scale) {
-      const int words = pb.d / 2;
-      std::fill(sc.qw.begin(), sc.qw.end(), 0u);
-      for (int h = 0; h < pb.num_kv_heads; ++h)
-        for (int r = 0; r < it.nq * pb.group; ++r) {
-          const uint16_t* src = reinterpret_cast<const uint16_t*>(q + (t0 + r / pb.group) * pb.sq[0] +
-                                                                  static_cast<int64_t>(h * pb.group + r % pb.group) * pb.sq[1]);
-          uint32_t* dst = sc.qw.data() + (static_cast<size_t>(h) * rows_pad + r) * words;
-          for (int w = 0; w < words; ++w)
-            dst[w] = src[2 * w * pb.sq[2]] | static_cast<uint32_t>(src[(2 * w + 1) * pb.sq[2]]) << 16;
-        }
-      sc.qw_ready = true;
-    }
-  }
-#endif
   for (int i = 0; i < it.nq; ++i) {
     const int64_t pos = static_cast<int64_t>(kv_len) - q_len + it.q0 + i;
     int64_t lo = pb.window_left >= 0 ? std::max<int64_t>(start, pos - pb.window_left) : start;
@@ -590,9 +567,8 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   // bf16 rows read in place go through chunk_pairs (accumulators in its layout while this pass runs)
   constexpr bool bf16 = std::is_same_v<TK, c10::BFloat16>;
   const bool pairs = bf16 && direct && d % (2 * L) == 0 && pb.d_v % (2 * NW) == 0 && !pb.rope_freq;
-  const bool dot = pairs && sc.qw_ready && pb.d_v % 32 == 0;  // chunk_dp (AVX512-BF16 builds)
   if (pairs)
-    for (int h = 0; h < nh; ++h) pair_layout(state + h * head_size + 2 * rows_pad, rows_pad, dvp, dot, true);
+    for (int h = 0; h < nh; ++h) pair_layout(state + h * head_size + 2 * rows_pad, rows_pad, dvp, true);
   for (int h = 0; h < nh; ++h)  // the running sum carries over from an earlier pass (sinks), in lane 0
     for (int r = 0; r < rows_pad; ++r) {
       vf l0{};
@@ -686,13 +662,6 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
         vp[t] = t < n ? vb[t] + h * pb.sv[2] : zeros;
       }
       if constexpr (bf16) {
-#if defined(__AVX512BF16__)
-        if (dot) {
-          const uint32_t* qw = sc.qw.data() + static_cast<size_t>(h) * rows_pad * (d / 2);
-          chunk_dp<RB>(pb, kp, vp, n, j0, rows_pad, sc, qw, m, lv, acc, pf, slope, rows);
-          continue;
-        }
-#endif
         if (pairs) {
           chunk_pairs<RB>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf, slope);
           continue;
@@ -721,7 +690,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   for (int h = 0; h < nh; ++h)
     for (int r = 0; r < rows; ++r) state[h * head_size + rows_pad + r] = hsum(sc.lv[h * rows_pad + r]);
   if (pairs)
-    for (int h = 0; h < nh; ++h) pair_layout(state + h * head_size + 2 * rows_pad, rows_pad, dvp, dot, false);
+    for (int h = 0; h < nh; ++h) pair_layout(state + h * head_size + 2 * rows_pad, rows_pad, dvp, false);
 }
 
 #include "attend_gemm.h"  // attend_gemm: the GEMM form of attend for items with many rows
