@@ -66,7 +66,7 @@ SOURCES = [
     SOURCE.with_name("packed_attention.cpp"),  # kvops::_packed_attention_native
     SOURCE.with_name("paged_write.cpp"),  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
 ]
-HEADERS = [SOURCE.with_name(h) for h in ("vec.h", "chunk_pairs.h", "attend_gemm.h")]  # included by the sources: part of the build hash
+HEADERS = [SOURCE.with_name(h) for h in ("vec.h", "chunk_pairs.h", "attend_gemm.h", "packed_tile.h")]  # included by the sources: part of the build hash
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # and the variant's -march flag: cflags()
 OP_NAME = "kvops::_paged_attention_native"
 

@@ -49,107 +49,7 @@ constexpr int ROWS = 128;  // query rows per item (per KV head)
 
 inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < BN; ++i) m = v[i] > m ? v[i] : m; return m; }
 
-inline float h2f(const void* p, int64_t i) { return static_cast<float>(static_cast<const c10::Half*>(p)[i]); }
-
-// --- one K or V segment, as stored ---------------------------------------------------------------------------------
-enum Kind { F32, BF16, F16, INT8, FP8, INT4, INT2 };
-
-struct Field {
-  const void* p = nullptr;
-  int64_t st[5] = {0, 0, 0, 0, 0};
-  void set(const at::Tensor& t) {
-    p = t.data_ptr();
-    for (int i = 0; i < t.dim(); ++i) st[i] = t.stride(i);
-  }
-};
-
-struct Seg {
-  Kind kind;
-  int n, d;  // tokens, values per row
-  int group = 0, stages = 0;  // int4 / int2
-  const int32_t* counts = nullptr;  // row_counts of this segment's rows (nullptr: every row once)
-  Field codes, scales, zeros, centroids, ids;
-
-  // n_rows rows of this segment, from token t0 of (batch b, KV head h), as fp32: value e of row j goes to
-  // dst[j * rs + e * cs]. Only the bytes of those rows (and their scales, zero points, centroids) are read.
-  void load(int b, int h, int t0, int n_rows, float* dst, int rs, int cs) const {
-    const int64_t* c = codes.st;
-    for (int j = 0; j < n_rows; ++j) {
-      const int64_t t = t0 + j;
-      float* o = dst + static_cast<int64_t>(j) * rs;
-      switch (kind) {
-        case F32: case BF16: case F16: {
-          const int64_t base = b * c[0] + t * c[1] + h * c[2];
-          if (kind == F32) {
-            const float* x = static_cast<const float*>(codes.p) + base;
-            for (int e = 0; e < d; ++e) o[e * cs] = x[e * c[3]];
-          } else if (kind == BF16) {
-            const uint16_t* x = static_cast<const uint16_t*>(codes.p) + base;
-            for (int e = 0; e < d; ++e) {
-              const uint32_t bits = static_cast<uint32_t>(x[e * c[3]]) << 16;
-              float f;
-              std::memcpy(&f, &bits, 4);
-              o[e * cs] = f;
-            }
-          } else {
-            for (int e = 0; e < d; ++e) o[e * cs] = h2f(codes.p, base + e * c[3]);
-          }
-          break;
-        }
-        case INT8: {
-          const int8_t* x = static_cast<const int8_t*>(codes.p) + b * c[0] + t * c[1] + h * c[2];
-          const float s = h2f(scales.p, b * scales.st[0] + t * scales.st[1] + h * scales.st[2]);
-          for (int e = 0; e < d; ++e) o[e * cs] = static_cast<float>(x[e * c[3]]) * s;
-          break;
-        }
-        case FP8: {
-          const uint8_t* x = static_cast<const uint8_t*>(codes.p) + b * c[0] + t * c[1] + h * c[2];
-          const float s = static_cast<const float*>(scales.p)[b * scales.st[0] + h * scales.st[1]];
-          const float* lut = fp8_lut().v;
-          for (int e = 0; e < d; ++e) o[e * cs] = lut[x[e * c[3]]] * s;
-          break;
-        }
-        case INT4: {  // two codes per byte (element 2i low nibble), (code - zero / 8) * scale per group
-          const uint8_t* x = static_cast<const uint8_t*>(codes.p) + b * c[0] + t * c[1] + h * c[2];
-          const int64_t srow = b * scales.st[0] + t * scales.st[1] + h * scales.st[2];
-          const int64_t zrow = b * zeros.st[0] + t * zeros.st[1] + h * zeros.st[2];
-          const int8_t* z = static_cast<const int8_t*>(zeros.p);
-          for (int g = 0; g < d / group; ++g) {
-            const float s = h2f(scales.p, srow + g * scales.st[3]);
-            const float zf = static_cast<float>(z[zrow + g * zeros.st[3]]) * 0.125f;  // zero point in eighths
-            for (int e = g * group; e < (g + 1) * group; e += 2) {
-              const int byte = x[(e >> 1) * c[3]];
-              o[e * cs] = (static_cast<float>(byte & 15) - zf) * s;
-              o[(e + 1) * cs] = (static_cast<float>(byte >> 4) - zf) * s;
-            }
-          }
-          break;
-        }
-        case INT2: {  // centroid of the token's cluster + every stage's (code - zero / 8) * scale, 4 codes per byte
-          const int cid = static_cast<const uint8_t*>(ids.p)[b * ids.st[0] + t * ids.st[1] + h * ids.st[2]];
-          const int64_t mrow = b * centroids.st[0] + h * centroids.st[1] + cid * centroids.st[2];
-          for (int e = 0; e < d; ++e) o[e * cs] = h2f(centroids.p, mrow + e * centroids.st[3]);
-          const uint8_t* x0 = static_cast<const uint8_t*>(codes.p) + b * c[0] + t * c[1] + h * c[2];
-          const int8_t* z = static_cast<const int8_t*>(zeros.p);
-          for (int st = 0; st < stages; ++st) {
-            const uint8_t* x = x0 + st * c[3];
-            const int64_t srow = b * scales.st[0] + t * scales.st[1] + h * scales.st[2] + st * scales.st[3];
-            const int64_t zrow = b * zeros.st[0] + t * zeros.st[1] + h * zeros.st[2] + st * zeros.st[3];
-            for (int g = 0; g < d / group; ++g) {
-              const float s = h2f(scales.p, srow + g * scales.st[4]);
-              const float zf = static_cast<float>(z[zrow + g * zeros.st[4]]) * 0.125f;
-              for (int e = g * group; e < (g + 1) * group; e += 4) {
-                const int byte = x[(e >> 2) * c[4]];
-                for (int i = 0; i < 4; ++i) o[(e + i) * cs] += (static_cast<float>((byte >> (2 * i)) & 3) - zf) * s;
-              }
-            }
-          }
-          break;
-        }
-      }
-    }
-  }
-};
+#include "packed_tile.h"  // Seg: one K or V segment as stored, and its dequantization into fp32 tiles
 
 Seg dense_seg(const at::Tensor& x) {
   Seg s;
@@ -157,6 +57,7 @@ Seg dense_seg(const at::Tensor& x) {
   s.n = static_cast<int>(x.size(1));
   s.d = static_cast<int>(x.size(3));
   s.codes.set(x);
+  s.finish();
   return s;
 }
 
@@ -199,6 +100,7 @@ Seg packed_seg(const std::string& quant, const std::vector<at::Tensor>& f, size_
     s.ids.set(f[i + 4]);
     check_cluster_ids(f[i + 4], f[i + 3].size(2));
   }
+  s.finish();
   return s;
 }
 
@@ -216,21 +118,84 @@ struct Problem {
 
 struct Item { int b, h, r0, rows; };
 
+// rows of an item padded to the row block of the math: 1, 2, 3, 4 (decode with GQA ratio <= 4), else a multiple of 8
+inline int pad_rows(int rows) { return rows <= 4 ? rows : round_up(rows, 8); }
+
+// scores p[r] = q_r . k_t of the tile's 16 tokens (kt[e * 16 + t]: K transposed), RB rows at a time (each kt[e]
+// load feeds RB FMAs); NA accumulator sets (dims e = j mod NA) keep 8 FMA chains in flight when RB < 8 (in
+// hardware-width parts of NW tokens, vec.h: on AVX2 the NA * RB = 8 accumulators are 8 ymm registers)
+template <int RB>
+void scores(const float* qf, int dp, const float* kt, int rows_pad, vf* p) {
+  constexpr int NA = 8 / RB;
+  for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+    const float* q0 = qf + static_cast<size_t>(r0) * dp;
+    for (int c = 0; c < NH; ++c) {
+      nv a[NA][RB] = {};
+      for (int e = 0; e < dp; e += NA)
+        for (int j = 0; j < NA; ++j) {
+          const nv kv = loadn(kt + static_cast<size_t>(e + j) * BN + c * NW);
+          for (int i = 0; i < RB; ++i) a[j][i] += q0[i * dp + e + j] * kv;
+        }
+      for (int i = 0; i < RB; ++i) {
+        nv sum = a[0][i];
+        for (int j = 1; j < NA; ++j) sum += a[j][i];
+        storen(reinterpret_cast<float*>(&p[r0 + i]) + c * NW, sum);
+      }
+    }
+  }
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_t p[r][t] v_t (vt[t * dvp + e]: V row-major), RB rows x NW dims at a time
+template <int RB>
+void accumulate(float* acc, int dvp, const float* vt, int nt, const vf* p, const float* alpha, int rows_pad) {
+  for (int e0 = 0; e0 < dvp; e0 += NW)
+    for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+      nv a[RB];
+      for (int i = 0; i < RB; ++i) a[i] = loadn(acc + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
+      for (int j = 0; j < nt; ++j) {
+        const nv vv = loadn(vt + static_cast<size_t>(j) * dvp + e0);
+        for (int i = 0; i < RB; ++i) a[i] += p[r0 + i][j] * vv;
+      }
+      for (int i = 0; i < RB; ++i) storen(acc + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
+    }
+}
+
+struct Math {
+  void (*scores)(const float*, int, const float*, int, vf*);
+  void (*accumulate)(float*, int, const float*, int, const vf*, const float*, int);
+};
+template <int RB>
+constexpr Math math_of() { return {&scores<RB>, &accumulate<RB>}; }
+inline Math math_for(int rows_pad) {
+  switch (rows_pad) {
+    case 1: return math_of<1>();
+    case 2: return math_of<2>();
+    case 3: return math_of<3>();
+    case 4: return math_of<4>();
+    default: return math_of<8>();
+  }
+}
+
 template <typename TQ>
 void run(const Problem& pb, const std::vector<Item>& items) {
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int dp = pb.dp, dvp = pb.dvp;
     std::vector<float> qf(static_cast<size_t>(ROWS) * dp), acc(static_cast<size_t>(ROWS) * dvp);
-    std::vector<float> kt(static_cast<size_t>(dp) * BN, 0.f), vt(static_cast<size_t>(BN) * dvp, 0.f);
+    // K tile as 16x16 blocks kb[e / 16][t][e % 16] (dequantized), then transposed: kt[e * 16 + t]; V row-major
+    std::vector<vf> kbv(dp, vf{});  // vector-aligned: transpose16_to reads it as vf rows
+    float* kb = reinterpret_cast<float*>(kbv.data());
+    std::vector<float> kt(static_cast<size_t>(dp) * BN, 0.f);
+    std::vector<float> vt(static_cast<size_t>(BN) * dvp, 0.f);
     std::vector<vf> p(ROWS);
     float m[ROWS], alpha[ROWS];
     vf lv[ROWS];
     for (int64_t w = begin; w < end; ++w) {
       const Item& it = items[w];
-      const int rows_pad = round_up(it.rows, 8);
-      std::fill(qf.begin(), qf.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int r = 0; r < ROWS; ++r) { m[r] = NEG_INF; lv[r] = vf{}; p[r] = vf{}; alpha[r] = 1.f; }
+      const int rows_pad = pad_rows(it.rows);
+      const Math math = math_for(rows_pad);
+      std::fill(qf.begin(), qf.begin() + static_cast<size_t>(rows_pad) * dp, 0.f);
+      std::fill(acc.begin(), acc.begin() + static_cast<size_t>(rows_pad) * dvp, 0.f);
+      for (int r = 0; r < rows_pad; ++r) { m[r] = NEG_INF; lv[r] = vf{}; p[r] = vf{}; alpha[r] = 1.f; }
       for (int r = 0; r < it.rows; ++r) {  // row r = query i * G + g
         const int row = it.r0 + r, i = row / pb.group, hq = it.h * pb.group + row % pb.group;
         const TQ* src = static_cast<const TQ*>(pb.q) + it.b * pb.sq[0] + i * pb.sq[1] + hq * pb.sq[2];
@@ -254,24 +219,14 @@ void run(const Problem& pb, const std::vector<Item>& items) {
             }
             if (!any) continue;
           }
-          if (nt < BN || ks.counts) {  // rows past the segment's end or not visible: zeros (masked below)
-            std::fill(kt.begin(), kt.end(), 0.f);
-            std::fill(vt.begin(), vt.end(), 0.f);
-          }
-          ks.load(it.b, it.h, t0, nt, kt.data(), 1, BN);  // K transposed: kt[e * BN + j]
-          // scores of 8 rows at a time: each K column vector feeds 8 FMAs
-          // (in hardware-width parts of NW tokens, vec.h: on AVX2 the 8 accumulators are 8 ymm registers)
-          for (int r0 = 0; r0 < rows_pad; r0 += 8) {
-            const float* q0 = qf.data() + static_cast<size_t>(r0) * dp;
-            for (int c = 0; c < NH; ++c) {
-              nv a[8] = {};
-              for (int e = 0; e < pb.d; ++e) {
-                const nv kv = loadn(kt.data() + static_cast<size_t>(e) * BN + c * NW);
-                for (int i = 0; i < 8; ++i) a[i] += q0[i * dp + e] * kv;
-              }
-              for (int i = 0; i < 8; ++i) storen(reinterpret_cast<float*>(&p[r0 + i]) + c * NW, a[i]);
-            }
-          }
+          if (nt < BN)  // tokens past the segment's end: zeros (their scores are masked below)
+            for (int e0 = 0; e0 < dp; e0 += BN)
+              std::fill(kb + static_cast<size_t>(e0) * BN + nt * BN, kb + (e0 + BN) * BN, 0.f);
+          ks.rows(it.b, it.h, t0, nt, kb, BN, BN * BN);
+          for (int e0 = 0; e0 < dp; e0 += BN)
+            transpose16_to(reinterpret_cast<const vf*>(kb + static_cast<size_t>(e0) * BN),
+                           kt.data() + static_cast<size_t>(e0) * BN);
+          math.scores(qf.data(), dp, kt.data(), rows_pad, p.data());
           vi lane;
           for (int c = 0; c < BN; ++c) lane[c] = c;
           const vi valid = (lane < (vi{} + nt)) & (wv > splat(0.0f));
@@ -293,22 +248,11 @@ void run(const Problem& pb, const std::vector<Item>& items) {
             p[r] = ks.counts ? vexp(s - m[r]) * wv : vexp(s - m[r]);
             lv[r] = lv[r] * alpha[r] + p[r];
           }
-          vs.load(it.b, it.h, t0, nt, vt.data(), dvp, 1);  // V row-major: vt[j * dvp + e]
+          vs.rows(it.b, it.h, t0, nt, vt.data(), dvp, BN);  // V row-major: vt[j * dvp + e]
           if (ks.counts)  // a row not visible may hold anything (stale ring rows): never let it reach acc
             for (int j = 0; j < nt; ++j)
               if (wv[j] == 0.0f) std::fill(vt.begin() + static_cast<size_t>(j) * dvp, vt.begin() + (j + 1) * dvp, 0.f);
-          for (int e0 = 0; e0 < dvp; e0 += NW) {
-            for (int r0 = 0; r0 < rows_pad; r0 += 8) {
-              nv a[8];
-              for (int i = 0; i < 8; ++i)
-                a[i] = loadn(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
-              for (int j = 0; j < nt; ++j) {
-                const nv vv = loadn(vt.data() + static_cast<size_t>(j) * dvp + e0);
-                for (int i = 0; i < 8; ++i) a[i] += p[r0 + i][j] * vv;
-              }
-              for (int i = 0; i < 8; ++i) storen(acc.data() + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
-            }
-          }
+          math.accumulate(acc.data(), dvp, vt.data(), nt, p.data(), alpha, rows_pad);
         }
       }
       TQ* out = static_cast<TQ*>(pb.out);
