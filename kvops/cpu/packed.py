@@ -186,6 +186,8 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     ``[B, H_kv, M]``). A fused flash kernel where torch has one that returns the LSE (CPU: any float dtype; CUDA:
     fp16/bf16; both need ``D_v == D``), else plain fp32 math."""
     flash = q.shape[-1] == v.shape[-1]
+    # torch's flash kernels read rows as unit-stride (a last-dim stride of 2 gave wrong results on CPU): copy others
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if flash and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
         return out.float(), lse

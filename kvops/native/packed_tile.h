@@ -93,6 +93,16 @@ inline vf codes16(const uint8_t* x) {
   return __builtin_convertvector((w >> sh) & ((1 << (8 / PER)) - 1), vf);
 }
 
+// (the x86 instruction is emitted directly, as in paged_attention.cpp: GCC 12 was seen to drop __builtin_prefetch)
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+constexpr int AHEAD = 32;  // tokens between a row's prefetch and its read
+
 struct Seg {
   Kind kind;
   int n, d;  // tokens, values per row
@@ -123,6 +133,7 @@ struct Seg {
       const int64_t t = t0 + j;
       float* o = dst + static_cast<int64_t>(j) * rs;
       const int64_t base = b * c[0] + t * c[1] + h * c[2];
+      if (t + AHEAD < n) prefetch_row(b, h, t + AHEAD);
       switch (kind) {
         case F32:
           for (int k = 0; k < chunks; ++k) std::memcpy(o + k * cs, static_cast<const float*>(codes.p) + base + k * L, 64);
@@ -186,6 +197,21 @@ struct Seg {
         }
       }
     }
+  }
+
+  // the cache lines of token t's codes (and int8 scales): a KV head's rows are strided (by H_kv rows), which the
+  // hardware prefetcher follows poorly (perf, AVX-512 host: int8 decode stalled on the code loads), so rows() asks
+  // for each row AHEAD tokens before it reads it, one row at a time (a burst per tile would overflow the miss buffers)
+  void prefetch_row(int b, int h, int64_t t) const {
+    const int64_t* c = codes.st;
+    const int64_t base = b * c[0] + t * c[1] + h * c[2];
+    static constexpr int size[] = {4, 2, 2, 1, 1, 1, 1};  // bytes per stored element of each Kind
+    const char* x = static_cast<const char*>(codes.p) + base * size[kind];
+    const int bytes = kind == INT4 ? d / 2 : kind == INT2 ? d / 4 : d * size[kind];
+    for (int st = 0; st < (kind == INT2 ? stages : 1); ++st)
+      for (int i = 0; i < bytes; i += 64) prefetch_line(x + st * c[3] + i);
+    if (kind == INT8 || kind == INT4)
+      prefetch_line(static_cast<const char*>(scales.p) + 2 * (b * scales.st[0] + t * scales.st[1] + h * scales.st[2]));
   }
 
   // values [e0, e0 + m) of token t's row to o[0, m), one at a time through the strides (any layout)

@@ -76,6 +76,52 @@ class TestFusedAgainstReference(unittest.TestCase):
                 ks, vs = window(quant, 2, hkv, d, [5, 0, 17, 1, 33], seed=d, **fmt)
                 self.check(torch.randn(2, 3, hq, d), ks, vs, scale=0.1)
 
+    def test_decode_row_blocks(self):
+        """Decode (T = 1): the native kernel's row blocks of 1, 2, 3, 4 rows (GQA ratio <= 4) and of 8 (ratio 5: 5
+        rows padded to 8), each format and bf16 dense segments, head_dim 128 / 64 / 80; row_counts with weights 0-2,
+        the zero-weight rows holding NaN, and tiles cut short by a segment's end (lengths 21, 7, 35)."""
+        cases = [(1, "int8", 128, {}), (2, "int4", 128, dict(group_size=32)), (3, "fp8", 64, {}),
+                 (4, "int2", 64, dict(stages=2, num_clusters=4)), (5, "int4", 80, dict(group_size=80)),
+                 (4, None, 80, {})]
+        for g, quant, d, fmt in cases:
+            with self.subTest(group=g, quant=quant, d=d):
+                ks, vs = window(quant, 2, 2, d, [21, 7, 35], seed=g, dtype=torch.bfloat16, **fmt)
+                q = torch.randn(2, 1, 2 * g, d, generator=torch.Generator().manual_seed(g))
+                self.check(q, ks, vs, scale=0.15, tol=2e-5)
+                counts = torch.randint(0, 3, (63,), generator=torch.Generator().manual_seed(g), dtype=torch.int32)
+                counts[[2, 30, 40]] = 0
+                ks[0], vs[0] = ks[0].clone(), vs[0].clone()
+                ks[0][:, 2] = vs[0][:, 2] = float("nan")  # not visible: never reaches the result
+                rows = torch.arange(63).repeat_interleave(counts.long())
+                want, want_lse = reference(q, dense_window(ks)[:, rows], dense_window(vs)[:, rows], 0.15)
+                out, lse = packed_attention(q, ks, vs, scale=0.15, row_counts=counts, return_lse=True)
+                torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+                torch.testing.assert_close(lse.double(), want_lse, rtol=2e-5, atol=2e-5)
+
+    def test_strided_codes_and_odd_head_dims(self):
+        """Rows the native kernel reads one value at a time (packed_tile.h's Seg::scalar): codes, centroids and dense
+        rows with a last-dim stride of 2, and head_dim 40 (not a multiple of the 16-value vectors; int4 / int2
+        groups of 40 values); against the vectorized reads of the same values (unit stride, head_dim 64)."""
+        def spread(t):  # the same values, last-dim stride 2
+            out = torch.empty(*t.shape, 2, dtype=t.dtype)[..., 0]
+            out.copy_(t)
+            return out
+
+        cases = [("int8", 64, {}), ("fp8", 64, {}), ("int4", 64, dict(group_size=32)),
+                 ("int2", 64, dict(stages=2, num_clusters=4)), ("int8", 40, {}), ("fp8", 40, {}),
+                 ("int4", 40, dict(group_size=40)), ("int2", 40, dict(stages=2, num_clusters=4))]
+        for quant, d, fmt in cases:
+            with self.subTest(quant=quant, d=d):
+                ks, vs = window(quant, 1, 2, d, [5, 18, 20, 3], seed=d, **fmt)
+                q = torch.randn(1, 2, 6, d)
+                want = self.check(q, ks, vs)
+                strided = [[spread(s) if isinstance(s, torch.Tensor) else
+                            s._replace(codes=spread(s.codes),
+                                       centroids=None if s.centroids is None else spread(s.centroids))
+                            for s in segs] for segs in (ks, vs)]
+                self.assertNotEqual(strided[0][2].codes.stride(-1), 1)
+                torch.testing.assert_close(self.check(q, *strided), want, rtol=1e-6, atol=1e-6)
+
     def test_half_precision_queries_and_segments(self):
         for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
             ks, vs = window("int4", 1, 2, 64, [9, 4, 20], dtype=dtype, group_size=32)
