@@ -19,6 +19,9 @@
 // at::parallel_for. Every tensor is addressed through its strides (pool slots, head slices, narrowed rows).
 // Vector code uses GCC/Clang vector extensions (AVX-512 / AVX2 / NEON under -march=native).
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -1,8 +1,9 @@
 // Vector helpers shared by the native CPU kernels (paged_attention.cpp, packed_attention.cpp): 16-lane fp32/int32
 // vectors (GCC/Clang vector extensions under -march=native: one zmm register on AVX-512, two ymm on AVX2, four q on
-// NEON), unaligned loads and stores, select, horizontal sum, a vectorized exp, and the fp8 e4m3 -> fp32 table; and
-// nv, the hardware-width vector the hottest loops accumulate in. Header-only; each kernel includes it inside its own
-// namespace. kvops/native/__init__.py hashes it with the sources.
+// NEON), unaligned loads and stores, select, horizontal sum, a vectorized exp, the 16x16 in-register transpose
+// (transpose16_to) and the fp8 e4m3 -> fp32 table; and nv, the hardware-width vector the hottest loops accumulate in.
+// Header-only; each kernel includes it inside its own namespace, after <immintrin.h> on x86-64 (the AVX2 transpose
+// uses its intrinsics). kvops/native/__init__.py hashes it with the sources.
 #pragma once
 
 constexpr int L = 16;  // vector lanes
@@ -61,6 +62,84 @@ inline V vexp_t(V x) {
 inline vf vexp(vf x) { return vexp_t<vf, vi>(x); }
 typedef int32_t nvi __attribute__((vector_size(NW * 4)));
 inline nv vexpn(nv x) { return vexp_t<nv, nvi>(x); }
+
+// in-register 16x16 transpose: rows m[0..15] -> columns. Stage H swaps bit H of row and lane index: rows i and
+// i + H (bit H clear in i) become shuffle(a, b, lo) and shuffle(a, b, hi) with constant index vectors (indices >= 16
+// pick from b), so each stage is 16 two-source permutes and nothing else.
+template <int H>
+inline void transpose_stage(vf* m, const vi lo, const vi hi) {
+#pragma GCC unroll 16
+  for (int i = 0; i < L; ++i) {
+    if (i & H) continue;
+    const vf a = m[i], b = m[i + H];
+#if defined(__clang__)
+    vf x, y;
+    for (int c = 0; c < L; ++c) {
+      x[c] = lo[c] < L ? a[lo[c]] : b[lo[c] - L];
+      y[c] = hi[c] < L ? a[hi[c]] : b[hi[c] - L];
+    }
+    m[i] = x;
+    m[i + H] = y;
+#else
+    m[i] = __builtin_shuffle(a, b, lo);
+    m[i + H] = __builtin_shuffle(a, b, hi);
+#endif
+  }
+}
+
+inline void transpose16(vf* m) {
+  transpose_stage<8>(m, vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                     vi{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  transpose_stage<4>(m, vi{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                     vi{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  transpose_stage<2>(m, vi{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                     vi{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  transpose_stage<1>(m, vi{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                     vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+}
+
+// tile [16 tokens][16 dims] -> out [16 dims][16 tokens] (row e of out: dim e of every token).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: four 8x8 transposes of ymm registers (unpack, shuffle, lane permute: 24 instructions each). GCC lowers
+// transpose16's 16-lane two-source shuffles to ~950 scalar moves on AVX2, which made the K transpose the main cost
+// of decode at small GQA groups (G = 1: 2.4x SDPA's time at head_dim 64).
+inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+inline void transpose16_to(const vf* tile, float* out) {
+  const float* f = reinterpret_cast<const float*>(tile);
+  for (int bt = 0; bt < L; bt += 8)  // tokens [bt, bt + 8) x dims [be, be + 8) -> out rows be.., columns bt..
+    for (int be = 0; be < L; be += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(f + (bt + i) * L + be);
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (be + i) * L + bt, r[i]);
+    }
+}
+#else
+inline void transpose16_to(const vf* tile, float* out) {
+  vf m[L];
+  for (int t = 0; t < L; ++t) m[t] = tile[t];
+  transpose16(m);
+  for (int e = 0; e < L; ++e) storeu(out + e * L, m[e]);
+}
+#endif
 
 struct Fp8Lut {
   float v[256];
