@@ -4,7 +4,8 @@
 // few rows.
 //
 // Per tile of up to GEMM_KV positions (outer) and KV head (inner): the tile's K and V rows are gathered from their
-// blocks into scratch in the layout the GEMM reads (read once, in their stored dtype), S = Q K^T, masking / softcap /
+// blocks into scratch in the layout the GEMM reads (read once, in their stored dtype, for all of the item's up to
+// GEMM_ITEM_ROWS rows, which then go through the GEMMs GEMM_ROWS at a time: softmax_tile), S = Q K^T, masking / softcap /
 // ALiBi / custom mask are the register kernel's (mask_scores), the online softmax is per row over the whole tile (in
 // hardware-width vectors), and acc = acc * alpha + P V. Two forms:
 // * fp32 (TC = float): K / V converted to fp32 as they are gathered (RoPE at read rotates K here), Q is
@@ -19,7 +20,9 @@
 
 constexpr int GEMM_KV = 512;  // KV positions per GEMM tile (a multiple of GEMM_N)
 constexpr int GEMM_N = 64;  // output columns per micro-kernel call (oneDNN's packed-B widths: 16, 32, 48, 64)
-constexpr int GEMM_ROWS = 256;  // rows (queries x GQA group) per prefill work item
+constexpr int GEMM_ROWS = 256;  // rows (queries x GQA group) per GEMM: the S / P tile is GEMM_ROWS x GEMM_KV
+constexpr int GEMM_ITEM_ROWS = 4 * GEMM_ROWS;  // rows per prefill work item: its GEMM_ROWS sub-tiles share each
+                                               // gathered K / V tile
 constexpr int GEMM_MIN_ROWS = 32;  // rows per KV head from which an item takes this path
 
 struct GemmScratch {
@@ -30,12 +33,12 @@ struct GemmScratch {
   void size(int rows_pad, const Problem& pb, size_t tc) {
     krows.resize(static_cast<size_t>(GEMM_N) * pb.d);
     const size_t dv_n = static_cast<size_t>(round_up(pb.d_v, GEMM_N));
-    s.resize(static_cast<size_t>(rows_pad) * GEMM_KV);
+    s.resize(static_cast<size_t>(std::min(rows_pad, GEMM_ROWS)) * GEMM_KV);
     k.resize(static_cast<size_t>(GEMM_KV) * round_up(pb.d, 2) * tc);
     v.resize(static_cast<size_t>(GEMM_KV) * dv_n * tc);
     if (tc != sizeof(float)) {
       q.resize(static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d * tc);
-      p.resize(static_cast<size_t>(rows_pad) * GEMM_KV * tc);
+      p.resize(static_cast<size_t>(std::min(rows_pad, GEMM_ROWS)) * GEMM_KV * tc);
     }
     if (pb.rope_freq) {
       rc.resize(static_cast<size_t>(GEMM_KV) * (pb.d / 2));
@@ -62,6 +65,84 @@ inline bool low_precision_gemm(const Problem& pb) {
 
 // element (r, c) of a VNNI block: pairs along the reduction dim r, `width` columns: [r / 2][width][2]
 inline size_t vnni(int r, int c, int width) { return (static_cast<size_t>(r >> 1) * width + c) * 2 + (r & 1); }
+
+// The online softmax of rows [r0, r0 + rs) over one KV tile of n positions from j0: S [rs][n_pad] (fp32 scores, the
+// tile's rows) is scaled (qk_scale: the cache-dtype form's softmax scale), masked (mask_scores: softcap, ALiBi, the
+// rows' ranges, the custom mask), its exp is P [rs][n_pad] in TC (in place over S in the fp32 form; bf16 rounded to
+// nearest even), and m, l, acc of the rows (indexed by row) are rescaled.
+template <typename TC>
+void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t j0, int n, int n_pad, float* S, TC* P,
+                  float* m, float* l, float* acc, const float* slope, float qk_scale) {
+  constexpr bool low = !std::is_same_v<TC, float>;
+  const int dv = pb.d_v, dvp = pb.dv_pad;
+  const bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask;
+  for (int r = r0; r < r0 + rs; ++r) {
+    float* sr = S + static_cast<size_t>(r - r0) * n_pad;
+    const int64_t rlo = sc.row_lo[r], rhi = sc.row_hi[r];
+    // (in hardware-width vectors, nv: the 16-lane vf of mask_scores only where a chunk is masked)
+    nv vmax = nv{} + NEG_INF;
+    nvi vnan{};
+    auto track = [&](const float* x) {  // the running max and NaN lanes of 16 stored scores
+      for (int k = 0; k < L; k += NW) {
+        const nv s = loadn(x + k);
+        const nvi more = s > vmax;
+        vnan |= s != s;
+        vmax = (nv)((more & (nvi)s) | (~more & (nvi)vmax));
+      }
+    };
+    for (int c0 = 0; c0 < n; c0 += L) {  // columns past n (stale K rows) are masked by mask_scores
+      const int nn = std::min(L, n - c0);
+      if (plain && nn == L && rlo <= j0 + c0 && j0 + c0 + L <= rhi) {
+        if (low)
+          for (int k = 0; k < L; k += NW) storen(sr + c0 + k, loadn(sr + c0 + k) * qk_scale);
+      } else {
+        vf s = loadu(sr + c0);
+        if (low) s *= qk_scale;
+        mask_scores(pb, sc, r, j0 + c0, nn, s, slope);
+        storeu(sr + c0, s);
+      }
+      track(sr + c0);
+    }
+    float mx = NEG_INF;
+    int32_t any = 0;
+    for (int i = 0; i < NW; ++i) {
+      mx = std::max(mx, vmax[i]);
+      any |= vnan[i];
+    }
+    const bool nan = any != 0;
+    TC* pr = P + static_cast<size_t>(r - r0) * n_pad;
+    if (nan || mx == NEG_INF) {  // a NaN row stays NaN (its l); nothing visible: the row is unchanged
+      if (nan) l[r] = std::numeric_limits<float>::quiet_NaN();
+      for (int c = 0; c < n_pad; ++c) pr[c] = TC(0.f);
+      continue;
+    }
+    const float m_new = std::max(m[r], mx), alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
+    nv sum{};
+    for (int c0 = 0; c0 < n_pad; c0 += NW) {
+      const nv p = c0 < n ? vexpn(loadn(sr + c0) - m_new) : nv{};  // masked lanes: exp(-inf) = 0
+      sum += p;
+      if constexpr (std::is_same_v<TC, c10::BFloat16>) {  // round to nearest even (p is finite)
+        typedef uint32_t nvu __attribute__((vector_size(NW * 4)));
+        typedef uint16_t nvh __attribute__((vector_size(NW * 2)));
+        const nvu u = (nvu)p;
+        const nvh b = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, nvh);
+        std::memcpy(pr + c0, &b, sizeof b);
+      } else if constexpr (low) {
+        for (int c = 0; c < NW; ++c) pr[c0 + c] = TC(p[c]);
+      } else {
+        storen(pr + c0, p);
+      }
+    }
+    float sum_all = 0.f;
+    for (int i = 0; i < NW; ++i) sum_all += sum[i];
+    l[r] = l[r] * alpha + sum_all;
+    m[r] = m_new;
+    if (alpha != 1.f) {
+      float* ar = acc + static_cast<size_t>(r) * dvp;
+      for (int e = 0; e < dv; ++e) ar[e] *= alpha;
+    }
+  }
+}
 
 // attend()'s contract: rows [0, rows) of every KV head over KV positions [lo, hi) of item `it`, state m / l / acc per
 // KV head updated in place. TC: float (fp32 form) or TK (cache-dtype form, low_precision_gemm).
@@ -100,6 +181,19 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
   }
   const int64_t start = pb.seq_start(it.b);
   const float qk_scale = low ? pb.scale : 1.f;
+  // the rows go through the GEMMs GEMM_ROWS at a time (sub-tiles); a sub-tile skips KV tiles none of its rows sees,
+  // and a KV tile no sub-tile sees is not gathered
+  const int subs = (rows + GEMM_ROWS - 1) / GEMM_ROWS;
+  std::vector<int64_t> sub_lo(subs), sub_hi(subs);
+  for (int u = 0; u < subs; ++u) {
+    sub_lo[u] = hi;
+    sub_hi[u] = lo;
+    for (int r = u * GEMM_ROWS; r < std::min(rows, (u + 1) * GEMM_ROWS); ++r) {
+      sub_lo[u] = std::min(sub_lo[u], sc.row_lo[r]);
+      sub_hi[u] = std::max(sub_hi[u], sc.row_hi[r]);
+    }
+  }
+  auto sees = [&](int u, int64_t j0, int n) { return j0 < sub_hi[u] && j0 + n > sub_lo[u]; };
   // the staged K rows [0, last] of a GEMM_N-token block (w 32-bit words each: fp32 values or bf16 / fp16 pairs) into
   // K^T's block at dst (row stride ld words), in 16 x 16 register transposes; token rows past `last` are stale
   auto turn = [&gs](int w, uint32_t* dst, int64_t ld, int last) {
@@ -124,7 +218,9 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
           gs.rs[static_cast<size_t>(t) * half + i] = static_cast<float>(std::sin(a));
         }
     }
-    at::Tensor S_t = matrix(S, rows, n_pad, n_pad);
+    bool any = false;
+    for (int u = 0; u < subs; ++u) any |= sees(u, j0, n);
+    if (!any) continue;
     for (int h = 0; h < nh; ++h) {
       // gather the tile's K / V rows of KV head h (positions < hi of blocks the table references: nothing else)
       // into K^T [d][n_pad] and V [n_pad][dv_n] (fp32), or their VNNI forms in GEMM_N-wide column blocks
@@ -198,89 +294,31 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       float* l = m + rows_pad;
       float* acc = m + 2 * rows_pad;
       const float* slope = pb.alibi ? sc.slope.data() + static_cast<size_t>(h) * rows_pad : nullptr;
-      // S [rows][n_pad] = Q K^T, GEMM_N columns at a time
-      const TC* qh = Q + static_cast<size_t>(h) * rows_pad * ld_q;
-      for (int c0 = 0; low && c0 < n_pad; c0 += GEMM_N) {
-        if constexpr (low)
-          at::native::cpublas::brgemm(rows, GEMM_N, d, ld_q, GEMM_N, n_pad, false, qh,
-                                      K + static_cast<size_t>(c0) * round_up(d, 2), S + c0, true);
+      for (int u = 0; u < subs; ++u) {
+        if (!sees(u, j0, n)) continue;
+        const int r0 = u * GEMM_ROWS, rs = std::min(GEMM_ROWS, rows - r0);
+        // S [rs][n_pad] = Q K^T for rows [r0, r0 + rs), GEMM_N columns at a time
+        const TC* qh = Q + (static_cast<size_t>(h) * rows_pad + r0) * ld_q;
+        for (int c0 = 0; low && c0 < n_pad; c0 += GEMM_N) {
+          if constexpr (low)
+            at::native::cpublas::brgemm(rs, GEMM_N, d, ld_q, GEMM_N, n_pad, false, qh,
+                                        K + static_cast<size_t>(c0) * round_up(d, 2), S + c0, true);
+        }
+        if constexpr (!low) {
+          at::Tensor S_t = matrix(S, rs, n_pad, n_pad);
+          at::mm_out(S_t, matrix(const_cast<float*>(qh), rs, d, ld_q), matrix(K, d, n_pad, n_pad));
+        }
+        softmax_tile<TC>(pb, sc, r0, rs, j0, n, n_pad, S, P, m, l, acc, slope, qk_scale);
+        // acc [rows][dv_pad] += P V, GEMM_N value columns at a time (reduction over n_pad: zero rows past n)
+        float* acc0 = acc + static_cast<size_t>(r0) * dvp;
+        for (int e0 = 0; low && e0 < dvp; e0 += GEMM_N) {
+          const int w = std::min(GEMM_N, dvp - e0);
+          if constexpr (low)
+            at::native::cpublas::brgemm(rs, w, n_pad, n_pad, GEMM_N, dvp, true, P,
+                                        V + static_cast<size_t>(e0 / GEMM_N) * n_pad * GEMM_N, acc0 + e0, true);
+        }
+        if constexpr (!low) matrix(acc0, rs, dv, dvp).addmm_(matrix(S, rs, n_pad, n_pad), matrix(V, n_pad, dv, dv_n));
       }
-      if constexpr (!low) at::mm_out(S_t, matrix(const_cast<float*>(qh), rows, d, ld_q), matrix(K, d, n_pad, n_pad));
-      const bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask;
-      for (int r = 0; r < rows; ++r) {
-        float* sr = S + static_cast<size_t>(r) * n_pad;
-        const int64_t rlo = sc.row_lo[r], rhi = sc.row_hi[r];
-        // (in hardware-width vectors, nv: the 16-lane vf of mask_scores only where a chunk is masked)
-        nv vmax = nv{} + NEG_INF;
-        nvi vnan{};
-        auto track = [&](const float* x) {  // the running max and NaN lanes of 16 stored scores
-          for (int k = 0; k < L; k += NW) {
-            const nv s = loadn(x + k);
-            const nvi more = s > vmax;
-            vnan |= s != s;
-            vmax = (nv)((more & (nvi)s) | (~more & (nvi)vmax));
-          }
-        };
-        for (int c0 = 0; c0 < n; c0 += L) {  // columns past n (stale K rows) are masked by mask_scores
-          const int nn = std::min(L, n - c0);
-          if (plain && nn == L && rlo <= j0 + c0 && j0 + c0 + L <= rhi) {
-            if (low)
-              for (int k = 0; k < L; k += NW) storen(sr + c0 + k, loadn(sr + c0 + k) * qk_scale);
-          } else {
-            vf s = loadu(sr + c0);
-            if (low) s *= qk_scale;
-            mask_scores(pb, sc, r, j0 + c0, nn, s, slope);
-            storeu(sr + c0, s);
-          }
-          track(sr + c0);
-        }
-        float mx = NEG_INF;
-        int32_t any = 0;
-        for (int i = 0; i < NW; ++i) {
-          mx = std::max(mx, vmax[i]);
-          any |= vnan[i];
-        }
-        const bool nan = any != 0;
-        TC* pr = P + static_cast<size_t>(r) * n_pad;
-        if (nan || mx == NEG_INF) {  // a NaN row stays NaN (its l); nothing visible: the row is unchanged
-          if (nan) l[r] = std::numeric_limits<float>::quiet_NaN();
-          for (int c = 0; c < n_pad; ++c) pr[c] = TC(0.f);
-          continue;
-        }
-        const float m_new = std::max(m[r], mx), alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
-        nv sum{};
-        for (int c0 = 0; c0 < n_pad; c0 += NW) {
-          const nv p = c0 < n ? vexpn(loadn(sr + c0) - m_new) : nv{};  // masked lanes: exp(-inf) = 0
-          sum += p;
-          if constexpr (std::is_same_v<TC, c10::BFloat16>) {  // round to nearest even (p is finite)
-            typedef uint32_t nvu __attribute__((vector_size(NW * 4)));
-            typedef uint16_t nvh __attribute__((vector_size(NW * 2)));
-            const nvu u = (nvu)p;
-            const nvh b = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, nvh);
-            std::memcpy(pr + c0, &b, sizeof b);
-          } else if constexpr (low) {
-            for (int c = 0; c < NW; ++c) pr[c0 + c] = TC(p[c]);
-          } else {
-            storen(pr + c0, p);
-          }
-        }
-        float sum_all = 0.f;
-        for (int i = 0; i < NW; ++i) sum_all += sum[i];
-        l[r] = l[r] * alpha + sum_all;
-        m[r] = m_new;
-        if (alpha != 1.f) {
-          float* ar = acc + static_cast<size_t>(r) * dvp;
-          for (int e = 0; e < dv; ++e) ar[e] *= alpha;
-        }
-      }
-      // acc [rows][dv_pad] += P V, GEMM_N value columns at a time (reduction over n_pad: zero rows past n)
-      for (int e0 = 0; low && e0 < dvp; e0 += GEMM_N) {
-        const int w = std::min(GEMM_N, dvp - e0);
-        if constexpr (low)
-          at::native::cpublas::brgemm(rows, w, n_pad, n_pad, GEMM_N, dvp, true, P,
-                                      V + static_cast<size_t>(e0 / GEMM_N) * n_pad * GEMM_N, acc + e0, true);
-      }
-      if constexpr (!low) matrix(acc, rows, dv, dvp).addmm_(S_t, matrix(V, n_pad, dv, dv_n));
     }
   }
   if constexpr (low) at::native::cpublas::brgemm_release(true);

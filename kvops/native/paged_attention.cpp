@@ -6,7 +6,7 @@
 // every value it addresses memory with (the value contracts of docs/semantics.md §7: cu_seqlens_q, seq_lens, the
 // block ids in use) and raises the contract's RuntimeError, whatever the value-check mode (values_bad/raise_values).
 //
-// Work: one item per (sequence, tile of ~64 query rows per KV head; up to GEMM_ROWS where a sequence has many
+// Work: one item per (sequence, tile of ~64 query rows per KV head; up to GEMM_ITEM_ROWS where a sequence has many
 // queries) covering every KV head, optionally split along
 // the KV range (split-KV, merged afterwards) when there are fewer than two items per thread; items run under
 // at::parallel_for. A KV head's rows are all its GQA query heads times the tile's queries (row r = query i * G +
@@ -214,7 +214,7 @@ struct Scratch {
   std::vector<int64_t> row_mask;  // custom mask: the element / bit of (row's query, new key 0)
   int64_t first_new = 0;  // custom mask: the first new key's position (seq_len - q_len)
   void size(int rows_pad, const Problem& pb) {
-    qf.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d_pad, 0.f);
+    qf.resize(static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d_pad);  // load_queries zeroes what an item uses
     lv.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad, vf{});
     zeros.assign(pb.d_pad + pb.dv_pad, 0.f);  // what rows past a chunk's end point at
     ktmp.resize(static_cast<size_t>(L) * pb.d_pad);
@@ -261,14 +261,15 @@ inline void rotate_row(float* x, int d, const double* freq, double position) {
 // sink_pass (streaming): the rows' ranges are the sink rows they see, and with RoPE q turns at its StreamingLLM
 // position (shifted down by the gap between the sinks and its window).
 template <typename TQ>
-void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, bool sink_pass = false) {
+void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, bool sink_pass = false,
+                  bool q_rows = true) {
   const TQ* q = static_cast<const TQ*>(pb.q);
   const int64_t t0 = pb.cu[it.b] + it.q0;
   const int q_len = pb.cu[it.b + 1] - pb.cu[it.b], kv_len = pb.seq_lens[it.b];
   const int64_t start = pb.seq_start(it.b), sink_end = start + pb.sink_tokens;
-  std::fill(sc.qf.begin(), sc.qf.end(), 0.f);
   sc.first_new = static_cast<int64_t>(kv_len) - q_len;
-  for (int h = 0; h < pb.num_kv_heads; ++h) {
+  if (q_rows) std::fill(sc.qf.begin(), sc.qf.begin() + static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d_pad, 0.f);
+  for (int h = 0; q_rows && h < pb.num_kv_heads; ++h) {
     const float ks = pb.k_scale ? pb.k_scale[pb.n_k_scale == 1 ? 0 : h] : 1.f;
     const float sc_all = pb.scale * ks;  // k_scale folded into q: q . (k * ks) = (q * ks) . k
     for (int i = 0; i < it.nq; ++i) {
@@ -285,7 +286,7 @@ void load_queries(const Problem& pb, const Item& it, int rows_pad, Scratch& sc, 
     int64_t lo = pb.window_left >= 0 ? std::max<int64_t>(start, pos - pb.window_left) : start;
     int64_t hi = pb.causal && !pb.mask ? std::min<int64_t>(kv_len, pos + 1) : kv_len;  // a mask replaces causal
     if (!pb.causal && pb.window_right >= 0) hi = std::min<int64_t>(hi, pos + pb.window_right + 1);
-    if (pb.rope_freq) {  // q turns at its sequence position (minus the StreamingLLM gap for the sinks)
+    if (pb.rope_freq && q_rows) {  // q turns at its sequence position (minus the StreamingLLM gap for the sinks)
       const int64_t gap = sink_pass ? std::max<int64_t>(0, pos - pb.window_left - sink_end) : 0;
       for (int h = 0; h < pb.num_kv_heads; ++h)
         for (int g = 0; g < pb.group; ++g)
@@ -687,11 +688,13 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
           default: return attend<TK, 8>(pb, it, a, b, rows, rows_pad, sc, state, head_size);
         }
       };
+      // the bf16 / fp16 GEMM form reads the queries as given: load_queries then sets the rows' ranges only
+      const bool q_rows = !(rows >= GEMM_MIN_ROWS && low_precision_gemm<TQ, TK>(pb));
       if (part == 0 && it.sink_hi > start) {  // streaming: the sink rows first, with their own q and masks
-        load_queries<TQ>(pb, it, rows_pad, sc, true);
+        load_queries<TQ>(pb, it, rows_pad, sc, true, q_rows);
         pass(start, it.sink_hi);
       }
-      load_queries<TQ>(pb, it, rows_pad, sc);
+      load_queries<TQ>(pb, it, rows_pad, sc, false, q_rows);
       const int64_t span = it.hi - it.lo, per = (span + it.parts - 1) / it.parts;
       const int64_t lo = it.lo + part * per, hi = std::min(it.hi, lo + per);
       if (lo < hi) {
@@ -1069,15 +1072,21 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   pb.mask_off = mask_off.data();
   if (pb.mask) pb.window_right = -1;  // the mask decides among the new keys (the validator refuses window_right)
 
-  // items: (sequence, query tile of ~64 rows per KV head, or GEMM_ROWS where the sequence has enough queries for the
+  // items: (sequence, query tile of ~64 rows per KV head, or GEMM_ITEM_ROWS where the sequence has enough queries for the
   // GEMM path), all KV heads in one item
-  const int q_tile_small = std::max(1, 64 / pb.group), q_tile_gemm = std::max(1, GEMM_ROWS / pb.group);
+  const int q_tile_small = std::max(1, 64 / pb.group);
   std::vector<Item> items;
   int max_rows_pad = 1;
   for (int b = 0; b < batch; ++b) {
     const int q_len = pb.cu[b + 1] - pb.cu[b], kv_len = pb.seq_lens[b];
     const int64_t start = pb.seq_start(b), sink_end = start + sink_tokens;
-    const int q_tile = static_cast<int64_t>(q_len) * pb.group >= 2 * GEMM_MIN_ROWS ? q_tile_gemm : q_tile_small;
+    // GEMM items: the fewest of <= GEMM_ITEM_ROWS rows, of even size
+    const int64_t q_rows = static_cast<int64_t>(q_len) * pb.group;
+    const int64_t gemm_items = (q_rows + GEMM_ITEM_ROWS - 1) / GEMM_ITEM_ROWS;
+    const int q_tile = q_rows >= 2 * GEMM_MIN_ROWS
+                           ? std::max(1, std::min(static_cast<int>((q_len + gemm_items - 1) / gemm_items),
+                                                  GEMM_ITEM_ROWS / pb.group))
+                           : q_tile_small;
     for (int q0 = 0; q0 < q_len; q0 += q_tile) {
       const int nq = std::min(q_tile, q_len - q0);
       const int64_t first = static_cast<int64_t>(kv_len) - q_len + q0, last = first + nq - 1;

@@ -76,6 +76,26 @@ class TestGemmPath(unittest.TestCase):
         finally:
             torch.set_num_threads(old)
 
+    def test_sub_tiles_skip_and_share_kv_tiles(self):
+        # a 600-token prompt with nothing cached, GQA 2: items of 600 rows go through the GEMMs 256 rows at a time;
+        # causal, windowed and streaming rows see different KV tiles (512 positions), so sub-tiles skip tiles their
+        # rows never see while sharing the gathered ones; fp32 and bf16 forms, one and two threads
+        old = torch.get_num_threads()
+        self.addCleanup(torch.set_num_threads, old)
+        for dtype in (torch.float32, torch.bfloat16):
+            q, kc, vc, cu, lens, table = make_case(21, batch=1, q_lens=(600,), seq_lens=(600,), width=40, h_q=4,
+                                                   h_kv=2, d=32, dtype=dtype)
+            for kw in ({}, dict(window_left=100), dict(sink_tokens=4, window_left=200), dict(causal=False)):
+                want, want_lse = reference(q, kc, vc, cu, lens, table, **kw)
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    with self.subTest(dtype=dtype, threads=threads, kw=kw):
+                        (out, lse), calls = gemm_calls(lambda: kvops.paged_attention(
+                            q, kc, vc, cu, lens, table, 600, return_lse=True, **kw))
+                        self.assertGreater(calls, 0)
+                        torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=0)
+                        torch.testing.assert_close(lse.double(), want_lse, atol=TOL[dtype] * 4, rtol=0)
+
     def test_fp8_caches_joint_and_padded_layouts_sinks(self):
         # the shared matrix's inputs: NaN in every unused slot and unreferenced block, fp8 with per-KV-head scales
         for layout, cache_dtype, extra in (("joint", None, {}), ("padded", None, dict(window_left=20)),
