@@ -64,6 +64,15 @@ class TestBf16WordForm(unittest.TestCase):
                     out, lse = kvops.paged_attention(**inputs, **extra, return_lse=True)
                     check_close(self, out, lse, *matrix_reference(**ref_kwargs(inputs, **extra)), BF16)
 
+    def test_value_head_dim_differs(self):
+        # head_dim_v != head_dim (MLA-style values): K and V words are read with their own widths
+        for d, d_v in ((64, 32), (32, 96), (128, 64)):
+            with self.subTest(d=d, d_v=d_v):
+                inputs = make_inputs(9, [70, 33, 1], [1, 2, 1], block_size=16, h_q=7, h_kv=1, d=d, d_v=d_v,
+                                     dtype=BF16, sinks=True)
+                out, lse = kvops.paged_attention(**inputs, return_lse=True)
+                check_close(self, out, lse, *matrix_reference(**ref_kwargs(inputs)), BF16)
+
     def test_split_kv_and_sink_pass_with_threads(self):
         # one long sequence: split along its KV range (merged afterwards) with two threads; the streaming sink pass
         # runs before the window pass on the same accumulators
