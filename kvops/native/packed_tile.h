@@ -167,11 +167,10 @@ struct Seg {
           const int64_t srow = b * scales.st[0] + t * scales.st[1] + h * scales.st[2];
           const int64_t zrow = b * zeros.st[0] + t * zeros.st[1] + h * zeros.st[2];
           const int8_t* z = static_cast<const int8_t*>(zeros.p);
-          for (int k = 0; k < chunks; ++k) {
-            const int g = k * L / group;
+          for (int g = 0, k = 0; g < d / group; ++g) {  // scale and zero point (in eighths) once per group
             const float s = h2f(scales.p, srow + g * scales.st[3]);
-            const float zf = static_cast<float>(z[zrow + g * zeros.st[3]]) * 0.125f;  // zero point in eighths
-            storeu(o + k * cs, (codes16<2>(x + k * L / 2) - zf) * s);
+            const float zs = static_cast<float>(z[zrow + g * zeros.st[3]]) * 0.125f * s;
+            for (const int k1 = k + group / L; k < k1; ++k) storeu(o + k * cs, codes16<2>(x + k * L / 2) * s - zs);
           }
           break;
         }
@@ -180,18 +179,17 @@ struct Seg {
           const uint16_t* cent = static_cast<const uint16_t*>(centroids.p) + b * centroids.st[0] +
                                  h * centroids.st[1] + cid * centroids.st[2];
           const int8_t* z = static_cast<const int8_t*>(zeros.p);
-          for (int k = 0; k < chunks; ++k) {
-            vf v = half16(cent + k * L);
-            const int g = k * L / group;
-            for (int st = 0; st < stages; ++st) {
-              const uint8_t* x = static_cast<const uint8_t*>(codes.p) + base + st * c[3];
-              const float s = h2f(scales.p, b * scales.st[0] + t * scales.st[1] + h * scales.st[2] +
-                                                st * scales.st[3] + g * scales.st[4]);
-              const float zf = static_cast<float>(z[b * zeros.st[0] + t * zeros.st[1] + h * zeros.st[2] +
-                                                    st * zeros.st[3] + g * zeros.st[4]]) * 0.125f;
-              v += (codes16<4>(x + k * L / 4) - zf) * s;
+          for (int k = 0; k < chunks; ++k) storeu(o + k * cs, half16(cent + k * L));
+          for (int st = 0; st < stages; ++st) {  // each stage adds (code - zero / 8) * scale, per group
+            const uint8_t* x = static_cast<const uint8_t*>(codes.p) + base + st * c[3];
+            const int64_t srow = b * scales.st[0] + t * scales.st[1] + h * scales.st[2] + st * scales.st[3];
+            const int64_t zrow = b * zeros.st[0] + t * zeros.st[1] + h * zeros.st[2] + st * zeros.st[3];
+            for (int g = 0, k = 0; g < d / group; ++g) {
+              const float s = h2f(scales.p, srow + g * scales.st[4]);
+              const float zs = static_cast<float>(z[zrow + g * zeros.st[4]]) * 0.125f * s;
+              for (const int k1 = k + group / L; k < k1; ++k)
+                storeu(o + k * cs, loadu(o + k * cs) + (codes16<4>(x + k * L / 4) * s - zs));
             }
-            storeu(o + k * cs, v);
           }
           break;
         }
