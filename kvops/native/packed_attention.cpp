@@ -19,7 +19,8 @@
 // at::parallel_for. Every tensor is addressed through its strides (pool slots, head slices, narrowed rows).
 // Per 16-token tile: K's rows dequantized 16 values at a time (packed_tile.h: vectorized for unit-stride rows, one
 // value at a time otherwise; each row prefetched 32 tokens ahead) into 16x16 blocks that the in-register transpose of
-// vec.h turns into K^T; scores, online softmax, then V's rows dequantized row-major and accumulated. A KV head's rows
+// vec.h turns into K^T; scores, online softmax, then V's rows dequantized row-major and accumulated (unit-stride
+// int8 V: accumulated straight from its codes, the row scales folded into the softmax weights). A KV head's rows
 // go through the math in blocks of RB = 1, 2, 3, 4 (decode with GQA ratio <= 4: no padded rows) or 8, with 8 / RB
 // accumulator sets in the scores (paged_attention.cpp's chunk()). Measured (AVX-512 with AMX Xeon, 1 thread, decode
 // B = 8, bf16 q, benchmarks/paged_decode.py): scalar dequantization with K written transposed one value at a time
@@ -168,12 +169,44 @@ void accumulate(float* acc, int dvp, const float* vt, int nt, const vf* p, const
     }
 }
 
+// accumulate() straight from unit-stride int8 V codes (row j at x + j * rs): no fp32 tile; the rows' scales are
+// folded into the weights pw (pw[r][j] = p[r][j] * scale_j, 0 for rows not visible)
+inline nv sext_nw(const int8_t* x) {
+#if defined(__AVX512F__)
+  return __builtin_convertvector(sext16(x), vf);
+#elif defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
+  nv r;
+  std::memcpy(&r, &f, sizeof r);
+  return r;
+#else
+  nv r;
+  for (int i = 0; i < NW; ++i) r[i] = x[i];
+  return r;
+#endif
+}
+template <int RB>
+void accumulate_int8(float* acc, int dvp, const int8_t* x, int64_t rs, int nt, const vf* pw, const float* alpha,
+                     int rows_pad) {
+  for (int e0 = 0; e0 < dvp; e0 += NW)
+    for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+      nv a[RB];
+      for (int i = 0; i < RB; ++i) a[i] = loadn(acc + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
+      for (int j = 0; j < nt; ++j) {
+        const nv vv = sext_nw(x + j * rs + e0);
+        for (int i = 0; i < RB; ++i) a[i] += pw[r0 + i][j] * vv;
+      }
+      for (int i = 0; i < RB; ++i) storen(acc + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
+    }
+}
+
 struct Math {
   void (*scores)(const float*, int, const float*, int, vf*);
   void (*accumulate)(float*, int, const float*, int, const vf*, const float*, int);
+  void (*accumulate_int8)(float*, int, const int8_t*, int64_t, int, const vf*, const float*, int);
 };
 template <int RB>
-constexpr Math math_of() { return {&scores<RB>, &accumulate<RB>}; }
+constexpr Math math_of() { return {&scores<RB>, &accumulate<RB>, &accumulate_int8<RB>}; }
 inline Math math_for(int rows_pad) {
   switch (rows_pad) {
     case 1: return math_of<1>();
@@ -194,7 +227,7 @@ void run(const Problem& pb, const std::vector<Item>& items) {
     float* kb = reinterpret_cast<float*>(kbv.data());
     std::vector<float> kt(static_cast<size_t>(dp) * BN, 0.f);
     std::vector<float> vt(static_cast<size_t>(BN) * dvp, 0.f);
-    std::vector<vf> p(ROWS);
+    std::vector<vf> p(ROWS), pw(ROWS);
     float m[ROWS], alpha[ROWS];
     vf lv[ROWS];
     for (int64_t w = begin; w < end; ++w) {
@@ -255,6 +288,19 @@ void run(const Problem& pb, const std::vector<Item>& items) {
             }
             p[r] = ks.counts ? vexp(s - m[r]) * wv : vexp(s - m[r]);
             lv[r] = lv[r] * alpha[r] + p[r];
+          }
+          if (vs.fast && vs.kind == INT8) {  // V from its codes, the row scales in the weights
+            vf sv{};
+            for (int j = 0; j < nt; ++j) {
+              if (t0 + j + AHEAD < vs.n) vs.prefetch_row(it.b, it.h, t0 + j + AHEAD);
+              if (wv[j] != 0.0f)
+                sv[j] = h2f(vs.scales.p, it.b * vs.scales.st[0] + (t0 + j) * vs.scales.st[1] + it.h * vs.scales.st[2]);
+            }
+            for (int r = 0; r < rows_pad; ++r) pw[r] = p[r] * sv;
+            const int8_t* x = static_cast<const int8_t*>(vs.codes.p) + it.b * vs.codes.st[0] +
+                              static_cast<int64_t>(t0) * vs.codes.st[1] + it.h * vs.codes.st[2];
+            math.accumulate_int8(acc.data(), dvp, x, vs.codes.st[1], nt, pw.data(), alpha, rows_pad);
+            continue;
           }
           vs.rows(it.b, it.h, t0, nt, vt.data(), dvp, BN);  // V row-major: vt[j * dvp + e]
           if (ks.counts)  // a row not visible may hold anything (stale ring rows): never let it reach acc
