@@ -93,14 +93,6 @@ inline vf codes16(const uint8_t* x) {
   return __builtin_convertvector((w >> sh) & ((1 << (8 / PER)) - 1), vf);
 }
 
-// (the x86 instruction is emitted directly, as in paged_attention.cpp: GCC 12 was seen to drop __builtin_prefetch)
-inline void prefetch_line(const char* p) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p);
-#endif
-}
 constexpr int AHEAD = 32;  // tokens between a row's prefetch and its read
 
 struct Seg {

@@ -124,15 +124,6 @@ inline void load_row(const T* src, int64_t st, int n, float* dst, int n_pad) {
   for (; i < n_pad; ++i) dst[i] = 0.f;
 }
 
-// (GCC 12 was seen to drop __builtin_prefetch in this file; the x86 instruction is emitted directly)
-inline void prefetch_line(const char* p) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p);
-#endif
-}
-
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 // rows of a KV head padded to the row block of the math: 1, 2, 3, 4 (decode with GQA ratio <= 4), else a multiple of 8
 inline int pad_rows(int rows) { return rows <= 4 ? rows : round_up(rows, 8); }

@@ -1,6 +1,6 @@
 // Vector helpers shared by the native CPU kernels (paged_attention.cpp, packed_attention.cpp): 16-lane fp32/int32
 // vectors (GCC/Clang vector extensions under -march=native: one zmm register on AVX-512, two ymm on AVX2, four q on
-// NEON), unaligned loads and stores, select, horizontal sum, a vectorized exp, the 16x16 in-register transpose
+// NEON), unaligned loads and stores, select, horizontal sum, a vectorized exp, prefetch_line, the 16x16 in-register transpose
 // (transpose16_to) and the fp8 e4m3 -> fp32 table; and nv, the hardware-width vector the hottest loops accumulate in.
 // Header-only; each kernel includes it inside its own namespace, after <immintrin.h> on x86-64 (the AVX2 transpose
 // uses its intrinsics). kvops/native/__init__.py hashes it with the sources.
@@ -149,3 +149,13 @@ struct Fp8Lut {
   }
 };
 inline const Fp8Lut& fp8_lut() { static const Fp8Lut lut; return lut; }
+
+// one cache line into L1 ahead of its use (GCC 12 was seen to drop __builtin_prefetch in these kernels; the x86
+// instruction is emitted directly)
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
