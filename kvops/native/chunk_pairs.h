@@ -34,6 +34,43 @@ inline void pair_layout(float* acc, int rows, int dvp, bool to_pairs) {
     }
 }
 
+#if defined(__AVX512F__)
+constexpr int ACC_REGS = 16;  // accumulator vectors the loops below keep in registers (of 32 zmm; AVX2 / NEON: 16)
+#else
+constexpr int ACC_REGS = 8;
+#endif
+
+// acc[r, groups [g0, g0 + WP)] = acc * alpha + P V for RB rows at a time: each V word vector gives the even and the
+// odd dims of a group, so a pass keeps WP groups x 2 halves x RB rows of accumulators (ACC_REGS in flight: one V
+// load feeds 2 RB FMAs; one prefetch step per word)
+template <int RB, int WP>
+inline void pv_words(const float* P, const float* alpha, const c10::BFloat16* const* vp, int n, int g0, int rows_pad,
+                     int dvp, float* acc, Prefetcher& pf) {
+  for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+    nv a[WP][2][RB];
+    for (int w = 0; w < WP; ++w)
+      for (int o = 0; o < 2; ++o)
+        for (int i = 0; i < RB; ++i)
+          a[w][o][i] = loadn(acc + static_cast<size_t>(r0 + i) * dvp + (g0 + w) * 2 * NW + o * NW) * alpha[r0 + i];
+    for (int t = 0; t < n; ++t) {
+      for (int w = 0; w < WP; ++w) {
+        pf.step();
+        nv word;
+        std::memcpy(&word, vp[t] + (g0 + w) * 2 * NW, sizeof word);
+        const nv ve = even_dims(word), vo = odd_dims(word);
+        for (int i = 0; i < RB; ++i) {
+          const float p = P[(r0 + i) * L + t];
+          a[w][0][i] += p * ve;
+          a[w][1][i] += p * vo;
+        }
+      }
+    }
+    for (int w = 0; w < WP; ++w)
+      for (int o = 0; o < 2; ++o)
+        for (int i = 0; i < RB; ++i) storen(acc + static_cast<size_t>(r0 + i) * dvp + (g0 + w) * 2 * NW + o * NW, a[w][o][i]);
+  }
+}
+
 template <int RB>
 inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const c10::BFloat16* const* vp, int n,
                         int64_t j0, int rows, int rows_pad, Scratch& sc, const float* qf, float* m, vf* lv, float* acc,
@@ -48,48 +85,60 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
     for (int t = 0; t < L; ++t) std::memcpy(&tile[t], kp[t] + 2 * w0, sizeof(vf));
     transpose16_to(tile, kt + static_cast<size_t>(w0) * L);
   }
-  // scores: as chunk(), with the dims of a word taken apart; NA accumulator sets over words keep 8 FMA chains
+  // scores: as chunk(), with the dims of a word taken apart; NA accumulator sets over words keep 8 FMA chains, and
+  // where the registers allow (SPLIT) the even and the odd dims accumulate apart (16 chains: each FMA's latency hidden)
   constexpr int NA = 8 / RB;
+  constexpr bool SPLIT = ACC_REGS >= 2 * NA * RB;
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     const float* q0 = qf + static_cast<size_t>(r0) * dp;
     for (int c = 0; c < NH; ++c) {
-      nv a[NA][RB] = {};
+      nv a[SPLIT ? 2 : 1][NA][RB] = {};
       for (int w = 0; w < words; w += NA) {
         for (int j = 0; j < NA; ++j) {
           pf.step();
           const nv kw = loadn(kt + static_cast<size_t>(w + j) * L + c * NW);
           const nv ke = even_dims(kw), ko = odd_dims(kw);
           const int e = 2 * (w + j);
-          for (int i = 0; i < RB; ++i) a[j][i] += q0[i * dp + e] * ke;
-          for (int i = 0; i < RB; ++i) a[j][i] += q0[i * dp + e + 1] * ko;
+          for (int i = 0; i < RB; ++i) a[0][j][i] += q0[i * dp + e] * ke;
+          for (int i = 0; i < RB; ++i) a[SPLIT][j][i] += q0[i * dp + e + 1] * ko;
         }
       }
       for (int i = 0; i < RB; ++i) {
-        nv sum = a[0][i];
-        for (int j = 1; j < NA; ++j) sum += a[j][i];
+        nv sum = a[0][0][i];
+        for (int j = 1; j < NA; ++j) sum += a[0][j][i];
+        if constexpr (SPLIT)
+          for (int j = 0; j < NA; ++j) sum += a[1][j][i];
         storen(S + (r0 + i) * L + c * NW, sum);
       }
     }
   }
   online_softmax(pb, sc, rows, j0, n, m, lv, slope);
-  // acc = acc * alpha + P V over the even, then the odd dims of each group of 2 * NW dims (NW words)
-  for (int g0 = 0; g0 < dvp; g0 += 2 * NW) {
-    for (int odd = 0; odd < 2; ++odd) {
-      float* ab = acc + g0 + odd * NW;
-      for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-        nv a[RB];
-        for (int i = 0; i < RB; ++i) a[i] = loadn(ab + static_cast<size_t>(r0 + i) * dvp) * alpha[r0 + i];
-        for (int t = 0; t < n; ++t) {
-          pf.step();
-          nv w;
-          std::memcpy(&w, vp[t] + g0, sizeof w);
-          const nv vv = odd ? odd_dims(w) : even_dims(w);
-          for (int i = 0; i < RB; ++i) a[i] += P[(r0 + i) * L + t] * vv;
+  // acc = acc * alpha + P V: WP groups of 2 * NW dims per pass where the registers hold both halves of a group for RB
+  // rows; otherwise (AVX2 at RB 8) the even, then the odd dims of each group
+  const int groups = dvp / (2 * NW);
+  constexpr int WP = ACC_REGS / (2 * RB);
+  if constexpr (WP >= 1) {
+    int g = 0;
+    for (; g + WP <= groups; g += WP) pv_words<RB, WP>(P, alpha, vp, n, g, rows_pad, dvp, acc, pf);
+    for (; g < groups; ++g) pv_words<RB, 1>(P, alpha, vp, n, g, rows_pad, dvp, acc, pf);
+  } else {
+    for (int g0 = 0; g0 < dvp; g0 += 2 * NW) {
+      for (int odd = 0; odd < 2; ++odd) {
+        float* ab = acc + g0 + odd * NW;
+        for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+          nv a[RB];
+          for (int i = 0; i < RB; ++i) a[i] = loadn(ab + static_cast<size_t>(r0 + i) * dvp) * alpha[r0 + i];
+          for (int t = 0; t < n; ++t) {
+            pf.step();
+            nv w;
+            std::memcpy(&w, vp[t] + g0, sizeof w);
+            const nv vv = odd ? odd_dims(w) : even_dims(w);
+            for (int i = 0; i < RB; ++i) a[i] += P[(r0 + i) * L + t] * vv;
+          }
+          for (int i = 0; i < RB; ++i) storen(ab + static_cast<size_t>(r0 + i) * dvp, a[i]);
         }
-        for (int i = 0; i < RB; ++i) storen(ab + static_cast<size_t>(r0 + i) * dvp, a[i]);
       }
     }
   }
   pf.rest();
 }
-
