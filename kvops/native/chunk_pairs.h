@@ -53,6 +53,7 @@ inline void pv_words(const float* P, const float* alpha, const c10::BFloat16* co
         for (int i = 0; i < RB; ++i)
           a[w][o][i] = loadn(acc + static_cast<size_t>(r0 + i) * dvp + (g0 + w) * 2 * NW + o * NW) * alpha[r0 + i];
     for (int t = 0; t < n; ++t) {
+#pragma GCC unroll 8
       for (int w = 0; w < WP; ++w) {
         pf.step();
         nv word;
