@@ -79,7 +79,11 @@ inline float hmax(vf v) {
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {
     const vf w = __builtin_shuffle(v, idx[k]);
+#if defined(__AVX512F__)
+    v = (vf)_mm512_max_ps((__m512)w, (__m512)v);  // w > v ? w : v, as below: one instruction
+#else
     v = vsel(w > v, w, v);
+#endif
   }
   return v[0];
 #endif
