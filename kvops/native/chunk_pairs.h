@@ -34,12 +34,6 @@ inline void pair_layout(float* acc, int rows, int dvp, bool to_pairs) {
     }
 }
 
-#if defined(__AVX512F__)
-constexpr int ACC_REGS = 16;  // accumulator vectors the loops below keep in registers (of 32 zmm; AVX2 / NEON: 16)
-#else
-constexpr int ACC_REGS = 8;
-#endif
-
 // acc[r, groups [g0, g0 + WP)] = acc * alpha + P V for RB rows at a time: each V word vector gives the even and the
 // odd dims of a group, so a pass keeps WP groups x 2 halves x RB rows of accumulators (ACC_REGS in flight: one V
 // load feeds 2 RB FMAs; one prefetch step per word)

@@ -432,6 +432,28 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
   }
 }
 
+// acc[r, dims [e0, e0 + VP * NW)] = acc * alpha + P V, RB rows at a time (RB x VP accumulators; one prefetch step per
+// V vector load)
+template <typename T, int RB, int VP>
+inline void pv_rows(const float* P, const float* alpha, const T* const* vp, int n, int e0, int rows_pad, int dvp,
+                    float* acc, Prefetcher& pf) {
+  for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+    nv a[VP][RB];
+    for (int w = 0; w < VP; ++w)
+      for (int i = 0; i < RB; ++i) a[w][i] = loadn(acc + static_cast<size_t>(r0 + i) * dvp + e0 + w * NW) * alpha[r0 + i];
+    for (int t = 0; t < n; ++t) {
+#pragma GCC unroll 16
+      for (int w = 0; w < VP; ++w) {
+        pf.step();
+        const nv vv = load_nw(vp[t] + e0 + w * NW);
+        for (int i = 0; i < RB; ++i) a[w][i] += P[(r0 + i) * L + t] * vv;
+      }
+    }
+    for (int w = 0; w < VP; ++w)
+      for (int i = 0; i < RB; ++i) storen(acc + static_cast<size_t>(r0 + i) * dvp + e0 + w * NW, a[w][i]);
+  }
+}
+
 // One chunk of n <= 16 tokens whose K/V rows are kp[t], vp[t] (unit stride, dp / dvp elements readable, tokens
 // t >= n point at zeros): scores, online softmax, accumulation. Rows go RB at a time (RB = min(rows_pad, 8)).
 template <typename T, int RB>
@@ -458,9 +480,9 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     }
   }
   // scores: S[r] = q_r . k_t for the 16 tokens, RB rows at a time (each kt[e] load feeds RB FMAs); NA accumulator
-  // sets (dims e = j mod NA) keep 8 FMA chains in flight when RB < 8
+  // sets (dims e = j mod NA, NA a power of 2) keep about ACC_REGS (vec.h) FMA chains in flight
   // (in hardware-width parts of NW tokens, vec.h: on AVX2 NA * RB = 8 accumulators are 8 of the 16 ymm registers)
-  constexpr int NA = 8 / RB;
+  constexpr int NA = pow2_floor(ACC_REGS / RB);
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     const float* q0 = qf + static_cast<size_t>(r0) * dp;
     for (int c = 0; c < NH; ++c) {
@@ -480,19 +502,11 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     }
   }
   online_softmax(pb, sc, rows, j0, n, m, lv, slope);
-  // acc[r] = acc[r] * alpha[r] + sum_t P[r, t] v_t, RB rows x NW dims (vec.h) of accumulators at a time
-  for (int e0 = 0; e0 < dvp; e0 += NW) {
-    for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-      nv a[RB];
-      for (int i = 0; i < RB; ++i) a[i] = loadn(acc + static_cast<size_t>(r0 + i) * dvp + e0) * alpha[r0 + i];
-      for (int t = 0; t < n; ++t) {
-        pf.step();
-        const nv vv = load_nw(vp[t] + e0);
-        for (int i = 0; i < RB; ++i) a[i] += P[(r0 + i) * L + t] * vv;
-      }
-      for (int i = 0; i < RB; ++i) storen(acc + static_cast<size_t>(r0 + i) * dvp + e0, a[i]);
-    }
-  }
+  // acc[r] = acc[r] * alpha[r] + sum_t P[r, t] v_t, RB rows x VP vectors of NW dims (vec.h) of accumulators at a time
+  constexpr int VP = pow2_floor(ACC_REGS / RB);
+  int e0 = 0;
+  for (; e0 + VP * NW <= dvp; e0 += VP * NW) pv_rows<T, RB, VP>(P, alpha, vp, n, e0, rows_pad, dvp, acc, pf);
+  for (; e0 < dvp; e0 += NW) pv_rows<T, RB, 1>(P, alpha, vp, n, e0, rows_pad, dvp, acc, pf);
   pf.rest();
 }
 

@@ -19,6 +19,14 @@ constexpr int NW = 8;
 constexpr int NW = L;
 #endif
 constexpr int NH = L / NW;
+// accumulator vectors (nv) the score and PV loops keep in flight: 16 of the 32 zmm registers on AVX-512 (each FMA's
+// 4-cycle latency hidden at 2 FMAs per cycle); 8 where there are 16 registers (AVX2) or an nv is 4 of them (NEON)
+#if defined(__AVX512F__)
+constexpr int ACC_REGS = 16;
+#else
+constexpr int ACC_REGS = 8;
+#endif
+constexpr int pow2_floor(int x) { return x >= 16 ? 16 : x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
 typedef float nv __attribute__((vector_size(NW * 4)));
 inline nv loadn(const float* p) { nv v; std::memcpy(&v, p, sizeof v); return v; }
 inline void storen(float* p, nv v) { std::memcpy(p, &v, sizeof v); }
