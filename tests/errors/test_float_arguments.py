@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import kvops
+from kvops.integrations.flashinfer import BatchDecodeWithPagedKVCacheWrapper
 from kvops.packed import packed_attention
 from tests.contract import _Wrap, raises_everywhere
 
@@ -199,6 +200,49 @@ flash_attn_with_kvcache: softmax_scale was given as a NumPy scalar whose value t
     def test_mla_attention_scale_nan(self):
         fn, args = mla()
         self.assertExpectedInline(self.check(fn, args, float("nan"))[0], """kvops.mla_attention: scale must be a finite number (the softmax scale on the scores q . row; None: (kv_lora_rank + rope_dim) ** -0.5), got nan. Pass a finite scale (DeepSeek: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5).""")
+
+
+class TestFlashInferWrapper(expecttest.TestCase):
+    """FlashInfer's decode wrapper (host-side ``plan``, eager ``run``): NumPy scalars as its float arguments are read
+    as Python floats, a NaN one refused by ``plan``/``run`` with the Python float's message (it was taken, and ``plan``
+    let a NaN ``np.float32`` through to ``run``)."""
+
+    def setUp(self):
+        g = torch.Generator().manual_seed(4)
+        self.q, self.kc, self.vc = torch.randn(1, 4, 16, generator=g), torch.randn(2, 4, 2, 16, generator=g), \
+            torch.randn(2, 4, 2, 16, generator=g)
+        self.indptr, self.indices = torch.tensor([0, 2], dtype=I32), torch.tensor([0, 1], dtype=I32)
+        self.last = torch.tensor([3], dtype=I32)
+
+    def run_with(self, plan_kwargs, run_kwargs=None):
+        wrapper = BatchDecodeWithPagedKVCacheWrapper()
+        wrapper.plan(self.indptr, self.indices, self.last, 4, 2, 16, 4, q_data_type=torch.float32, **plan_kwargs)
+        return wrapper.run(self.q, (self.kc, self.vc), **(run_kwargs or {}))
+
+    def test_numpy_scalars(self):
+        plan = dict(sm_scale=0.25, logits_soft_cap=3.0, pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0,
+                    rope_theta=256.0)
+        run = dict(q_scale=2.0, k_scale=0.5, v_scale=4.0)
+        expected = self.run_with(plan, run)
+        for dtype in READ[:3]:  # (0.25 and 0.5 are not integers)
+            got = self.run_with({k: dtype(x) if isinstance(x, float) else x for k, x in plan.items()},
+                                {k: dtype(x) for k, x in run.items()})
+            torch.testing.assert_close(got, expected, atol=0, rtol=0, msg=str(dtype))
+
+    def test_nan(self):
+        messages = []
+        for where, name in (("plan", "sm_scale"), ("plan", "logits_soft_cap"), ("run", "q_scale")):
+            found = set()
+            for x in (float("nan"), np.float32("nan"), np.float16("nan")):
+                with self.assertRaises(ValueError) as cm:
+                    self.run_with({name: x} if where == "plan" else {}, {name: x} if where == "run" else {})
+                found.add(str(cm.exception))
+            self.assertEqual(len(found), 1, found)
+            messages += found
+        self.assertExpectedInline("\n".join(messages), """\
+BatchDecodeWithPagedKVCacheWrapper.plan: sm_scale must be a finite number (None: head_dim ** -0.5), got nan. Pass a finite sm_scale.
+BatchDecodeWithPagedKVCacheWrapper.plan: logits_soft_cap must be a finite number (None or >= 0; 0/None: off), got nan. Pass a finite logits_soft_cap.
+BatchDecodeWithPagedKVCacheWrapper.run: q_scale must be a finite number (a calibration scale; None: 1), got nan. Pass a finite q_scale, or None.""")
 
 
 if __name__ == "__main__":
