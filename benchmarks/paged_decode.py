@@ -192,6 +192,21 @@ def targets_for(kind: str, batch=None, context=None, dtype=None, threads=None, m
             and fits(threads, t.get("threads")) and (context is None or context >= t.get("min_context", 0))}
 
 
+def _braced(values) -> str:
+    return "{" + ", ".join(map(str, values)) + "}"
+
+
+def run_label(target: str, t: dict, args) -> str:
+    """``target`` as this run reports it: a target over a grid ``B in {...} x ctx in {...}`` names the part of the
+    grid the run measured (``--quick``, ``--batches`` and ``--contexts`` run fewer shapes), the cases it counts."""
+    if "batches" not in t or "contexts" not in t:
+        return target
+    grid = f"B in {_braced(t['batches'])} x ctx in {_braced(t['contexts'])}"
+    ran = (f"B in {_braced(b for b in t['batches'] if b in args.batches)} x ctx in "
+           f"{_braced(s for s in t['contexts'] if s in args.contexts)}")
+    return target.replace(grid, ran)
+
+
 def meaning(t: dict) -> str:
     if t["metric"] != "ratio":
         return MEANING[t["metric"]]
@@ -220,15 +235,17 @@ def target_cell(r, row_targets: dict, modes) -> str:
     return " ".join(parts) or "-"
 
 
-def row_targets_and_bounds(report, table, c, r, name: str, dtype_name: str, threads: int, host: dict):
+def row_targets_and_bounds(report, table, c, r, name: str, dtype_name: str, threads: int, host: dict, args):
     """Record the row's ratio targets, and under a decode row a bandwidth target applies to (its kind, context and
-    dtype; the target only at its thread counts), print the bounds sub-line and record the bandwidth target."""
+    dtype; the target only at its thread counts), print the bounds sub-line and record the bandwidth target (labels:
+    :func:`run_label`)."""
     kind = "decode" if c["q_len"] == 1 else "prefill"
     for target, t in targets_for(kind, c["batch"], c["context"], dtype_name, threads, metric="ratio").items():
         for mode in t["modes"]:
             value = ratio_to(r, mode, t["baseline"]) if mode in r else None
             if value is not None:
-                report.target(target, f"{name}, {mode}", value, t["bound"], t["op"], meaning(t))
+                report.target(run_label(target, t, args), f"{name}, {mode}", value, t["bound"], t["op"],
+                              meaning(t))
     if kind != "decode":
         return
     for target, t in targets_for(kind, c["batch"], c["context"], dtype_name, metric="bandwidth").items():
@@ -241,7 +258,8 @@ def row_targets_and_bounds(report, table, c, r, name: str, dtype_name: str, thre
             table.rows[-1].update(bandwidth_fraction=b["fraction"].json(), bytes_bound_ms=b["bytes_ms"],
                                   fma_bound_ms=b["fma_ms"], larger_bound=b["larger"])
             if timely:
-                report.target(target, f"{name}, {mode}", b["fraction"], t["bound"], t["op"], meaning(t))
+                report.target(run_label(target, t, args), f"{name}, {mode}", b["fraction"], t["bound"], t["op"],
+                              meaning(t))
 
 
 def thread_section(report, args, device, threads: int, panels: dict) -> float:
@@ -290,7 +308,7 @@ def thread_section(report, args, device, threads: int, panels: dict) -> float:
                                  if "compiled_vs_compiled" in r else ""))
                 name = f"{geometry} {dtype_name} {case}" + (f", {threads} thread{'s' * (threads > 1)}"
                                                              if len(args.threads) > 1 else "")
-                row_targets_and_bounds(report, table, c, r, name, dtype_name, threads, host)
+                row_targets_and_bounds(report, table, c, r, name, dtype_name, threads, host, args)
                 del c
                 if kind == "decode":
                     for mode in cand_cols:

@@ -190,9 +190,18 @@ def number_text(x) -> str | None:
     (unbacked: e.g. from ``.item()``, which no guard can read) gives None. Only called on the error path."""
     if not torch.compiler.is_compiling() and not isinstance(x, (torch.SymInt, torch.SymFloat)):
         return repr(x)
-    if not (guard_or_false(x > -_FAR) or guard_or_false(x <= -_FAR)):  # both undecided: unbacked
-        return None
-    return repr(guard_scalar(x))
+    return repr(guard_scalar(x)) if has_value(x) else None
+
+
+def has_value(x) -> bool:
+    """Whether the number ``x`` has a value while tracing: a Python number, or a traced one that is backed (Dynamo's
+    symbol for a number argument that changed between calls; the check installs a guard on it). False for a traced
+    number without a value (unbacked): ``.item()`` of a traced tensor, or a NumPy scalar under ``torch.compile`` that
+    Dynamo does not read (:func:`kvops._checks.forms.python_float`). A NaN Python float counts as having one."""
+    if not torch.compiler.is_compiling() and not isinstance(x, (torch.SymInt, torch.SymFloat)):
+        return True
+    # a number is either side of -_FAR, or NaN (x != x is False for a symbol): all three undecided: unbacked
+    return guard_or_false(x > -_FAR) or guard_or_false(x <= -_FAR) or guard_or_false(x != x)
 
 
 def require_finite(op: str, name: str, value, what: str, fix: str) -> None:

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 import torch
+
+from .common import has_value
 
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -66,6 +69,36 @@ def int_arg(op: str, name: str, x, *, wanted: str = "an int"):
         ) from None
 
 
+def python_float(op: str, name: str, x):
+    """``x`` of an op's float argument (a softmax scale, a softcap, ...) as the op takes it: a NumPy integer or
+    floating scalar as ``float(x)`` (``np.float64`` is a float already), anything else unchanged (the op's checks take
+    it). Public wrappers call it before their own arithmetic on the value and before dispatch; eager calls and
+    ``torch.export`` read a NumPy scalar here.
+
+    While a call is traced the value must be a Python number: ``torch.compile`` traces a NumPy scalar as a 0-d array,
+    and reads the value of a finite float64 or int64 one (the dtypes of Python's numbers) as of a Python number, but not
+    of any other (``np.float32``, ``np.float16``, ``np.int32``; a NaN or infinite float64): ``float(x)`` is then a
+    number without a value (an unbacked SymFloat), which an op's ``float`` argument cannot take (torch's
+    ``scaled_dot_product_attention(scale=np.float32(0.1))`` fails alike); a tensor has no value either (one is read in
+    eager calls). Both are a ``ValueError`` naming the argument and the form that compiles (docs/compile.md "Float
+    arguments")."""
+    if isinstance(x, (np.floating, np.integer)):
+        return float(x)
+    if isinstance(x, torch.Tensor) and tracing(x):
+        _refuse_traced(op, name, "float", f"{name}=float({name})")
+    if isinstance(x, np.ndarray) and torch.compiler.is_compiling() and x.ndim == 0:  # Dynamo's NumPy scalar
+        value = float(x)
+        if not has_value(value):
+            raise ValueError(
+                f"{op}: {name} was given as a NumPy scalar whose value torch.compile does not read while tracing (a "
+                f"dtype other than float64 and int64, such as np.float32, or a NaN or infinite value), and {name} is "
+                f"needed as a Python float when the call is traced. Pass {name}=float({name}) outside the compiled "
+                f"function (NumPy scalars of any dtype are read in eager calls and by torch.export)."
+            )
+        return value
+    return x
+
+
 def float_arg(op: str, name: str, x, *, optional: bool = False):
     """``x`` as a pybind11 ``float`` parameter takes it: an int or float (NumPy scalars too), a one-element real
     tensor (read in eager calls); a SymInt/SymFloat passes through; ``None`` when ``optional``."""
@@ -84,6 +117,9 @@ def float_arg(op: str, name: str, x, *, optional: bool = False):
         return x
     if isinstance(x, (int, float)):  # before hasattr, which Dynamo cannot trace on a number it made symbolic
         return float(x)
+    x = python_float(op, name, x)
+    if isinstance(x, float):
+        return x
     if isinstance(x, (str, bytes, complex)) or not hasattr(x, "__float__"):
         raise ValueError(
             f"{op}: {name} must be a float{' or None' if optional else ''} (an int, a float or a one-element tensor, "

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from .._checks.flashinfer import check_plan, check_run
+from .._checks.flashinfer import PLAN, RUN, check_plan, check_run
+from .._checks.forms import python_float
 from ..ops.paged_attention import paged_attention
 
 LOG2E = 1.0 / math.log(2.0)
@@ -94,6 +95,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             kv_data_type = data_type if kv_data_type is None else kv_data_type
         q_dtype = _dtype(q_data_type)
         kv_dtype = q_dtype if kv_data_type is None else _dtype(kv_data_type)
+        # NumPy scalars: floats
+        logits_soft_cap, sm_scale, rope_scale, rope_theta = (python_float(PLAN, name, x) for name, x in (
+            ("logits_soft_cap", logits_soft_cap), ("sm_scale", sm_scale), ("rope_scale", rope_scale),
+            ("rope_theta", rope_theta)))
         rope_scale = 1.0 if rope_scale is None else rope_scale
         rope_theta = 1e4 if rope_theta is None else rope_theta
         counts = check_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -157,6 +162,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             k_cache, v_cache = paged_kv_cache
         else:
             k_cache, v_cache = _split(paged_kv_cache)
+        q_scale, k_scale, v_scale = (python_float(RUN, name, x) for name, x in (  # NumPy scalars: floats
+            ("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)))
         check_run(q, k_cache, v_cache, self._kv_layout, p["shape"], p["dtypes"], p["window_left"], window_left, out,
                   lse, (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)))
         scale = q.shape[-1] ** -0.5 if p["sm_scale"] is None else p["sm_scale"]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks.cascade import PLAN, check_cascade, check_plan_inputs, check_prefix_values
+from .._checks.cascade import OP, PLAN, check_cascade, check_plan_inputs, check_prefix_values
+from .._checks.forms import python_float
 from .merge import merge_attention_states
 from .paged_attention import paged_attention
 
@@ -195,6 +196,7 @@ def cascade_attention(
     """
     check_cascade(plan, q, k_cache, block_table, seq_lens, kv_layout, CascadePlan)
     check_prefix_values(plan, block_table)  # a value contract (docs/semantics.md §7)
+    scale, softcap = python_float(OP, "scale", scale), python_float(OP, "softcap", softcap)  # NumPy scalars: floats
     if scale is None:
         scale = q.shape[-1] ** -0.5
     kw = dict(softcap=softcap, k_scale=k_scale, v_scale=v_scale, return_lse=True, kv_layout=kv_layout)

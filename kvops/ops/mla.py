@@ -20,6 +20,7 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .._checks import values
 from .._checks.common import int64_error
+from .._checks.forms import python_float
 from .._checks.mla import ATTN_OP, WRITE_OP, check_mla_attention, check_mla_cache_write, require_scale_tensor
 from ..cpu import mla as cpu
 from ..triton import HAS_TRITON
@@ -145,6 +146,7 @@ def mla_attention(
     if bad is not None:
         raise bad
     require_scale_tensor(ATTN_OP, kv_scale)  # before dispatch: the schema takes a Tensor
+    scale = python_float(ATTN_OP, "scale", scale)  # a NumPy scalar: a float
     try:  # value contracts, docs/semantics.md §7
         values.check_paged_attention(q, _paged_view(kv_cache), cu_seqlens_q, seq_lens, block_table, max_seqlen_q,
                                      "NHD", op=ATTN_OP)

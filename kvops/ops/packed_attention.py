@@ -26,6 +26,7 @@ import torch
 from .. import _library  # noqa: F401  (defines the schemas)
 from .. import native
 from ..triton import HAS_TRITON
+from .._checks.forms import python_float
 from .._checks.packed import check_packed_attention, check_row_count_values
 from ..cpu import packed as reference
 from .packed import PackedKV, PackedSegments
@@ -100,6 +101,7 @@ def packed_attention(
         if row_counts.shape[0] == rows:  # (else the op's validator names the mismatch)
             row_counts = _op_order(list(k_segments), row_counts)
     (k_dense, k_packed), (v_dense, v_packed) = _split(k_segments), _split(v_segments)
+    scale = python_float("kvops.packed_attention", "scale", scale)  # a NumPy scalar: a float
     out, lse = torch.ops.kvops.packed_attention(
         q, k_dense, v_dense, k_packed, v_packed, formats.pop() if formats else None, scale, row_counts
     )

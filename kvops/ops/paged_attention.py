@@ -28,7 +28,8 @@ from .. import _library
 from .._checks import values
 from .._checks.common import int64_error, kv_scale_tensors
 from .._checks.features import NO_FEATURES, AttnFeatures, resolve
-from .._checks.paged_attention import check_paged_attention
+from .._checks.forms import python_float
+from .._checks.paged_attention import OP, check_paged_attention
 from .._checks.paged_write import as_nhd
 from .. import native
 from ..cpu.paged_attention import paged_attention as _cpu_paged_attention
@@ -263,6 +264,10 @@ def paged_attention(
         bad = int64_error("kvops.paged_attention", {"max_seqlen_q": max_seqlen_q})
         if bad is not None:  # (torch's schema error gives no fix)
             raise bad
+    if ((scale is not None and type(scale) is not float) or type(softcap) is not float
+            or (rope_theta is not None and type(rope_theta) is not float) or type(rope_scale) is not float):
+        scale, softcap, rope_theta, rope_scale = (python_float(OP, name, x) for name, x in (  # NumPy scalars: floats
+            ("scale", scale), ("softcap", softcap), ("rope_theta", rope_theta), ("rope_scale", rope_scale)))
     # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md)
     if (alibi_slopes is None and window_right == -1 and cache_leftpad is None and sink_tokens == 0
             and rope_theta is None and rope_scale == 1.0 and custom_mask is None and packed_custom_mask is None):
@@ -271,7 +276,7 @@ def paged_attention(
         window_left, features = resolve(
             window_left, AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale,
                                       custom_mask, packed_custom_mask))
-    k_scale, v_scale = kv_scale_tensors("kvops.paged_attention", k_scale, v_scale)
+    k_scale, v_scale = kv_scale_tensors(OP, k_scale, v_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
     if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,

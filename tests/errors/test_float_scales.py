@@ -56,6 +56,21 @@ class TestFloatScales(expecttest.TestCase):
             compile_exc=torch._dynamo.exc.Unsupported)
         self.assertExpectedInline(msg, """kvops.paged_attention: v_scale must be a float32 tensor of shape [1] or [H_kv] (or None), got float 0.5. Pass v_scale=torch.tensor(0.5, dtype=torch.float32) on the cache's device.""")
 
+    def test_paged_attention_compiled_without_fullgraph(self):
+        """docs/semantics.md "Where errors fire": a check of the public wrapper, before dispatch, raises while Dynamo
+        traces it (``Unsupported`` under ``fullgraph=True``, above); without ``fullgraph=True`` Dynamo runs the call
+        eagerly, and it raises the ``ValueError`` itself."""
+        kc, vc = self.fp8_caches()
+        cu, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+        table = torch.zeros(1, 1, dtype=torch.int32)
+        torch._dynamo.reset()
+        with self.assertRaises(ValueError) as cm:
+            torch.compile(lambda q, kc, vc: kvops.paged_attention(q, kc, vc, cu, lens, table, 1, k_scale=0.5,
+                                                                  v_scale=self.one), backend="eager")(
+                torch.randn(1, 2, 8), kc, vc)
+        self.assertIs(type(cm.exception), ValueError)
+        self.assertExpectedInline(str(cm.exception), """kvops.paged_attention: k_scale must be a float32 tensor of shape [1] or [H_kv] (or None), got float 0.5. Pass k_scale=torch.tensor(0.5, dtype=torch.float32) on the cache's device.""")
+
     def test_flash_attn_with_kvcache(self):
         kc, vc = self.fp8_caches()
         table = torch.zeros(1, 1, dtype=torch.int32)

@@ -308,5 +308,23 @@ class TestHarness(unittest.TestCase):
             report.table("too wide", [("a", 60), ("b", 60), ("c", 2)])
 
 
+class TestPagedDecodeLabels(unittest.TestCase):
+    def test_grid_targets_name_the_shapes_run(self):
+        """A target over a grid of decode shapes names, in the verdict, the part of the grid the run measured: the
+        default run the whole grid, ``--quick`` (B in {1, 8} x context in {256, 1024}) its one shape, B=8 ctx=1024."""
+        from tests.example_loader import load_module
+
+        decode = load_module(ROOT / "benchmarks" / "paged_decode.py", "kvops_bench_paged_decode")
+        full, quick = decode.parse_args([]), decode.parse_args(["--quick"])
+        grid = [(name, t) for name, t in decode.TARGETS.items() if "B in {" in name]
+        self.assertEqual([decode.run_label(n, t, full) for n, t in grid],
+                         ["decode B in {8, 32} x ctx in {1024, 4096}: kvops <= 1.0x ideal"])
+        self.assertEqual([decode.run_label(n, t, quick) for n, t in grid],
+                         ["decode B in {8} x ctx in {1024}: kvops <= 1.0x ideal"])
+        for name, t in decode.TARGETS.items():  # the others name one shape, or none
+            if "B in {" not in name:
+                self.assertEqual(decode.run_label(name, t, quick), name)
+
+
 if __name__ == "__main__":
     unittest.main()
