@@ -10,7 +10,13 @@
 // V's words give the even and the odd dims of 2 * NW consecutive dims as two vectors, so while attend runs the
 // accumulator rows hold each group of 2 * NW dims as [even dims | odd dims] (pair_layout on entry and exit).
 // Needs head_dim % 32 == 0 and head_dim_v % (2 * NW) == 0 (NW: vec.h), unit-stride rows, no RoPE at read.
+//
+// Where the registers allow (AVX-512: ACC_REGS 16, vec.h) a chunk is PAIR_NV = 2 vectors of 16 tokens: each load of K
+// words feeds twice the FMAs (the score loop was bound by its loads: one K vector and 2 RB query broadcasts per 2 RB
+// FMAs), and the online softmax (row max, rescale) and the PV accumulators' loads and stores run once per 32 tokens.
 #pragma once
+
+constexpr int PAIR_NV = ACC_REGS >= 16 ? 2 : 1;  // 16-token vectors per chunk_pairs chunk
 
 inline nv even_dims(nv w) { return (nv)((nvi)w << 16); }
 inline nv odd_dims(nv w) { return (nv)((nvi)w & (nvi{} + static_cast<int32_t>(0xffff0000u))); }
@@ -37,9 +43,9 @@ inline void pair_layout(float* acc, int rows, int dvp, bool to_pairs) {
 // acc[r, groups [g0, g0 + WP)] = acc * alpha + P V for RB rows at a time: each V word vector gives the even and the
 // odd dims of a group, so a pass keeps WP groups x 2 halves x RB rows of accumulators (ACC_REGS in flight: one V
 // load feeds 2 RB FMAs; one prefetch step per word)
-template <int RB, int WP>
+template <int RB, int WP, int W>
 inline void pv_words(const float* P, const float* alpha, const c10::BFloat16* const* vp, int n, int g0, int rows_pad,
-                     int dvp, float* acc, Prefetcher& pf) {
+                     int dvp, float* acc, Prefetcher& pf) {  // P: rows of W lanes
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     nv a[WP][2][RB];
     for (int w = 0; w < WP; ++w)
@@ -54,7 +60,7 @@ inline void pv_words(const float* P, const float* alpha, const c10::BFloat16* co
         std::memcpy(&word, vp[t] + (g0 + w) * 2 * NW, sizeof word);
         const nv ve = even_dims(word), vo = odd_dims(word);
         for (int i = 0; i < RB; ++i) {
-          const float p = P[(r0 + i) * L + t];
+          const float p = P[(r0 + i) * W + t];
           a[w][0][i] += p * ve;
           a[w][1][i] += p * vo;
         }
@@ -66,56 +72,66 @@ inline void pv_words(const float* P, const float* alpha, const c10::BFloat16* co
   }
 }
 
-template <int RB>
+// One chunk of n <= NV * 16 tokens (kp / vp: NV * 16 rows, those past n pointing at zeros)
+template <int RB, int NV>
 inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const c10::BFloat16* const* vp, int n,
-                        int64_t j0, int rows, int rows_pad, Scratch& sc, const float* qf, float* m, vf* lv, float* acc,
-                        Prefetcher& pf, const float* slope) {
+                        int64_t j0, int rows, int rows_pad, Scratch& sc, const float* qt, float* m, vf* lv, float* acc,
+                        Prefetcher& pf, const float* slope) {  // qt: the KV head's queries, blocks of RB rows dim-major
+  constexpr int W = NV * L;  // tokens of the chunk = lanes of a row of S and P
   const int dp = pb.d_pad, dvp = pb.dv_pad, words = pb.d / 2;
   float* S = sc.s.data();
   const float* P = sc.p.data();
   const float* alpha = sc.alpha.data();
-  float* kt = sc.kt.data();  // kt[w] holds word w (dims 2w, 2w + 1) of every token
-  for (int w0 = 0; w0 < words; w0 += L) {
-    vf tile[L];
-    for (int t = 0; t < L; ++t) std::memcpy(&tile[t], kp[t] + 2 * w0, sizeof(vf));
-    transpose16_to(tile, kt + static_cast<size_t>(w0) * L);
-  }
-  // scores: as chunk(), with the dims of a word taken apart; NA accumulator sets over words keep 8 FMA chains, and
-  // where the registers allow (SPLIT) the even and the odd dims accumulate apart (16 chains: each FMA's latency hidden)
-  constexpr int NA = 8 / RB;
-  constexpr bool SPLIT = ACC_REGS >= 2 * NA * RB;
+  float* kt = sc.kt.data();  // kt[w * W + t]: word w (dims 2w, 2w + 1) of token t
+  for (int v = 0; v < NV; ++v)
+    for (int w0 = 0; w0 < words; w0 += L) {
+      vf tile[L];
+      for (int t = 0; t < L; ++t) std::memcpy(&tile[t], kp[v * L + t] + 2 * w0, sizeof(vf));
+      transpose16_to(tile, kt + static_cast<size_t>(w0) * W + v * L, W);
+    }
+  // scores: as chunk(), with the dims of a word taken apart, for the NV vectors of tokens at once (one query broadcast
+  // feeds NV FMAs); NA accumulator sets over words, and where the registers allow (SPLIT) the even and the odd dims
+  // accumulate apart, keep about ACC_REGS FMA chains in flight
+  constexpr int NA = pow2_floor(ACC_REGS / (RB * NV) > 0 ? ACC_REGS / (RB * NV) : 1);
+  constexpr bool SPLIT = ACC_REGS >= 2 * NA * RB * NV;
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-    const float* q0 = qf + static_cast<size_t>(r0) * dp;
+    const float* q0 = qt + static_cast<size_t>(r0) * dp;
     for (int c = 0; c < NH; ++c) {
-      nv a[SPLIT ? 2 : 1][NA][RB] = {};
-      for (int w = 0; w < words; w += NA) {
+      nv a[SPLIT ? 2 : 1][NA][NV][RB] = {};
+      // one pointer each into K and the queries, stepped per NA words: the broadcasts take constant offsets (indexing
+      // by word made GCC keep a pointer per row and spill the accumulators)
+      const float* kw_p = kt + c * NW;
+      const float* qe = q0;
+      for (int w = 0; w < words; w += NA, kw_p += NA * W, qe += 2 * NA * RB) {
         for (int j = 0; j < NA; ++j) {
-          pf.step();
-          const nv kw = loadn(kt + static_cast<size_t>(w + j) * L + c * NW);
-          const nv ke = even_dims(kw), ko = odd_dims(kw);
-          const int e = 2 * (w + j);
-          for (int i = 0; i < RB; ++i) a[0][j][i] += q0[i * dp + e] * ke;
-          for (int i = 0; i < RB; ++i) a[SPLIT][j][i] += q0[i * dp + e + 1] * ko;
+          for (int v = 0; v < NV; ++v) {
+            pf.step();
+            const nv kw = loadn(kw_p + j * W + v * L);
+            const nv ke = even_dims(kw), ko = odd_dims(kw);
+            for (int i = 0; i < RB; ++i) a[0][j][v][i] += qe[2 * j * RB + i] * ke;
+            for (int i = 0; i < RB; ++i) a[SPLIT][j][v][i] += qe[(2 * j + 1) * RB + i] * ko;
+          }
         }
       }
-      for (int i = 0; i < RB; ++i) {
-        nv sum = a[0][0][i];
-        for (int j = 1; j < NA; ++j) sum += a[0][j][i];
-        if constexpr (SPLIT)
-          for (int j = 0; j < NA; ++j) sum += a[1][j][i];
-        storen(S + (r0 + i) * L + c * NW, sum);
-      }
+      for (int v = 0; v < NV; ++v)
+        for (int i = 0; i < RB; ++i) {
+          nv sum = a[0][0][v][i];
+          for (int j = 1; j < NA; ++j) sum += a[0][j][v][i];
+          if constexpr (SPLIT)
+            for (int j = 0; j < NA; ++j) sum += a[1][j][v][i];
+          storen(S + (r0 + i) * W + v * L + c * NW, sum);
+        }
     }
   }
-  online_softmax(pb, sc, rows, j0, n, m, lv, slope);
+  online_softmax<NV>(pb, sc, rows, j0, n, m, lv, slope);
   // acc = acc * alpha + P V: WP groups of 2 * NW dims per pass where the registers hold both halves of a group for RB
   // rows; otherwise (AVX2 at RB 8) the even, then the odd dims of each group
   const int groups = dvp / (2 * NW);
   constexpr int WP = ACC_REGS / (2 * RB);
   if constexpr (WP >= 1) {
     int g = 0;
-    for (; g + WP <= groups; g += WP) pv_words<RB, WP>(P, alpha, vp, n, g, rows_pad, dvp, acc, pf);
-    for (; g < groups; ++g) pv_words<RB, 1>(P, alpha, vp, n, g, rows_pad, dvp, acc, pf);
+    for (; g + WP <= groups; g += WP) pv_words<RB, WP, W>(P, alpha, vp, n, g, rows_pad, dvp, acc, pf);
+    for (; g < groups; ++g) pv_words<RB, 1, W>(P, alpha, vp, n, g, rows_pad, dvp, acc, pf);
   } else {
     for (int g0 = 0; g0 < dvp; g0 += 2 * NW) {
       for (int odd = 0; odd < 2; ++odd) {
@@ -128,7 +144,7 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
             nv w;
             std::memcpy(&w, vp[t] + g0, sizeof w);
             const nv vv = odd ? odd_dims(w) : even_dims(w);
-            for (int i = 0; i < RB; ++i) a[i] += P[(r0 + i) * L + t] * vv;
+            for (int i = 0; i < RB; ++i) a[i] += P[(r0 + i) * W + t] * vv;
           }
           for (int i = 0; i < RB; ++i) storen(ab + static_cast<size_t>(r0 + i) * dvp, a[i]);
         }

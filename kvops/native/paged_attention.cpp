@@ -229,7 +229,7 @@ struct Item {
 
 // Per-thread scratch; rows_pad rows per KV head.
 struct Scratch {
-  std::vector<float> qf, ktmp, kt, vtmp, s, p, alpha, zeros;
+  std::vector<float> qf, qt, ktmp, kt, vtmp, s, p, alpha, zeros;  // qt: chunk_pairs' queries, [RB-row block][dim][RB]
   std::vector<float> slope, rc, rs;  // ALiBi slope per (KV head, row); RoPE cos/sin [d / 2][16] of a chunk
   std::vector<double> rope_c, rope_s, rope_step_c, rope_step_s;  // RoPE: rotation at the next position, and a step
   std::vector<int64_t> row_pos;
@@ -239,13 +239,14 @@ struct Scratch {
   int64_t first_new = 0;  // custom mask: the first new key's position (seq_len - q_len)
   void size(int rows_pad, const Problem& pb) {
     qf.resize(static_cast<size_t>(pb.num_kv_heads) * rows_pad * pb.d_pad);  // load_queries zeroes what an item uses
+    qt.resize(qf.size());
     lv.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad, vf{});
     zeros.assign(pb.d_pad + pb.dv_pad, 0.f);  // what rows past a chunk's end point at
     ktmp.resize(static_cast<size_t>(L) * pb.d_pad);
     kt.resize(static_cast<size_t>(pb.d_pad) * L);
     vtmp.resize(static_cast<size_t>(L) * pb.dv_pad);
-    s.resize(static_cast<size_t>(rows_pad) * L);
-    p.assign(static_cast<size_t>(rows_pad) * L, 0.f);
+    s.resize(static_cast<size_t>(rows_pad) * 2 * L);  // rows of up to 2 L lanes (chunk_pairs' chunks of 2 L tokens)
+    p.assign(static_cast<size_t>(rows_pad) * 2 * L, 0.f);
     alpha.assign(rows_pad, 1.f);
     row_lo.resize(rows_pad);
     row_hi.resize(rows_pad);
@@ -400,35 +401,50 @@ inline void mask_scores(const Problem& pb, const Scratch& sc, int r, int64_t j0,
   }
 }
 
-// Online softmax of rows [0, rows) over the chunk's scores S (sc.s): softcap before masking (mask_scores), running
-// max m, per-lane sums lv, the rescale alpha of each row's accumulator (sc.alpha) and P = exp(S - m) (sc.p); lane c is
-// position j0 + c. Shared by chunk and chunk_pairs.
+// Online softmax of rows [0, rows) over the chunk's scores S (sc.s, rows of NV * 16 lanes): softcap before masking
+// (mask_scores), running max m, per-lane sums lv, the rescale alpha of each row's accumulator (sc.alpha) and
+// P = exp(S - m) (sc.p, the same layout); lane c is position j0 + c. Shared by chunk (NV = 1) and chunk_pairs.
+template <int NV = 1>
 inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0, int n, float* m, vf* lv,
                            const float* slope) {
+  constexpr int W = NV * L;
   const float* S = sc.s.data();
   float* P = sc.p.data();
   float* alpha = sc.alpha.data();
   for (int r = 0; r < rows; ++r) {
-    vf s = loadu(S + r * L);
-    mask_scores(pb, sc, r, j0, n, s, slope);
+    vf s[NV];
+    for (int v = 0; v < NV; ++v) {
+      s[v] = loadu(S + r * W + v * L);
+      mask_scores(pb, sc, r, j0 + v * L, std::clamp(n - v * L, 0, L), s[v], slope);
+    }
+    vf mx = s[0];
+    for (int v = 1; v < NV; ++v) mx = vsel(s[v] > mx, s[v], mx);
     // a visible key's NaN score (NaN in q or K, a NaN slope) makes the row NaN, as SDPA's: the max over lanes drops
     // NaN, so with a finite max the NaN lanes reach exp, P and l (finalize then writes NaN); only a chunk whose
     // other lanes are all masked needs the explicit check
-    const float mc = hmax(s);
+    const float mc = hmax(mx);
     if (mc <= m[r]) {  // running max unchanged (also: nothing visible in this chunk)
       alpha[r] = 1.f;
       if (mc == NEG_INF) {
-        if (any_nan(s)) lv[r] = splat(std::numeric_limits<float>::quiet_NaN());
-        storeu(P + r * L, splat(0.f));
+        bool nan = false;
+        for (int v = 0; v < NV; ++v) {
+          nan |= any_nan(s[v]);
+          storeu(P + r * W + v * L, splat(0.f));
+        }
+        if (nan) lv[r] = splat(std::numeric_limits<float>::quiet_NaN());
         continue;
       }
     } else {
       alpha[r] = std::exp(m[r] - mc);  // 0 when m was -inf
       m[r] = mc;
     }
-    const vf pr = vexp(s - m[r]);
-    storeu(P + r * L, pr);
-    lv[r] = lv[r] * alpha[r] + pr;
+    vf sum = lv[r] * alpha[r];
+    for (int v = 0; v < NV; ++v) {
+      const vf pr = vexp(s[v] - m[r]);
+      storeu(P + r * W + v * L, pr);
+      sum += pr;
+    }
+    lv[r] = sum;
   }
 }
 
@@ -527,18 +543,29 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   // bf16 rows read in place go through chunk_pairs (accumulators in its layout while this pass runs)
   constexpr bool bf16 = std::is_same_v<TK, c10::BFloat16>;
   const bool pairs = bf16 && direct && d % (2 * L) == 0 && pb.d_v % (2 * NW) == 0 && !pb.rope_freq;
-  if (pairs)
+  if (pairs) {
     for (int h = 0; h < nh; ++h) pair_layout(state + h * head_size + 2 * rows_pad, rows_pad, dvp, true);
+    // the queries of each block of RB rows dim-major (qt[e * RB + i]): one base register for the RB broadcasts
+    for (int h = 0; h < nh; ++h)
+      for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+        const float* src = sc.qf.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
+        float* dst = sc.qt.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
+        for (int e = 0; e < dp; ++e)
+          for (int i = 0; i < RB; ++i) dst[e * RB + i] = src[static_cast<size_t>(i) * dp + e];
+      }
+  }
   for (int h = 0; h < nh; ++h)  // the running sum carries over from an earlier pass (sinks), in lane 0
     for (int r = 0; r < rows_pad; ++r) {
       vf l0{};
       l0[0] = r < rows ? state[h * head_size + rows_pad + r] : 0.f;
       sc.lv[static_cast<size_t>(h) * rows_pad + r] = l0;
     }
-  const TK* kb[L];
-  const TK* vb[L];
-  const TK* kp[L];
-  const TK* vp[L];
+  // chunks of CW tokens: 16, or PAIR_NV * 16 on chunk_pairs (chunk_pairs.h)
+  const int CW = pairs ? PAIR_NV * L : L;
+  const TK* kb[2 * L];
+  const TK* vb[2 * L];
+  const TK* kp[2 * L];
+  const TK* vp[2 * L];
   const float* kps[L];
   const float* vps[L];
   const TK* zeros = reinterpret_cast<const TK*>(sc.zeros.data());
@@ -559,10 +586,10 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   // software prefetch (the blocks are scattered, so the hardware prefetcher alone leaves chunks waiting on memory):
   // work goes in units (chunk, KV head); while unit u is computed, the lines of unit u + ahead are issued one per
   // inner step of its math (Prefetcher), `ahead` sized so that ~PREFETCH_BYTES of K/V are in flight (within L1)
-  const int unit_bytes = L * (k_bytes + v_bytes);
+  const int unit_bytes = CW * (k_bytes + v_bytes);
   const int ahead = std::max(1, (PREFETCH_BYTES + unit_bytes - 1) / unit_bytes);
-  const TK* fk[L];
-  const TK* fv[L];
+  const TK* fk[2 * L];
+  const TK* fv[2 * L];
   int64_t fj = -1;  // the chunk whose bases fk/fv hold
   int fn = 0;  // its tokens
   const int kl = pb.sk[3] == 1 ? (k_bytes + 63) / 64 : 0, vl = pb.sv[3] == 1 ? (v_bytes + 63) / 64 : 0;
@@ -572,13 +599,13 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
     if (j >= hi) return Prefetcher(k, v, 0, 0, 0, 0, 0);
     if (j != fj) {
       fj = j;
-      fn = static_cast<int>(std::min<int64_t>(L, hi - j));
+      fn = static_cast<int>(std::min<int64_t>(CW, hi - j));
       token_bases(j, fn, fk, fv);
     }
     return Prefetcher(k, v, h * pb.sk[2] * static_cast<int64_t>(sizeof(TK)), h * pb.sv[2] * static_cast<int64_t>(sizeof(TK)),
                       fn, kl, vl);
   };
-  for (int u = 0; u < ahead; ++u) list_lines(lo + int64_t(u / nh) * L, u % nh).rest();  // the first units: at once
+  for (int u = 0; u < ahead; ++u) list_lines(lo + int64_t(u / nh) * CW, u % nh).rest();  // the first units: at once
   const int half = pb.d / 2;
   if (pb.rope_freq) {  // the rotation at the first key position; later ones by exact steps (double)
     const double p0 = static_cast<double>(lo - pb.seq_start(it.b));
@@ -587,8 +614,8 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
       sc.rope_s[i] = std::sin(p0 * pb.rope_freq[i]);
     }
   }
-  for (int64_t j0 = lo; j0 < hi; j0 += L) {
-    const int n = static_cast<int>(std::min<int64_t>(L, hi - j0));
+  for (int64_t j0 = lo; j0 < hi; j0 += CW) {
+    const int n = static_cast<int>(std::min<int64_t>(CW, hi - j0));
     token_bases(j0, n, kb, vb);
     if (pb.rope_freq) {  // cos/sin of the chunk's 16 positions, shared by its KV heads
       double* c = sc.rope_c.data();
@@ -607,18 +634,19 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
     }
     for (int h = 0; h < nh; ++h) {
       const float* slope = pb.alibi ? sc.slope.data() + static_cast<size_t>(h) * rows_pad : nullptr;
-      Prefetcher pf = list_lines(j0 + int64_t((h + ahead) / nh) * L, (h + ahead) % nh);
+      Prefetcher pf = list_lines(j0 + int64_t((h + ahead) / nh) * CW, (h + ahead) % nh);
       const float* qf = sc.qf.data() + static_cast<size_t>(h) * rows_pad * dp;
       float* m = state + h * head_size;
       float* acc = m + 2 * rows_pad;
       vf* lv = sc.lv.data() + static_cast<size_t>(h) * rows_pad;
-      for (int t = 0; t < L; ++t) {  // positions >= hi are never read: their rows point at zeros
+      for (int t = 0; t < CW; ++t) {  // positions >= hi are never read: their rows point at zeros
         kp[t] = t < n ? kb[t] + h * pb.sk[2] : zeros;
         vp[t] = t < n ? vb[t] + h * pb.sv[2] : zeros;
       }
       if constexpr (bf16) {
         if (pairs) {
-          chunk_pairs<RB>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf, slope);
+          chunk_pairs<RB, PAIR_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, sc.qt.data() + (qf - sc.qf.data()), m, lv,
+                                   acc, pf, slope);
           continue;
         }
       }

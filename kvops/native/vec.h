@@ -106,7 +106,7 @@ inline void transpose16(vf* m) {
                      vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
 }
 
-// tile [16 tokens][16 dims] -> out [16 dims][16 tokens] (row e of out: dim e of every token).
+// tile [16 tokens][16 dims] -> out [16 dims][16 tokens] (row e of out, at out + e * stride: dim e of every token).
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2: four 8x8 transposes of ymm registers (unpack, shuffle, lane permute: 24 instructions each). GCC lowers
 // transpose16's 16-lane two-source shuffles to ~950 scalar moves on AVX2, which made the K transpose the main cost
@@ -130,22 +130,22 @@ inline void transpose8(__m256* r) {
   r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-inline void transpose16_to(const vf* tile, float* out) {
+inline void transpose16_to(const vf* tile, float* out, int stride = L) {
   const float* f = reinterpret_cast<const float*>(tile);
   for (int bt = 0; bt < L; bt += 8)  // tokens [bt, bt + 8) x dims [be, be + 8) -> out rows be.., columns bt..
     for (int be = 0; be < L; be += 8) {
       __m256 r[8];
       for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(f + (bt + i) * L + be);
       transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (be + i) * L + bt, r[i]);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (be + i) * stride + bt, r[i]);
     }
 }
 #else
-inline void transpose16_to(const vf* tile, float* out) {
+inline void transpose16_to(const vf* tile, float* out, int stride = L) {
   vf m[L];
   for (int t = 0; t < L; ++t) m[t] = tile[t];
   transpose16(m);
-  for (int e = 0; e < L; ++e) storeu(out + e * L, m[e]);
+  for (int e = 0; e < L; ++e) storeu(out + e * stride, m[e]);
 }
 #endif
 
