@@ -64,6 +64,33 @@ class TestBf16WordForm(unittest.TestCase):
                     out, lse = kvops.paged_attention(**inputs, **extra, return_lse=True)
                     check_close(self, out, lse, *matrix_reference(**ref_kwargs(inputs, **extra)), BF16)
 
+    def test_chunk_edges(self):
+        # on AVX-512 a chunk is 32 tokens (two 16-lane halves, one online-softmax step): lengths on both sides of
+        # 16 / 32 multiples, windows that leave one half or a single lane visible, a sink pass ending mid-chunk
+        for i, kw in enumerate(({}, dict(window_left=0), dict(window_left=5), dict(window_left=20),
+                                dict(sink_tokens=3, window_left=17), dict(causal=False, window_right=0, window_left=0))):
+            for seq in (1, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 97):
+                with self.subTest(kw=kw, seq=seq):
+                    q, kc, vc, cu, lens, table = make_case(i + seq, h_q=14, h_kv=2, d=64, dtype=BF16,
+                                                           q_lens=(1, 2, 1), seq_lens=(seq, max(seq - 3, 2), seq + 5),
+                                                           width=7)
+                    self.check(q, kc, vc, cu, lens, table, kw)
+
+    def test_nan_key_alone_in_its_chunk(self):
+        # a NaN key that is the only visible lane of its 32-token chunk (window_left=0) makes the query's output
+        # and LSE NaN, as SDPA's; the other sequences are untouched
+        for seq in (1, 17, 32, 33, 50):
+            with self.subTest(seq=seq):
+                q, kc, vc, cu, lens, table = make_case(seq, h_q=7, h_kv=1, d=64, dtype=BF16, q_lens=(1, 1, 1),
+                                                       seq_lens=(seq, 40, 9), width=7)
+                pos = seq - 1  # the query's own position: the one key it sees
+                kc[table[0, pos // 16], pos % 16] = float("nan")
+                out, lse = kvops.paged_attention(q, kc, vc, cu, lens, table, 1, window_left=0, return_lse=True)
+                self.assertTrue(out[0].isnan().all() and lse[:, 0].isnan().all())
+                want, want_lse = reference(q[1:], kc, vc, cu[1:] - 1, lens[1:], table[1:], window_left=0)
+                torch.testing.assert_close(out[1:].double(), want, atol=TOL[BF16], rtol=0)
+                torch.testing.assert_close(lse[:, 1:].double(), want_lse, atol=TOL[BF16], rtol=0)
+
     def test_value_head_dim_differs(self):
         # head_dim_v != head_dim (MLA-style values): K and V words are read with their own widths
         for d, d_v in ((64, 32), (32, 96), (128, 64)):
