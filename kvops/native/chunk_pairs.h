@@ -11,12 +11,10 @@
 // accumulator rows hold each group of 2 * NW dims as [even dims | odd dims] (pair_layout on entry and exit).
 // Needs head_dim % 32 == 0 and head_dim_v % (2 * NW) == 0 (NW: vec.h), unit-stride rows, no RoPE at read.
 //
-// Where the registers allow (AVX-512: ACC_REGS 16, vec.h) a chunk is PAIR_NV = 2 vectors of 16 tokens: each load of K
+// Where the registers allow (AVX-512: ACC_REGS 16, vec.h) a chunk is WIDE_NV = 2 vectors of 16 tokens: each load of K
 // words feeds twice the FMAs (the score loop was bound by its loads: one K vector and 2 RB query broadcasts per 2 RB
 // FMAs), and the online softmax (row max, rescale) and the PV accumulators' loads and stores run once per 32 tokens.
 #pragma once
-
-constexpr int PAIR_NV = ACC_REGS >= 16 ? 2 : 1;  // 16-token vectors per chunk_pairs chunk
 
 inline nv even_dims(nv w) { return (nv)((nvi)w << 16); }
 inline nv odd_dims(nv w) { return (nv)((nvi)w & (nvi{} + static_cast<int32_t>(0xffff0000u))); }

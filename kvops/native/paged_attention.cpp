@@ -243,7 +243,7 @@ struct Scratch {
     lv.assign(static_cast<size_t>(pb.num_kv_heads) * rows_pad, vf{});
     zeros.assign(pb.d_pad + pb.dv_pad, 0.f);  // what rows past a chunk's end point at
     ktmp.resize(static_cast<size_t>(L) * pb.d_pad);
-    kt.resize(static_cast<size_t>(pb.d_pad) * L);
+    kt.resize(static_cast<size_t>(pb.d_pad) * 2 * L);  // K of up to 2 L tokens, transposed
     vtmp.resize(static_cast<size_t>(L) * pb.dv_pad);
     s.resize(static_cast<size_t>(rows_pad) * 2 * L);  // rows of up to 2 L lanes (chunk_pairs' chunks of 2 L tokens)
     p.assign(static_cast<size_t>(rows_pad) * 2 * L, 0.f);
@@ -450,9 +450,9 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
 
 // acc[r, dims [e0, e0 + VP * NW)] = acc * alpha + P V, RB rows at a time (RB x VP accumulators; one prefetch step per
 // V vector load)
-template <typename T, int RB, int VP>
+template <typename T, int RB, int VP, int W>
 inline void pv_rows(const float* P, const float* alpha, const T* const* vp, int n, int e0, int rows_pad, int dvp,
-                    float* acc, Prefetcher& pf) {
+                    float* acc, Prefetcher& pf) {  // P: rows of W lanes
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     nv a[VP][RB];
     for (int w = 0; w < VP; ++w)
@@ -462,7 +462,7 @@ inline void pv_rows(const float* P, const float* alpha, const T* const* vp, int 
       for (int w = 0; w < VP; ++w) {
         pf.step();
         const nv vv = load_nw(vp[t] + e0 + w * NW);
-        for (int i = 0; i < RB; ++i) a[w][i] += P[(r0 + i) * L + t] * vv;
+        for (int i = 0; i < RB; ++i) a[w][i] += P[(r0 + i) * W + t] * vv;
       }
     }
     for (int w = 0; w < VP; ++w)
@@ -472,21 +472,23 @@ inline void pv_rows(const float* P, const float* alpha, const T* const* vp, int 
 
 // One chunk of n <= 16 tokens whose K/V rows are kp[t], vp[t] (unit stride, dp / dvp elements readable, tokens
 // t >= n point at zeros): scores, online softmax, accumulation. Rows go RB at a time (RB = min(rows_pad, 8)).
-template <typename T, int RB>
+template <typename T, int RB, int NV>
 inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int n, int64_t j0, int rows, int rows_pad,
-                  Scratch& sc, const float* qf, float* m, vf* lv, float* acc, Prefetcher& pf, const float* slope) {
+                  Scratch& sc, const float* qt, float* m, vf* lv, float* acc, Prefetcher& pf, const float* slope) {
+  constexpr int W = NV * L;  // tokens of the chunk (NV = 1 with RoPE at read: sc.rc / sc.rs hold 16 positions)
   const int dp = pb.d_pad, dvp = pb.dv_pad;
   float* S = sc.s.data();
   float* P = sc.p.data();
   float* alpha = sc.alpha.data();
   float* kt = sc.kt.data();
-  // K of the 16 tokens, transposed: kt[e] holds dim e of every token
-  for (int e0 = 0; e0 < dp; e0 += L) {
-    vf tile[L];
-    for (int t = 0; t < L; ++t) tile[t] = load16(kp[t] + e0);
-    transpose16_to(tile, kt + static_cast<size_t>(e0) * L);
-  }
-  if (pb.rope_freq) {  // RoPE at read time: turn the 16 keys by their positions (sc.rc / sc.rs, set by attend)
+  // K of the W tokens, transposed: kt[e * W + t] holds dim e of token t
+  for (int v = 0; v < NV; ++v)
+    for (int e0 = 0; e0 < dp; e0 += L) {
+      vf tile[L];
+      for (int t = 0; t < L; ++t) tile[t] = load16(kp[v * L + t] + e0);
+      transpose16_to(tile, kt + static_cast<size_t>(e0) * W + v * L, W);
+    }
+  if (NV == 1 && pb.rope_freq) {  // RoPE at read time: turn the 16 keys by their positions (sc.rc / sc.rs, set by attend)
     const int half = pb.d / 2;
     for (int i = 0; i < half; ++i) {
       const vf a = loadu(kt + static_cast<size_t>(i) * L), b = loadu(kt + static_cast<size_t>(i + half) * L);
@@ -495,34 +497,40 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
       storeu(kt + static_cast<size_t>(i + half) * L, b * c + a * sn);
     }
   }
-  // scores: S[r] = q_r . k_t for the 16 tokens, RB rows at a time (each kt[e] load feeds RB FMAs); NA accumulator
-  // sets (dims e = j mod NA, NA a power of 2) keep about ACC_REGS (vec.h) FMA chains in flight
-  // (in hardware-width parts of NW tokens, vec.h: on AVX2 NA * RB = 8 accumulators are 8 of the 16 ymm registers)
-  constexpr int NA = pow2_floor(ACC_REGS / RB);
+  // scores: S[r] = q_r . k_t for the W tokens, RB rows at a time (each query broadcast feeds NV FMAs, each kt load RB);
+  // NA accumulator sets (dims e = j mod NA, NA a power of 2) keep about ACC_REGS (vec.h) FMA chains in flight
+  // (in hardware-width parts of NW tokens, vec.h: on AVX2 NA * RB = 8 accumulators are 8 of the 16 ymm registers).
+  // One pointer each into K and the queries (qt: dim-major per row block), stepped per NA dims: constant offsets
+  constexpr int NA = pow2_floor(ACC_REGS / (RB * NV) > 0 ? ACC_REGS / (RB * NV) : 1);
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-    const float* q0 = qf + static_cast<size_t>(r0) * dp;
+    const float* q0 = qt + static_cast<size_t>(r0) * dp;
     for (int c = 0; c < NH; ++c) {
-      nv a[NA][RB] = {};
-      for (int e = 0; e < dp; e += NA) {
+      nv a[NA][NV][RB] = {};
+      const float* kv_p = kt + c * NW;
+      const float* qe = q0;
+      for (int e = 0; e < dp; e += NA, kv_p += NA * W, qe += NA * RB) {
         for (int j = 0; j < NA; ++j) {
-          pf.step();
-          const nv kv = loadn(kt + static_cast<size_t>(e + j) * L + c * NW);
-          for (int i = 0; i < RB; ++i) a[j][i] += q0[i * dp + e + j] * kv;
+          for (int v = 0; v < NV; ++v) {
+            pf.step();
+            const nv kv = loadn(kv_p + j * W + v * L);
+            for (int i = 0; i < RB; ++i) a[j][v][i] += qe[j * RB + i] * kv;
+          }
         }
       }
-      for (int i = 0; i < RB; ++i) {
-        nv sum = a[0][i];
-        for (int j = 1; j < NA; ++j) sum += a[j][i];
-        storen(S + (r0 + i) * L + c * NW, sum);
-      }
+      for (int v = 0; v < NV; ++v)
+        for (int i = 0; i < RB; ++i) {
+          nv sum = a[0][v][i];
+          for (int j = 1; j < NA; ++j) sum += a[j][v][i];
+          storen(S + (r0 + i) * W + v * L + c * NW, sum);
+        }
     }
   }
-  online_softmax(pb, sc, rows, j0, n, m, lv, slope);
+  online_softmax<NV>(pb, sc, rows, j0, n, m, lv, slope);
   // acc[r] = acc[r] * alpha[r] + sum_t P[r, t] v_t, RB rows x VP vectors of NW dims (vec.h) of accumulators at a time
   constexpr int VP = pow2_floor(ACC_REGS / RB);
   int e0 = 0;
-  for (; e0 + VP * NW <= dvp; e0 += VP * NW) pv_rows<T, RB, VP>(P, alpha, vp, n, e0, rows_pad, dvp, acc, pf);
-  for (; e0 < dvp; e0 += NW) pv_rows<T, RB, 1>(P, alpha, vp, n, e0, rows_pad, dvp, acc, pf);
+  for (; e0 + VP * NW <= dvp; e0 += VP * NW) pv_rows<T, RB, VP, W>(P, alpha, vp, n, e0, rows_pad, dvp, acc, pf);
+  for (; e0 < dvp; e0 += NW) pv_rows<T, RB, 1, W>(P, alpha, vp, n, e0, rows_pad, dvp, acc, pf);
   pf.rest();
 }
 
@@ -543,25 +551,25 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   // bf16 rows read in place go through chunk_pairs (accumulators in its layout while this pass runs)
   constexpr bool bf16 = std::is_same_v<TK, c10::BFloat16>;
   const bool pairs = bf16 && direct && d % (2 * L) == 0 && pb.d_v % (2 * NW) == 0 && !pb.rope_freq;
-  if (pairs) {
+  if (pairs)
     for (int h = 0; h < nh; ++h) pair_layout(state + h * head_size + 2 * rows_pad, rows_pad, dvp, true);
-    // the queries of each block of RB rows dim-major (qt[e * RB + i]): one base register for the RB broadcasts
-    for (int h = 0; h < nh; ++h)
-      for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-        const float* src = sc.qf.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
-        float* dst = sc.qt.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
-        for (int e = 0; e < dp; ++e)
-          for (int i = 0; i < RB; ++i) dst[e * RB + i] = src[static_cast<size_t>(i) * dp + e];
-      }
-  }
+  // the queries of each block of RB rows dim-major (qt[e * RB + i]): one base register for the RB broadcasts
+  for (int h = 0; h < nh; ++h)
+    for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+      const float* src = sc.qf.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
+      float* dst = sc.qt.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
+      for (int e = 0; e < dp; ++e)
+        for (int i = 0; i < RB; ++i) dst[e * RB + i] = src[static_cast<size_t>(i) * dp + e];
+    }
   for (int h = 0; h < nh; ++h)  // the running sum carries over from an earlier pass (sinks), in lane 0
     for (int r = 0; r < rows_pad; ++r) {
       vf l0{};
       l0[0] = r < rows ? state[h * head_size + rows_pad + r] : 0.f;
       sc.lv[static_cast<size_t>(h) * rows_pad + r] = l0;
     }
-  // chunks of CW tokens: 16, or PAIR_NV * 16 on chunk_pairs (chunk_pairs.h)
-  const int CW = pairs ? PAIR_NV * L : L;
+  // chunks of CW tokens: WIDE_NV * 16 (vec.h) for rows read in place without RoPE at read, else 16
+  const bool wide = direct && !pb.rope_freq;
+  const int CW = wide ? WIDE_NV * L : L;
   const TK* kb[2 * L];
   const TK* vb[2 * L];
   const TK* kp[2 * L];
@@ -635,7 +643,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
     for (int h = 0; h < nh; ++h) {
       const float* slope = pb.alibi ? sc.slope.data() + static_cast<size_t>(h) * rows_pad : nullptr;
       Prefetcher pf = list_lines(j0 + int64_t((h + ahead) / nh) * CW, (h + ahead) % nh);
-      const float* qf = sc.qf.data() + static_cast<size_t>(h) * rows_pad * dp;
+      const float* qt = sc.qt.data() + static_cast<size_t>(h) * rows_pad * dp;  // the KV head's queries (dim-major blocks)
       float* m = state + h * head_size;
       float* acc = m + 2 * rows_pad;
       vf* lv = sc.lv.data() + static_cast<size_t>(h) * rows_pad;
@@ -645,13 +653,15 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
       }
       if constexpr (bf16) {
         if (pairs) {
-          chunk_pairs<RB, PAIR_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, sc.qt.data() + (qf - sc.qf.data()), m, lv,
-                                   acc, pf, slope);
+          chunk_pairs<RB, WIDE_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, qt, m, lv, acc, pf, slope);
           continue;
         }
       }
       if (direct) {
-        chunk<TK, RB>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf, slope);
+        if (wide)
+          chunk<TK, RB, WIDE_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, qt, m, lv, acc, pf, slope);
+        else
+          chunk<TK, RB, 1>(pb, kp, vp, n, j0, rows, rows_pad, sc, qt, m, lv, acc, pf, slope);
         continue;
       }
       for (int t = 0; t < L; ++t) {
@@ -667,7 +677,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
         kps[t] = kr;
         vps[t] = vr;
       }
-      chunk<float, RB>(pb, kps, vps, n, j0, rows, rows_pad, sc, qf, m, lv, acc, pf, slope);
+      chunk<float, RB, 1>(pb, kps, vps, n, j0, rows, rows_pad, sc, qt, m, lv, acc, pf, slope);
     }
   }
   for (int h = 0; h < nh; ++h)
