@@ -73,8 +73,8 @@ inline void pv_words(const float* P, const float* alpha, const c10::BFloat16* co
 // One chunk of n <= NV * 16 tokens (kp / vp: NV * 16 rows, those past n pointing at zeros)
 template <int RB, int NV>
 inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const c10::BFloat16* const* vp, int n,
-                        int64_t j0, int rows, int rows_pad, Scratch& sc, const float* qt, float* m, vf* lv, float* acc,
-                        Prefetcher& pf, const float* slope) {  // qt: the KV head's queries, blocks of RB rows dim-major
+                        int64_t j0, int rows, int rows_pad, Scratch& sc, const float* qf, const float* qt, float* m,
+                        vf* lv, float* acc, Prefetcher& pf, const float* slope) {  // queries as chunk()'s
   constexpr int W = NV * L;  // tokens of the chunk = lanes of a row of S and P
   const int dp = pb.d_pad, dvp = pb.dv_pad, words = pb.d / 2;
   float* S = sc.s.data();
@@ -94,6 +94,7 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
   constexpr bool SPLIT = ACC_REGS >= 2 * NA * RB * NV;
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     const float* q0 = qt + static_cast<size_t>(r0) * dp;
+    const float* qr = qf + static_cast<size_t>(r0) * dp;
     for (int c = 0; c < NH; ++c) {
       nv a[SPLIT ? 2 : 1][NA][NV][RB] = {};
       // one pointer each into K and the queries, stepped per NA words: the broadcasts take constant offsets (indexing
@@ -101,13 +102,21 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
       const float* kw_p = kt + c * NW;
       const float* qe = q0;
       for (int w = 0; w < words; w += NA, kw_p += NA * W, qe += 2 * NA * RB) {
+#pragma GCC unroll 16
         for (int j = 0; j < NA; ++j) {
+#pragma GCC unroll 2
           for (int v = 0; v < NV; ++v) {
             pf.step();
             const nv kw = loadn(kw_p + j * W + v * L);
             const nv ke = even_dims(kw), ko = odd_dims(kw);
-            for (int i = 0; i < RB; ++i) a[0][j][v][i] += qe[2 * j * RB + i] * ke;
-            for (int i = 0; i < RB; ++i) a[SPLIT][j][v][i] += qe[(2 * j + 1) * RB + i] * ko;
+            if constexpr (NV == 1) {  // row-major queries, as chunk()
+              const int e = 2 * (w + j);
+              for (int i = 0; i < RB; ++i) a[0][j][v][i] += qr[i * dp + e] * ke;
+              for (int i = 0; i < RB; ++i) a[SPLIT][j][v][i] += qr[i * dp + e + 1] * ko;
+            } else {
+              for (int i = 0; i < RB; ++i) a[0][j][v][i] += qe[2 * j * RB + i] * ke;
+              for (int i = 0; i < RB; ++i) a[SPLIT][j][v][i] += qe[(2 * j + 1) * RB + i] * ko;
+            }
           }
         }
       }

@@ -60,6 +60,7 @@ namespace {
 #define KVOPS_PREFETCH 8192
 #endif
 constexpr int PREFETCH_BYTES = KVOPS_PREFETCH;  // K/V bytes prefetched ahead of the math
+constexpr int WIDE_UNIT_BYTES = 16384;  // the largest chunk of one KV head (K and V) taken 32 tokens at a time
 constexpr int64_t TINY_KV_ROWS = 2048;  // (KV position, KV head) rows below which a call stays on one thread (~50 us)
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(64)));
@@ -474,7 +475,8 @@ inline void pv_rows(const float* P, const float* alpha, const T* const* vp, int 
 // t >= n point at zeros): scores, online softmax, accumulation. Rows go RB at a time (RB = min(rows_pad, 8)).
 template <typename T, int RB, int NV>
 inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int n, int64_t j0, int rows, int rows_pad,
-                  Scratch& sc, const float* qt, float* m, vf* lv, float* acc, Prefetcher& pf, const float* slope) {
+                  Scratch& sc, const float* qf, const float* qt, float* m, vf* lv, float* acc, Prefetcher& pf,
+                  const float* slope) {  // qf: the KV head's queries row-major, qt: dim-major per block of RB rows
   constexpr int W = NV * L;  // tokens of the chunk (NV = 1 with RoPE at read: sc.rc / sc.rs hold 16 positions)
   const int dp = pb.d_pad, dvp = pb.dv_pad;
   float* S = sc.s.data();
@@ -504,16 +506,24 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
   constexpr int NA = pow2_floor(ACC_REGS / (RB * NV) > 0 ? ACC_REGS / (RB * NV) : 1);
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     const float* q0 = qt + static_cast<size_t>(r0) * dp;
+    const float* qr = qf + static_cast<size_t>(r0) * dp;
     for (int c = 0; c < NH; ++c) {
       nv a[NA][NV][RB] = {};
       const float* kv_p = kt + c * NW;
       const float* qe = q0;
       for (int e = 0; e < dp; e += NA, kv_p += NA * W, qe += NA * RB) {
+#pragma GCC unroll 16
         for (int j = 0; j < NA; ++j) {
+#pragma GCC unroll 2
           for (int v = 0; v < NV; ++v) {
             pf.step();
             const nv kv = loadn(kv_p + j * W + v * L);
-            for (int i = 0; i < RB; ++i) a[j][v][i] += qe[j * RB + i] * kv;
+            // NV = 1: the row-major queries (GCC then keeps the broadcasts as memory operands; from qt it loaded
+            // them into registers and spilled accumulators)
+            if constexpr (NV == 1)
+              for (int i = 0; i < RB; ++i) a[j][v][i] += qr[i * dp + e + j] * kv;
+            else
+              for (int i = 0; i < RB; ++i) a[j][v][i] += qe[j * RB + i] * kv;
           }
         }
       }
@@ -567,8 +577,11 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
       l0[0] = r < rows ? state[h * head_size + rows_pad + r] : 0.f;
       sc.lv[static_cast<size_t>(h) * rows_pad + r] = l0;
     }
-  // chunks of CW tokens: WIDE_NV * 16 (vec.h) for rows read in place without RoPE at read, else 16
-  const bool wide = direct && !pb.rope_freq;
+  const int k_bytes = d * static_cast<int>(sizeof(TK)), v_bytes = pb.d_v * static_cast<int>(sizeof(TK));
+  // chunks of CW tokens: WIDE_NV * 16 (vec.h) for rows read in place without RoPE at read whose chunk of one KV head
+  // fits WIDE_UNIT_BYTES (the chunk being computed and the one prefetched stay in L1: 32 fp32 tokens of head_dim 128
+  // were 5% slower than 16), else 16
+  const bool wide = direct && !pb.rope_freq && 2 * L * (k_bytes + v_bytes) <= WIDE_UNIT_BYTES;
   const int CW = wide ? WIDE_NV * L : L;
   const TK* kb[2 * L];
   const TK* vb[2 * L];
@@ -577,7 +590,6 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   const float* kps[L];
   const float* vps[L];
   const TK* zeros = reinterpret_cast<const TK*>(sc.zeros.data());
-  const int k_bytes = d * static_cast<int>(sizeof(TK)), v_bytes = pb.d_v * static_cast<int>(sizeof(TK));
   // head 0's rows of positions [j, j + n): one division per run of positions, then (block, row) steps
   auto token_bases = [&](int64_t j, int n, const TK** k, const TK** v) {
     int64_t blk_i = j / pb.block_size, row = j % pb.block_size;
@@ -643,7 +655,8 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
     for (int h = 0; h < nh; ++h) {
       const float* slope = pb.alibi ? sc.slope.data() + static_cast<size_t>(h) * rows_pad : nullptr;
       Prefetcher pf = list_lines(j0 + int64_t((h + ahead) / nh) * CW, (h + ahead) % nh);
-      const float* qt = sc.qt.data() + static_cast<size_t>(h) * rows_pad * dp;  // the KV head's queries (dim-major blocks)
+      const float* qf = sc.qf.data() + static_cast<size_t>(h) * rows_pad * dp;  // the KV head's queries
+      const float* qt = sc.qt.data() + static_cast<size_t>(h) * rows_pad * dp;  // the same, dim-major per row block
       float* m = state + h * head_size;
       float* acc = m + 2 * rows_pad;
       vf* lv = sc.lv.data() + static_cast<size_t>(h) * rows_pad;
@@ -653,15 +666,18 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
       }
       if constexpr (bf16) {
         if (pairs) {
-          chunk_pairs<RB, WIDE_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, qt, m, lv, acc, pf, slope);
+          if (wide)
+            chunk_pairs<RB, WIDE_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, qt, m, lv, acc, pf, slope);
+          else
+            chunk_pairs<RB, 1>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, qt, m, lv, acc, pf, slope);
           continue;
         }
       }
       if (direct) {
         if (wide)
-          chunk<TK, RB, WIDE_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, qt, m, lv, acc, pf, slope);
+          chunk<TK, RB, WIDE_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, qt, m, lv, acc, pf, slope);
         else
-          chunk<TK, RB, 1>(pb, kp, vp, n, j0, rows, rows_pad, sc, qt, m, lv, acc, pf, slope);
+          chunk<TK, RB, 1>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, qt, m, lv, acc, pf, slope);
         continue;
       }
       for (int t = 0; t < L; ++t) {
@@ -677,7 +693,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
         kps[t] = kr;
         vps[t] = vr;
       }
-      chunk<float, RB, 1>(pb, kps, vps, n, j0, rows, rows_pad, sc, qt, m, lv, acc, pf, slope);
+      chunk<float, RB, 1>(pb, kps, vps, n, j0, rows, rows_pad, sc, qf, qt, m, lv, acc, pf, slope);
     }
   }
   for (int h = 0; h < nh; ++h)
