@@ -230,7 +230,7 @@ struct Item {
 
 // Per-thread scratch; rows_pad rows per KV head.
 struct Scratch {
-  std::vector<float> qf, qt, ktmp, kt, vtmp, s, p, alpha, zeros;  // qt: chunk_pairs' queries, [RB-row block][dim][RB]
+  std::vector<float> qf, qt, ktmp, kt, vtmp, s, p, alpha, zeros;  // qt: qf dim-major per RB-row block (32-token chunks)
   std::vector<float> slope, rc, rs;  // ALiBi slope per (KV head, row); RoPE cos/sin [d / 2][16] of a chunk
   std::vector<double> rope_c, rope_s, rope_step_c, rope_step_s;  // RoPE: rotation at the next position, and a step
   std::vector<int64_t> row_pos;
@@ -471,7 +471,7 @@ inline void pv_rows(const float* P, const float* alpha, const T* const* vp, int 
   }
 }
 
-// One chunk of n <= 16 tokens whose K/V rows are kp[t], vp[t] (unit stride, dp / dvp elements readable, tokens
+// One chunk of n <= W = NV * 16 tokens whose K/V rows are kp[t], vp[t] (unit stride, dp / dvp elements readable, tokens
 // t >= n point at zeros): scores, online softmax, accumulation. Rows go RB at a time (RB = min(rows_pad, 8)).
 template <typename T, int RB, int NV>
 inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int n, int64_t j0, int rows, int rows_pad,
@@ -563,14 +563,6 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   const bool pairs = bf16 && direct && d % (2 * L) == 0 && pb.d_v % (2 * NW) == 0 && !pb.rope_freq;
   if (pairs)
     for (int h = 0; h < nh; ++h) pair_layout(state + h * head_size + 2 * rows_pad, rows_pad, dvp, true);
-  // the queries of each block of RB rows dim-major (qt[e * RB + i]): one base register for the RB broadcasts
-  for (int h = 0; h < nh; ++h)
-    for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-      const float* src = sc.qf.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
-      float* dst = sc.qt.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
-      for (int e = 0; e < dp; ++e)
-        for (int i = 0; i < RB; ++i) dst[e * RB + i] = src[static_cast<size_t>(i) * dp + e];
-    }
   for (int h = 0; h < nh; ++h)  // the running sum carries over from an earlier pass (sinks), in lane 0
     for (int r = 0; r < rows_pad; ++r) {
       vf l0{};
@@ -581,8 +573,16 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   // chunks of CW tokens: WIDE_NV * 16 (vec.h) for rows read in place without RoPE at read whose chunk of one KV head
   // fits WIDE_UNIT_BYTES (the chunk being computed and the one prefetched stay in L1: 32 fp32 tokens of head_dim 128
   // were 5% slower than 16), else 16
-  const bool wide = direct && !pb.rope_freq && 2 * L * (k_bytes + v_bytes) <= WIDE_UNIT_BYTES;
+  const bool wide = WIDE_NV > 1 && direct && !pb.rope_freq && 2 * L * (k_bytes + v_bytes) <= WIDE_UNIT_BYTES;
   const int CW = wide ? WIDE_NV * L : L;
+  if (wide)  // the queries of each block of RB rows dim-major (qt[e * RB + i]): one base register for the broadcasts
+    for (int h = 0; h < nh; ++h)
+      for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+        const float* src = sc.qf.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
+        float* dst = sc.qt.data() + (static_cast<size_t>(h) * rows_pad + r0) * dp;
+        for (int e = 0; e < dp; ++e)
+          for (int i = 0; i < RB; ++i) dst[e * RB + i] = src[static_cast<size_t>(i) * dp + e];
+      }
   const TK* kb[2 * L];
   const TK* vb[2 * L];
   const TK* kp[2 * L];
@@ -610,19 +610,23 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   const int ahead = std::max(1, (PREFETCH_BYTES + unit_bytes - 1) / unit_bytes);
   const TK* fk[2 * L];
   const TK* fv[2 * L];
+  const char* fkc[2 * L];  // the same as bytes (what the Prefetcher walks)
+  const char* fvc[2 * L];
   int64_t fj = -1;  // the chunk whose bases fk/fv hold
   int fn = 0;  // its tokens
   const int kl = pb.sk[3] == 1 ? (k_bytes + 63) / 64 : 0, vl = pb.sv[3] == 1 ? (v_bytes + 63) / 64 : 0;
   auto list_lines = [&](int64_t j, int h) {
-    const char* const* k = reinterpret_cast<const char* const*>(fk);
-    const char* const* v = reinterpret_cast<const char* const*>(fv);
-    if (j >= hi) return Prefetcher(k, v, 0, 0, 0, 0, 0);
+    if (j >= hi) return Prefetcher(fkc, fvc, 0, 0, 0, 0, 0);
     if (j != fj) {
       fj = j;
       fn = static_cast<int>(std::min<int64_t>(CW, hi - j));
       token_bases(j, fn, fk, fv);
+      for (int t = 0; t < fn; ++t) {
+        fkc[t] = reinterpret_cast<const char*>(fk[t]);
+        fvc[t] = reinterpret_cast<const char*>(fv[t]);
+      }
     }
-    return Prefetcher(k, v, h * pb.sk[2] * static_cast<int64_t>(sizeof(TK)), h * pb.sv[2] * static_cast<int64_t>(sizeof(TK)),
+    return Prefetcher(fkc, fvc, h * pb.sk[2] * static_cast<int64_t>(sizeof(TK)), h * pb.sv[2] * static_cast<int64_t>(sizeof(TK)),
                       fn, kl, vl);
   };
   for (int u = 0; u < ahead; ++u) list_lines(lo + int64_t(u / nh) * CW, u % nh).rest();  // the first units: at once
