@@ -5,7 +5,7 @@
 // port the K transpose and the FMAs also need (perf, AVX-512 host, Qwen2.5-0.5B decode at GQA 7: the K conversion and
 // transpose were a quarter of the kernel's time). So K of a chunk is transposed as words (16 words = 32 dims per
 // 16x16 transpose: half the permutes of transposing fp32, no conversion), and V is read as words too. The arithmetic
-// is chunk()'s: fp32 FMAs, in the same order over dims for the scores.
+// is chunk()'s: fp32 FMAs (the scores' even and odd dims may sum apart: ACC_REGS chains, see below).
 //
 // V's words give the even and the odd dims of 2 * NW consecutive dims as two vectors, so while attend runs the
 // accumulator rows hold each group of 2 * NW dims as [even dims | odd dims] (pair_layout on entry and exit).

@@ -12,9 +12,10 @@
 // at::parallel_for. A KV head's rows are all its GQA query heads times the tile's queries (row r = query i * G +
 // group head g), so every K/V token is read once per KV head (once per query tile in prefill), in its stored dtype
 // (fp32, bf16, fp16, fp8 e4m3 with per-tensor / per-KV-head scales: k_scale folded into q, v_scale into the output),
-// and the KV heads of a 16-token chunk are processed back to back so a token's rows are read together. K of a chunk
-// is converted to fp32 and transposed in registers (16 tokens = one vector), V is converted as it is accumulated: no
-// gathered copy of the context exists. Scores of 16 tokens are one vector per row: online softmax (running max m,
+// and the KV heads of a chunk (16 tokens; 32 on AVX-512 where they fit, WIDE_NV) are processed back to back so a
+// token's rows are read together. K of a chunk is converted to fp32 and transposed in registers (16 tokens = one
+// vector), V is converted as it is accumulated: no gathered copy of the context exists. Scores of 16 tokens are one
+// vector per row: online softmax (running max m,
 // sum l, accumulator acc, all fp32) per chunk, softcap before masking, bottom-right causal mask and sliding window as
 // lane compares. Only positions < seq_len of blocks the table references for them are ever addressed (rows past a
 // chunk's end point at a zero buffer), so NaN/inf in unused slots or unreferenced blocks is never read. Caches are
