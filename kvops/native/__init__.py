@@ -65,6 +65,7 @@ SOURCES = [
     SOURCE,  # kvops::_paged_attention_native (and its value check kvops::_paged_attention_values_bad)
     SOURCE.with_name("packed_attention.cpp"),  # kvops::_packed_attention_native
     SOURCE.with_name("paged_write.cpp"),  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
+    SOURCE.with_name("eager_entry.cpp"),  # the build's Python module: eager_entry (paged attention, no dispatcher)
 ]
 HEADERS = [SOURCE.with_name(h) for h in ("vec.h", "chunk_pairs.h", "attend_gemm.h", "packed_tile.h")]  # included by the sources: part of the build hash
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # and the variant's -march flag: cflags()
@@ -73,6 +74,10 @@ OP_NAME = "kvops::_paged_attention_native"
 _state: bool | None = None  # None: not tried yet in this process
 _isa: str | None = None  # the build variant loaded in this process: isa()
 _native_in_aoti = False  # native_in_aoti_packages()
+# The loaded build's ``paged_attention`` (kvops/native/eager_entry.cpp): kvops::_paged_attention_native's CPU kernel
+# without the dispatcher and without the feature arguments, for the eager CPU path of kvops.paged_attention
+# (``_eager_native``, on the calls ``_direct`` admits); None while no build is loaded.
+eager_entry = None
 
 # The one-time build notice goes to this logger at WARNING, so Python's default handling prints it to stderr without
 # any logging set up (a warning category would turn it into an error under ``-W error`` and into noise in tests that
@@ -167,7 +172,7 @@ def _build(load=None) -> bool:
     A build that is not cached yet is announced once on the ``kvops.native`` logger (what it is, how long it takes,
     where it goes) and its duration reported when it ends: the first CPU paged attention otherwise blocks silently.
     """
-    global _isa
+    global _isa, eager_entry
     if os.environ.get("KVOPS_NATIVE", "1") == "0":
         return False
     variant = _variants.selected(_cpu_flags())  # a bad KVOPS_NATIVE_ISA raises: a user error, not a build failure
@@ -188,13 +193,14 @@ def _build(load=None) -> bool:
             if owner:
                 _take_over_stale_baton(build_dir)
             t0 = time.perf_counter()
-            load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=cflags(variant),
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            module = load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=cflags(variant),
+                          extra_ldflags=["-fopenmp"], is_python_module=True, verbose=False)
         if fresh:
             log.warning("kvops: native CPU kernels built in %.0f s", time.perf_counter() - t0)
         if not _has_cpu_kernel():
             raise RuntimeError(f"the built library does not register the CPU kernel of {OP_NAME}")
         _isa = variant
+        eager_entry = getattr(module, "paged_attention", None)
     except Exception as e:  # any build/load failure: fall back, never crash
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         warnings.warn(

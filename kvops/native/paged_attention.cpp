@@ -1235,3 +1235,18 @@ TORCH_LIBRARY_IMPL(kvops, CPU, m) {
   m.impl("_paged_attention_native", &kvops_native::paged_attention_native);
   m.impl("_paged_attention_values_bad", &kvops_native::paged_attention_values_bad);
 }
+
+// The same kernel without the dispatcher, for eager_entry.cpp (kvops/native/eager_entry.cpp): the eager CPU path of
+// kvops.paged_attention (_direct in kvops/ops/paged_attention.py) calls it on plain CPU tensors with nothing tracing or
+// watching, where the dispatcher's layers (boxing, the autograd fallback) do nothing but cost a few us per call.
+namespace kvops_native {
+std::tuple<at::Tensor, at::Tensor> paged_attention_eager(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t max_seqlen_q, double scale, bool causal,
+    int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  return paged_attention_native(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
+                                window_left, softcap, sinks, k_scale, v_scale, std::nullopt, -1, std::nullopt, 0,
+                                std::nullopt, 1.0, std::nullopt, std::nullopt);
+}
+}  // namespace kvops_native

@@ -332,9 +332,9 @@ def _eager_native(args, features):
         _check_values(args, features, validated=True)
     if kv_layout == "HND":
         k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernel takes strides
-    if features is NO_FEATURES:  # the schema's defaults: fewer arguments to convert
-        return _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
-                       window_left, softcap, sinks, k_scale, v_scale)
+    if features is NO_FEATURES:  # the schema's defaults: the kernel without the dispatcher (native.eager_entry)
+        return (native.eager_entry or _NATIVE)(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q,
+                                               sm_scale, causal, window_left, softcap, sinks, k_scale, v_scale)
     return _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
                    window_left, softcap, sinks, k_scale, v_scale, *features)
 
