@@ -322,7 +322,9 @@ def _eager_native(args, features):
     In the ``"eager"`` mode the native kernel's own check (the contracts it addresses memory with: ``cu_seqlens_q``,
     ``seq_lens``, the block ids read, whatever the mode; the same messages, word for word) stands in for the separate
     value pass when it covers every contract of the call (``values.native_checks_all``) and there are no ALiBi
-    slopes or custom mask (checked before the kernel, in this order): one dispatcher call fewer."""
+    slopes or custom mask (checked before the kernel, in this order): one dispatcher call fewer. Without features the
+    kernel itself is called without the dispatcher too (``native.eager_entry``, ``kvops/native/eager_entry.cpp``:
+    the same kernel, checks and messages): a few us less per call."""
     q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap, \
         sinks, k_scale, v_scale, kv_layout = args
     sm_scale, window_left, features = check_paged_attention(*args, features, memo=True)
