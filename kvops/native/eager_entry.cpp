@@ -17,7 +17,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_eager(
     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 }  // namespace kvops_native
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &kvops_native::paged_attention_eager,
-        pybind11::call_guard<pybind11::gil_scoped_release>());  // as the dispatcher's Python binding: other threads run
+// (a Python function of the module, not an op: no schema; kvops/_library.py defines every schema)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("paged_attention", &kvops_native::paged_attention_eager,
+             pybind11::call_guard<pybind11::gil_scoped_release>());  // as the dispatcher's Python binding: other threads run
 }
