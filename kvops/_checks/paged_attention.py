@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import (FP8_DTYPE, as_int, check_fp8_scales, check_varlen_metadata, gqa_fix, require_dim_match,
+from .common import (FP8_DTYPE, UNBOUNDED, as_int, check_fp8_scales, check_varlen_metadata, gqa_fix, require_dim_match,
                      require_finite, require_ndim, require_same_device)
 from .features import NO_FEATURES, AttnFeatures, check_features, resolve
 from .paged_write import check_paged_caches, layout_hint
@@ -43,6 +43,7 @@ def check_paged_attention(
     features: AttnFeatures = NO_FEATURES,
     *,
     memo: bool = False,
+    tensor_key: bytes | None = None,
 ) -> tuple[float, int, AttnFeatures]:
     """Validate a paged attention call; returns what the kernels take: the softmax scale (``D ** -0.5`` when
     ``scale`` is None), ``window_left`` and the :class:`~kvops._checks.features.AttnFeatures`, with windows and sink
@@ -62,26 +63,38 @@ def check_paged_attention(
     ``memo=True`` (eager calls whose tensor arguments are all plain CPU tensors, ``type(t) is torch.Tensor``, nothing
     symbolic: the caller checked) remembers the :func:`signature` of calls that passed and skips the checks for the
     next call with the same one: they read nothing else, so the outcome is the same; a failing call is never
-    remembered (it raises each time).
+    remembered (it raises each time). ``tensor_key`` (with ``memo``): the tensor part of that signature as
+    ``kvops.native.eager_key`` gives it for ``(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks,
+    k_scale, v_scale, *features' tensors)`` in this order (bytes naming each one's dtype and shape), computed in one
+    native pass by ``_direct`` (kvops/ops/paged_attention.py); the scalar arguments complete it (:func:`scalars`).
     """
+    head_scale = None  # head_dim ** -0.5, remembered with a passed signature
     if not memo:
         _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
                sinks, k_scale, v_scale, kv_layout, features)
     else:
-        key = signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left,
-                        softcap, sinks, k_scale, v_scale, kv_layout, features)
-        if key not in _PASSED:
+        if tensor_key is None:
+            key = signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale,
+                            window_left, softcap, sinks, k_scale, v_scale, kv_layout, features)
+        else:  # (a tuple of another length than signature's: the two forms never meet)
+            key = (tensor_key, max_seqlen_q, scale, type(scale), window_left, softcap, type(softcap), kv_layout,
+                   None if features is NO_FEATURES else scalars(features))
+        head_scale = _PASSED.get(key)
+        if head_scale is None:
             _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,
                    sinks, k_scale, v_scale, kv_layout, features)
             if len(_PASSED) >= MEMO_SIZE:
                 _PASSED.clear()
-            _PASSED.add(key)
-    window_left, features = resolve(window_left, features)
-    return (float(q.shape[2]) ** -0.5 if scale is None else scale), window_left, features
+            head_scale = _PASSED[key] = float(q.shape[2]) ** -0.5
+    if features is not NO_FEATURES or window_left >= UNBOUNDED:  # (else resolve changes nothing)
+        window_left, features = resolve(window_left, features)
+    if scale is not None:
+        return scale, window_left, features
+    return (float(q.shape[2]) ** -0.5 if head_scale is None else head_scale), window_left, features
 
 
 MEMO_SIZE = 256  # signatures remembered (a serving loop has a handful: one per batch shape); then forgotten at once
-_PASSED: set = set()
+_PASSED: dict = {}  # signature of a passed call -> head_dim ** -0.5 (the default scale)
 
 
 def _meta(t):
@@ -101,6 +114,12 @@ def signature(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seql
                                                   features.rope_theta, type(features.rope_theta), features.rope_scale,
                                                   type(features.rope_scale), _meta(features.custom_mask),
                                                   _meta(features.packed_custom_mask)))
+
+
+def scalars(features: AttnFeatures) -> tuple:
+    """The scalar fields of ``features`` as :func:`signature` keys them (floats with their types)."""
+    return (features.window_right, features.sink_tokens, features.rope_theta, type(features.rope_theta),
+            features.rope_scale, type(features.rope_scale))
 
 
 def _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, window_left, softcap,

@@ -78,6 +78,7 @@ _native_in_aoti = False  # native_in_aoti_packages()
 # without the dispatcher and without the feature arguments, for the eager CPU path of kvops.paged_attention
 # (``_eager_native``, on the calls ``_direct`` admits); None while no build is loaded.
 eager_entry = None
+eager_key = None  # and its eager_key: _direct's test of the tensor arguments and the validator's memo key of them
 
 # The one-time build notice goes to this logger at WARNING, so Python's default handling prints it to stderr without
 # any logging set up (a warning category would turn it into an error under ``-W error`` and into noise in tests that
@@ -172,7 +173,7 @@ def _build(load=None) -> bool:
     A build that is not cached yet is announced once on the ``kvops.native`` logger (what it is, how long it takes,
     where it goes) and its duration reported when it ends: the first CPU paged attention otherwise blocks silently.
     """
-    global _isa, eager_entry
+    global _isa, eager_entry, eager_key
     if os.environ.get("KVOPS_NATIVE", "1") == "0":
         return False
     variant = _variants.selected(_cpu_flags())  # a bad KVOPS_NATIVE_ISA raises: a user error, not a build failure
@@ -201,6 +202,7 @@ def _build(load=None) -> bool:
             raise RuntimeError(f"the built library does not register the CPU kernel of {OP_NAME}")
         _isa = variant
         eager_entry = getattr(module, "paged_attention", None)
+        eager_key = getattr(module, "eager_key", None)
     except Exception as e:  # any build/load failure: fall back, never crash
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         warnings.warn(

@@ -26,7 +26,7 @@ import torch
 
 from .. import _library
 from .._checks import values
-from .._checks.common import int64_error, kv_scale_tensors
+from .._checks.common import UNBOUNDED, int64_error, kv_scale_tensors
 from .._checks.features import NO_FEATURES, AttnFeatures, resolve
 from .._checks.forms import python_float
 from .._checks.paged_attention import OP, check_paged_attention
@@ -95,19 +95,26 @@ def _implementation(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, ma
     return torch.ops.kvops._paged_attention_native(*args, *features)
 
 
-def _direct(tensors) -> bool:
+def _direct(tensors):
     """Whether an eager call may run ``_eager_native`` rather than the dispatcher (the same validator, kernel and
     results, fewer layers per call): plain CPU tensors, the native kernel, nothing tracing, no dispatch or
     function mode, functorch transform or profiler active (a profile shows ``kvops::paged_attention``), and no
-    autograd to record (the op has no derivative, and the dispatcher is what reports that)."""
+    autograd to record (the op has no derivative, and the dispatcher is what reports that).
+
+    A true value says yes: the validator's memo key of ``tensors`` (``native.eager_key``: their dtypes and shapes, in
+    one native pass that also asks the tensor questions above), or True where the build has no ``eager_key``."""
     if (_is_compiling() or _dispatch_modes() > 0 or _profiling() or _function_modes()
             or _functorch_transform() is not None):
         return False
+    if not native.available():  # (real tensors outside tracing: no AOTInductor compilation is running)
+        return False
+    if native.eager_key is not None:
+        return native.eager_key(*tensors)  # None: a tensor the dispatcher must see
     grad = _grad_enabled()
     for t in tensors:
         if t is not None and (type(t) is not _Tensor or not t.is_cpu or (grad and t.requires_grad)):
             return False
-    return native.available()  # (real tensors outside tracing: no AOTInductor compilation is running)
+    return True
 
 
 # what _direct asks on every eager call, looked up once
@@ -271,7 +278,9 @@ def paged_attention(
     # windows / sink counts beyond every int32 position are "none" (docs/attention_features.md)
     if (alibi_slopes is None and window_right == -1 and cache_leftpad is None and sink_tokens == 0
             and rope_theta is None and rope_scale == 1.0 and custom_mask is None and packed_custom_mask is None):
-        window_left, features = resolve(window_left, NO_FEATURES)  # no record built per call
+        features = NO_FEATURES  # no record built per call; resolve's rule without features:
+        if window_left >= UNBOUNDED:
+            window_left = -1
     else:
         window_left, features = resolve(
             window_left, AttnFeatures(alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale,
@@ -279,9 +288,10 @@ def paged_attention(
     k_scale, v_scale = kv_scale_tensors(OP, k_scale, v_scale)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left,
             softcap, sinks, k_scale, v_scale, kv_layout)
-    if _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,
-                cache_leftpad, custom_mask, packed_custom_mask)):
-        out, lse = _eager_native(args, features)
+    key = _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,
+                   cache_leftpad, custom_mask, packed_custom_mask))  # (in check_paged_attention's tensor_key order)
+    if key:
+        out, lse = _eager_native(args, features, None if key is True else key)
         return (out, lse) if return_lse else out
     if ((window_left < -1 or features.window_right < -1 or features.sink_tokens < 0)
             and not torch.compiler.is_compiling()):
@@ -314,9 +324,9 @@ def _check_values(args, features, validated: bool = False) -> None:
         values.check_custom_mask(features.custom_mask, features.packed_custom_mask, cu_seqlens_q)
 
 
-def _eager_native(args, features):
+def _eager_native(args, features, tensor_key=None):
     """An eager CPU call on the native kernel (``_direct``): the validator first (remembering what passed:
-    ``memo``), so a metadata error explains bad values as on the dispatched path; then the value contracts; then
+    ``memo``; ``tensor_key``: the memo key of the tensor arguments that ``_direct`` returned), so a metadata error explains bad values as on the dispatched path; then the value contracts; then
     ``kvops::_paged_attention_native`` itself.
 
     In the ``"eager"`` mode the native kernel's own check (the contracts it addresses memory with: ``cu_seqlens_q``,
@@ -327,7 +337,7 @@ def _eager_native(args, features):
     the same kernel, checks and messages): a few us less per call."""
     q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap, \
         sinks, k_scale, v_scale, kv_layout = args
-    sm_scale, window_left, features = check_paged_attention(*args, features, memo=True)
+    sm_scale, window_left, features = check_paged_attention(*args, features, memo=True, tensor_key=tensor_key)
     mode = values.get_value_checks()
     if mode != "off" and (mode != "eager" or features.alibi_slopes is not None or features.mask() is not None
                           or not values.native_checks_all(q, cu_seqlens_q, max_seqlen_q, features.cache_leftpad)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import shutil
 import unittest
+import warnings
 
 import torch
 
@@ -200,6 +201,30 @@ class TestEagerPath(unittest.TestCase):
             with self.subTest(argument=i):
                 self.assertEqual(outcome(lambda: native.eager_entry(*changed)), outcome(lambda: op(*changed)))
                 self.assertTrue(outcome(lambda: op(*changed)).startswith("RuntimeError: "))
+
+    def test_eager_key_admits_what_direct_admits_and_names_the_metadata(self):
+        # native.eager_key: None for a tensor the dispatcher must see; else the same key exactly when every argument
+        # has the same dtype and shape (values and strides are not the validator's business)
+        from kvops import native
+
+        self.assertTrue(native.available())
+        key, q = native.eager_key, torch.randn(3, 4, 8)
+        self.assertEqual(key(q, None), key(torch.zeros(3, 4, 8), None))
+        self.assertEqual(key(q, None), key(torch.randn(3, 8, 4).transpose(1, 2), None))
+        self.assertNotEqual(key(q, None), key(None, q))
+        for other in (torch.randn(3, 4, 9), torch.randn(3, 32), q.double(), q.bfloat16(), torch.randn(1, 3, 4, 8)):
+            self.assertNotEqual(key(q, None), key(other, None))
+        self.assertIsNone(key(q, q.clone().requires_grad_()))
+        with torch.no_grad():
+            self.assertIsNotNone(key(q, q.clone().requires_grad_()))
+        self.assertIsNone(key(torch.nn.Parameter(q)))
+        self.assertIsNone(key(q.to("meta")))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the strided nested layout's prototype notice)
+            nested = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)])
+        self.assertIsNone(key(nested))
+        self.assertTrue(op_module._direct((q, None)))
+        self.assertFalse(op_module._direct((torch.nn.Parameter(q),)))
 
 
 if __name__ == "__main__":
