@@ -270,7 +270,7 @@ void run(const Problem& pb, const std::vector<Item>& items) {
           math.scores(qf.data(), dp, kt.data(), rows_pad, p.data());
           vi lane;
           for (int c = 0; c < BN; ++c) lane[c] = c;
-          const vi valid = (lane < (vi{} + nt)) & (wv > splat(0.0f));
+          const vi valid = ilt(lane, vi{} + nt) & vgt(wv, splat(0.0f));
           for (int r = 0; r < it.rows; ++r) {
             vf s = masked ? vsel(valid, p[r], splat(NEG_INF)) : p[r];
             if (any_nan(s)) {  // a visible row's NaN score: the query's result is NaN, as SDPA's (l stays NaN)

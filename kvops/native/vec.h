@@ -40,10 +40,37 @@ inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
 inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < L; ++i) s += v[i]; return s; }
+typedef int32_t nvi __attribute__((vector_size(NW * 4)));
+// Compares of 16-lane vectors (all-ones lanes where true). GCC 12 lowers a compare of two 16-lane float or int32
+// vectors to 16 scalar compares where the hardware vector is narrower (the x86-64-v3 build: vcomiss / cmp and seta
+// per lane, in vexp, the softmax's masks and NaN checks: online_softmax took 19% of Qwen2.5-0.5B decode there, 13%
+// after), so there they compare the NW-lane parts; elsewhere the operator.
+template <typename V, typename Op>
+inline vi cmp_parts(V a, V b, Op op) {  // V: vf or vi
+  if constexpr (NW == L) {
+    return op(a, b);
+  } else {
+    typedef std::conditional_t<std::is_same_v<V, vf>, nv, nvi> part;
+    part x[NH], y[NH];
+    nvi r[NH];
+    std::memcpy(x, &a, sizeof a);
+    std::memcpy(y, &b, sizeof b);
+    for (int k = 0; k < NH; ++k) r[k] = op(x[k], y[k]);
+    vi out;
+    std::memcpy(&out, r, sizeof out);
+    return out;
+  }
+}
+inline vi vlt(vf a, vf b) { return cmp_parts(a, b, [](auto x, auto y) { return x < y; }); }
+inline vi vgt(vf a, vf b) { return vlt(b, a); }
+inline vi visnan(vf a) { return cmp_parts(a, a, [](auto x, auto y) { return x != y; }); }
+inline vi ilt(vi a, vi b) { return cmp_parts(a, b, [](auto x, auto y) { return x < y; }); }
+inline vi ige(vi a, vi b) { return cmp_parts(a, b, [](auto x, auto y) { return x >= y; }); }
+inline vi ine(vi a, vi b) { return cmp_parts(a, b, [](auto x, auto y) { return x != y; }); }
 // whether a lane is NaN (a visible key's NaN score makes its row NaN, as SDPA's: the kernels check it explicitly,
 // because a max over lanes may drop a NaN)
 inline bool any_nan(vf v) {
-  const vi bad = v != v;
+  const vi bad = visnan(v);
   int32_t any = 0;
   for (int i = 0; i < L; ++i) any |= bad[i];
   return any != 0;
@@ -70,9 +97,19 @@ inline V vexp_t(V x) {
   const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
   return sel(under, V{}, p * (V)e);
 }
-inline vf vexp(vf x) { return vexp_t<vf, vi>(x); }
-typedef int32_t nvi __attribute__((vector_size(NW * 4)));
 inline nv vexpn(nv x) { return vexp_t<nv, nvi>(x); }
+inline vf vexp(vf x) {  // (per NW-lane part where the hardware vector is narrower: cmp_parts; the same values)
+  if constexpr (NW == L) {
+    return vexp_t<vf, vi>(x);
+  } else {
+    nv h[NH];
+    std::memcpy(h, &x, sizeof x);
+    for (int k = 0; k < NH; ++k) h[k] = vexpn(h[k]);
+    vf r;
+    std::memcpy(&r, h, sizeof r);
+    return r;
+  }
+}
 
 // in-register 16x16 transpose: rows m[0..15] -> columns. Stage H swaps bit H of row and lane index: rows i and
 // i + H (bit H clear in i) become shuffle(a, b, lo) and shuffle(a, b, hi) with constant index vectors (indices >= 16
