@@ -326,8 +326,9 @@ def _check_values(args, features, validated: bool = False) -> None:
 
 def _eager_native(args, features, tensor_key=None):
     """An eager CPU call on the native kernel (``_direct``): the validator first (remembering what passed:
-    ``memo``; ``tensor_key``: the memo key of the tensor arguments that ``_direct`` returned), so a metadata error explains bad values as on the dispatched path; then the value contracts; then
-    ``kvops::_paged_attention_native`` itself.
+    ``memo``; ``tensor_key``: the memo key of the tensor arguments, which ``_direct`` returned), so a metadata error
+    explains bad values as on the dispatched path; then the value contracts; then ``kvops::_paged_attention_native``
+    itself.
 
     In the ``"eager"`` mode the native kernel's own check (the contracts it addresses memory with: ``cu_seqlens_q``,
     ``seq_lens``, the block ids read, whatever the mode; the same messages, word for word) stands in for the separate
