@@ -61,10 +61,13 @@ from ._hf_checks import check_asked_depth, check_padding
 from ._hf_export import ExportableDecodeStep
 
 
-def _native():
-    """kvops::_paged_attention_native's CPU kernel as an eager call on ``_direct``'s terms takes it: without the
-    dispatcher (``kvops.native.eager_entry``) where the build has it."""
-    return kvops.native.eager_entry or torch.ops.kvops._paged_attention_native.default
+def _native_out(*args):
+    """The output of kvops::_paged_attention_native's CPU kernel (arguments as the op takes them, without features)
+    as an eager call on ``_direct``'s terms runs it: without the dispatcher, and no LSE tensor
+    (``kvops.native.eager_entry``), where the build has it."""
+    if kvops.native.eager_entry is not None:
+        return kvops.native.eager_entry(*args, False)
+    return torch.ops.kvops._paged_attention_native.default(*args)[0]
 
 
 NAME = "kvops"
@@ -373,10 +376,10 @@ def kvops_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         checked = getattr(k_tok, "_kvops_checked", None)  # the validator's verdict for these very tensors
         if (checked is not None and checked[0] is v_tok and checked[1] is cu_seqlens and checked[2] is table
                 and checked[3] is kw["sinks"] and checked[4] == (args[0].shape, args[0].dtype, q_len, *scalars)):
-            out = _native()(*args, checked[5], *scalars[1:], kw["sinks"], None, None)[0]
+            out = _native_out(*args, checked[5], *scalars[1:], kw["sinks"], None, None)
         else:
             sm_scale = _pa.check_paged_attention(*args, *scalars, kw["sinks"], None, None, "NHD")[0]
-            out = _native()(*args, sm_scale, *scalars[1:], kw["sinks"], None, None)[0]
+            out = _native_out(*args, sm_scale, *scalars[1:], kw["sinks"], None, None)
             if k_tok._base is not None:  # a view of the cache (kept across steps), not a per-call copy
                 k_tok._kvops_checked = (v_tok, cu_seqlens, table, kw["sinks"],
                                         (args[0].shape, args[0].dtype, q_len, *scalars), sm_scale)

@@ -1051,14 +1051,16 @@ bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor
                              window_left, sink_tokens, cache_leftpad));
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_attention_native(
+// kvops::_paged_attention_native's kernel; with_lse false (an eager call that does not return the LSE: eager_entry.cpp)
+// leaves the returned LSE undefined, the kernel writing it into a per-thread buffer instead (no tensor to allocate)
+std::tuple<at::Tensor, at::Tensor> paged_attention_call(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
     const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t max_seqlen_q, double scale, bool causal,
     int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& alibi_slopes, int64_t window_right, const std::optional<at::Tensor>& cache_leftpad,
     int64_t sink_tokens, std::optional<double> rope_theta, double rope_scale,
-    const std::optional<at::Tensor>& custom_mask, const std::optional<at::Tensor>& packed_custom_mask) {
+    const std::optional<at::Tensor>& custom_mask, const std::optional<at::Tensor>& packed_custom_mask, bool with_lse) {
   resolve_bounds(window_left, window_right, sink_tokens);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), d_v = v_cache.size(3), batch = block_table.size(0);
@@ -1114,9 +1116,16 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   }
   // rows owned by no sequence are 0 / -inf (one memset / fill here: cheaper than two more aten ops per call)
   at::Tensor out = at::empty({num_tokens, num_heads, d_v}, q.options());
-  at::Tensor lse = at::empty({num_heads, num_tokens}, q.options().dtype(at::kFloat));
+  at::Tensor lse;
+  static thread_local std::vector<float> lse_buffer;  // the LSE nobody asked for (with_lse false)
+  if (with_lse) {
+    lse = at::empty({num_heads, num_tokens}, q.options().dtype(at::kFloat));
+  } else {
+    lse_buffer.resize(static_cast<size_t>(num_heads * num_tokens));
+  }
+  float* const lse_out = with_lse ? lse.data_ptr<float>() : lse_buffer.data();
   std::memset(out.data_ptr(), 0, out.nbytes());
-  std::fill_n(lse.data_ptr<float>(), lse.numel(), NEG_INF);
+  std::fill_n(lse_out, num_heads * num_tokens, NEG_INF);
   if (num_tokens == 0 || batch == 0) return {out, lse};
   const at::Tensor cu = cu_seqlens_q.contiguous(), sl = seq_lens.contiguous(), table = block_table.contiguous();
   const at::Tensor sk = sinks ? sinks->contiguous() : at::Tensor();
@@ -1161,7 +1170,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   pb.n_k_scale = k_scale ? ksc.numel() : 0;
   pb.n_v_scale = v_scale ? vsc.numel() : 0;
   pb.out = out.data_ptr();
-  pb.lse = lse.data_ptr<float>();
+  pb.lse = lse_out;
   pb.num_tokens = num_tokens;
   pb.alibi = alibi_slopes ? slopes.data_ptr<float>() : nullptr;
   pb.alibi_stride = alibi_slopes && slopes.dim() == 2 ? num_heads : 0;
@@ -1235,6 +1244,19 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_native(
   return {out, lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> paged_attention_native(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t max_seqlen_q, double scale, bool causal,
+    int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t window_right, const std::optional<at::Tensor>& cache_leftpad,
+    int64_t sink_tokens, std::optional<double> rope_theta, double rope_scale,
+    const std::optional<at::Tensor>& custom_mask, const std::optional<at::Tensor>& packed_custom_mask) {
+  return paged_attention_call(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
+                              window_left, softcap, sinks, k_scale, v_scale, alibi_slopes, window_right, cache_leftpad,
+                              sink_tokens, rope_theta, rope_scale, custom_mask, packed_custom_mask, true);
+}
+
 }  // namespace
 }  // namespace kvops_native
 
@@ -1250,14 +1272,15 @@ TORCH_LIBRARY_IMPL(kvops, CPU, m) {
 // The same kernel without the dispatcher, for eager_entry.cpp (kvops/native/eager_entry.cpp): the eager CPU path of
 // kvops.paged_attention (_direct in kvops/ops/paged_attention.py) calls it on plain CPU tensors with nothing tracing or
 // watching, where the dispatcher's layers (boxing, the autograd fallback) do nothing but cost a few us per call.
+// with_lse false: the LSE is not returned (undefined), and not allocated.
 namespace kvops_native {
 std::tuple<at::Tensor, at::Tensor> paged_attention_eager(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
     const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t max_seqlen_q, double scale, bool causal,
     int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  return paged_attention_native(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
-                                window_left, softcap, sinks, k_scale, v_scale, std::nullopt, -1, std::nullopt, 0,
-                                std::nullopt, 1.0, std::nullopt, std::nullopt);
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, bool with_lse) {
+  return paged_attention_call(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal,
+                              window_left, softcap, sinks, k_scale, v_scale, std::nullopt, -1, std::nullopt, 0,
+                              std::nullopt, 1.0, std::nullopt, std::nullopt, with_lse);
 }
 }  // namespace kvops_native

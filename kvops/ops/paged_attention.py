@@ -291,8 +291,7 @@ def paged_attention(
     key = _direct((q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sinks, k_scale, v_scale, alibi_slopes,
                    cache_leftpad, custom_mask, packed_custom_mask))  # (in check_paged_attention's tensor_key order)
     if key:
-        out, lse = _eager_native(args, features, None if key is True else key)
-        return (out, lse) if return_lse else out
+        return _eager_native(args, features, None if key is True else key, return_lse)
     if ((window_left < -1 or features.window_right < -1 or features.sink_tokens < 0)
             and not torch.compiler.is_compiling()):
         check_paged_attention(*args, features)  # the validator's error, before the value pass (traced: the op's)
@@ -324,17 +323,18 @@ def _check_values(args, features, validated: bool = False) -> None:
         values.check_custom_mask(features.custom_mask, features.packed_custom_mask, cu_seqlens_q)
 
 
-def _eager_native(args, features, tensor_key=None):
+def _eager_native(args, features, tensor_key=None, return_lse=True):
     """An eager CPU call on the native kernel (``_direct``): the validator first (remembering what passed:
-    ``memo``; ``tensor_key``: the memo key of the tensor arguments that ``_direct`` returned), so a metadata error explains bad values as on the dispatched path; then the value contracts; then
-    ``kvops::_paged_attention_native`` itself.
+    ``memo``; ``tensor_key``: the memo key of the tensor arguments, which ``_direct`` returned), so a metadata error
+    explains bad values as on the dispatched path; then the value contracts; then ``kvops::_paged_attention_native``
+    itself. Returns ``(out, lse)``, or ``out`` without ``return_lse``.
 
     In the ``"eager"`` mode the native kernel's own check (the contracts it addresses memory with: ``cu_seqlens_q``,
     ``seq_lens``, the block ids read, whatever the mode; the same messages, word for word) stands in for the separate
     value pass when it covers every contract of the call (``values.native_checks_all``) and there are no ALiBi
     slopes or custom mask (checked before the kernel, in this order): one dispatcher call fewer. Without features the
     kernel itself is called without the dispatcher too (``native.eager_entry``, ``kvops/native/eager_entry.cpp``:
-    the same kernel, checks and messages): a few us less per call."""
+    the same kernel, checks and messages; no LSE tensor without ``return_lse``): a few us less per call."""
     q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, scale, causal, window_left, softcap, \
         sinks, k_scale, v_scale, kv_layout = args
     sm_scale, window_left, features = check_paged_attention(*args, features, memo=True, tensor_key=tensor_key)
@@ -344,11 +344,16 @@ def _eager_native(args, features, tensor_key=None):
         _check_values(args, features, validated=True)
     if kv_layout == "HND":
         k_cache, v_cache = as_nhd(k_cache, v_cache, kv_layout)  # views: the kernel takes strides
-    if features is NO_FEATURES:  # the schema's defaults: the kernel without the dispatcher (native.eager_entry)
-        return (native.eager_entry or _NATIVE)(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q,
-                                               sm_scale, causal, window_left, softcap, sinks, k_scale, v_scale)
-    return _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
-                   window_left, softcap, sinks, k_scale, v_scale, *features)
+    if features is NO_FEATURES and native.eager_entry is not None:  # the kernel without the dispatcher
+        return native.eager_entry(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale,
+                                  causal, window_left, softcap, sinks, k_scale, v_scale, return_lse)
+    if features is NO_FEATURES:  # the schema's defaults: fewer arguments to convert
+        out, lse = _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
+                           window_left, softcap, sinks, k_scale, v_scale)
+    else:
+        out, lse = _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
+                           window_left, softcap, sinks, k_scale, v_scale, *features)
+    return (out, lse) if return_lse else out
 
 
 _NATIVE = torch.ops.kvops._paged_attention_native.default

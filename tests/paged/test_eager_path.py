@@ -180,6 +180,7 @@ class TestEagerPath(unittest.TestCase):
                     dispatched = kvops.paged_attention(**a, return_lse=True)
                 self.assertIn("kvops::paged_attention", [e.name for e in prof.events()])
                 self.assertTrue(torch.equal(direct[0], dispatched[0]) and torch.equal(direct[1], dispatched[1]))
+                self.assertTrue(torch.equal(kvops.paged_attention(**a), dispatched[0]))  # no LSE: the same out
 
     def test_eager_entry_is_the_native_op_without_the_dispatcher(self):
         # what _eager_native calls without features: kvops::_paged_attention_native's kernel, its results bit for
@@ -192,14 +193,17 @@ class TestEagerPath(unittest.TestCase):
         args = [a["q"], a["k_cache"], a["v_cache"], a["cu_seqlens_q"], a["seq_lens"], a["block_table"], 2, 0.3, True,
                 -1, 0.0, None, None, None]
         op = torch.ops.kvops._paged_attention_native.default
-        direct, dispatched = native.eager_entry(*args), op(*args)
+        direct, dispatched = native.eager_entry(*args, True), op(*args)
         self.assertTrue(torch.equal(direct[0], dispatched[0]) and torch.equal(direct[1], dispatched[1]))
+        self.assertTrue(torch.equal(native.eager_entry(*args, False), dispatched[0]))  # out alone: no LSE tensor
         for i, bad in ((5, torch.tensor([[9, 1], [2, 3]], dtype=I32)), (4, torch.tensor([3, 99], dtype=I32)),
                        (3, torch.tensor([0, 2, 1], dtype=I32)), (5, torch.tensor([[0, 1], [2, 3]])),
                        (11, torch.zeros(3))):
             changed = [*args[:i], bad, *args[i + 1:]]
             with self.subTest(argument=i):
-                self.assertEqual(outcome(lambda: native.eager_entry(*changed)), outcome(lambda: op(*changed)))
+                for return_lse in (True, False):
+                    self.assertEqual(outcome(lambda: native.eager_entry(*changed, return_lse)),
+                                     outcome(lambda: op(*changed)))
                 self.assertTrue(outcome(lambda: op(*changed)).startswith("RuntimeError: "))
 
     def test_eager_key_admits_what_direct_admits_and_names_the_metadata(self):
