@@ -38,7 +38,7 @@ class TestBf16WordForm(unittest.TestCase):
         torch.testing.assert_close(lse.double(), want_lse, atol=TOL[BF16], rtol=0)
 
     def test_every_feature_every_row_block(self):
-        # decode and short extends (rows = q_len x G < 32: the register kernel); G = 7 pads its rows to 8
+        # decode and short extends (rows = q_len x G < 32: the register kernel); G = 7: a block of 7 rows
         for i, kw in enumerate(NO_ROPE):
             for h_q, h_kv, d in ((7, 1, 64), (10, 2, 96), (4, 4, 128), (6, 2, 32), (8, 1, 64), (16, 4, 64)):
                 with self.subTest(kw=kw, h_q=h_q, h_kv=h_kv, d=d):

@@ -99,10 +99,11 @@ class TestNativeKernel(unittest.TestCase):
         run_and_check(self, inputs, window_left=20)
 
     def test_row_blocks_for_every_gqa_ratio(self):
-        # a KV head's rows (q_len x GQA group) run in blocks of 1, 2, 3, 4 or 8: every ratio and query count,
-        # contexts long enough for the prefetch to run ahead across blocks (block_size 5: runs cross block boundaries)
+        # a KV head's rows (q_len x GQA group) run in one block of 1-8 rows (no padding) or blocks of 8: every ratio
+        # and query count, contexts long enough for the prefetch to run ahead across blocks (block_size 5: runs cross
+        # block boundaries)
         for i, (h_q, q_lens) in enumerate(((2, [1, 3, 2]), (4, [1, 3, 1]), (6, [1, 1, 2]), (8, [1, 1, 1]),
-                                           (10, [1, 2, 1]), (16, [1, 9, 1]))):
+                                           (10, [1, 2, 1]), (16, [1, 9, 1]), (14, [1, 1, 2]), (12, [1, 2, 1]))):
             with self.subTest(gqa=h_q // 2, q_lens=q_lens):
                 inputs = make_inputs(20 + i, [700, 37, 2], q_lens, block_size=5 if i % 2 else 16, h_q=h_q, h_kv=2,
                                      d=32, sinks=i == 3)
