@@ -10,7 +10,7 @@ later processes load the cached build in well under a second, and differing sour
 (two virtual environments) never share, or rebuild each other's, binary. One process builds at a time (an ``flock``
 on ``kvops.owner`` in the build folder, which names the builder); a build that was killed leaves torch's lock file
 behind, which the next build removes (the dead owner's ``flock`` is gone) instead of waiting on it forever. A build that is not cached yet says so once on the
-``kvops.native`` logger (about 30-40 s on 2 idle cores; where it is cached) and how long it took; ``python -m kvops.native``
+``kvops.native`` logger (about 1-2 minutes on 2 idle cores; where it is cached) and how long it took; ``python -m kvops.native``
 builds ahead of time. It is not built at install time: the binary is specific to the machine's CPU (``-march=native``)
 and to the torch it was compiled against, and a wheel or an install outlives both (torch upgrades, images moved
 between machines).
@@ -84,7 +84,7 @@ eager_key = None  # and its eager_key: _direct's test of the tensor arguments an
 # any logging set up (a warning category would turn it into an error under ``-W error`` and into noise in tests that
 # record warnings); logging.getLogger("kvops.native").setLevel(logging.ERROR) silences it.
 log = logging.getLogger("kvops.native")
-BUILD_SECONDS = "about 30-40 s on 2 idle CPU cores, longer on a busy machine"  # 25-41 s measured
+BUILD_SECONDS = "about 1-2 minutes on 2 idle CPU cores, longer on a busy machine"  # 62-128 s measured
 
 
 def _cpu_flags() -> str:
@@ -315,7 +315,7 @@ def native_in_aoti_packages():
 
     Cost and contract: the process that runs such a package must ``import kvops`` before ``aoti_load_package``
     (the op's schema is defined at import; otherwise loading fails with "Could not find schema for
-    kvops::_paged_attention_native"). The package's first call loads the native extension, building it (30-40 s,
+    kvops::_paged_attention_native"). The package's first call loads the native extension, building it (1-2 minutes,
     needs a C++ compiler) where ``TORCH_EXTENSIONS_DIR`` has no build yet: run ``python -m kvops.native`` when
     deploying. With ``KVOPS_NATIVE=0`` or no compiler the call runs the composite kernel (same results, slower).
 
