@@ -1217,13 +1217,15 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_call(
       items.push_back({b, q0, nq, lo, std::max(lo, hi), sink_hi, 1, 0});
     }
   }
-  // split-KV when there are fewer items than 2 per thread: parts of >= 256 positions
+  // split-KV when there are fewer items than 2 per thread: parts of >= 64 positions (256: Llama-3.1-8B fp32 decode at
+  // B 1 ctx 256 stayed on one thread, 3.1x SDPA's time at 2 threads; 2.2x with 4 parts; calls under TINY_KV_ROWS
+  // stay on one thread)
   const int threads = at::get_num_threads();
   int64_t kv_rows = 0;  // (KV position, KV head) rows of the call; tiny calls stay on one thread (run)
   for (const Item& it : items) kv_rows += static_cast<int64_t>(it.hi - it.lo + it.sink_hi - pb.seq_start(it.b)) * pb.num_kv_heads;
   if (threads > 1 && static_cast<int>(items.size()) < 2 * threads && kv_rows >= TINY_KV_ROWS) {
     const int want = (2 * threads + static_cast<int>(items.size()) - 1) / static_cast<int>(items.size());
-    for (Item& it : items) it.parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, (it.hi - it.lo) / 256)));
+    for (Item& it : items) it.parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, (it.hi - it.lo) / 64)));
   }
   std::vector<std::pair<int, int>> work;
   int64_t partial_floats = 0;
