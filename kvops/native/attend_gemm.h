@@ -19,7 +19,8 @@
 #pragma once
 
 constexpr int GEMM_KV = 512;  // KV positions per GEMM tile (a multiple of GEMM_N)
-constexpr int GEMM_N = 64;  // output columns per micro-kernel call (oneDNN's packed-B widths: 16, 32, 48, 64)
+constexpr int GEMM_N = 64;  // K rows per register transpose block; V's row stride is rounded to it
+constexpr int GEMM_QK_N = 256;  // S columns per Q K^T micro-kernel call (cache-dtype form)
 constexpr int GEMM_ROWS = 256;  // rows (queries x GQA group) per GEMM: the S / P tile is GEMM_ROWS x GEMM_KV
 constexpr int GEMM_ITEM_ROWS = 4 * GEMM_ROWS;  // rows per prefill work item: its GEMM_ROWS sub-tiles share each
                                                // gathered K / V tile
@@ -66,42 +67,57 @@ inline bool low_precision_gemm(const Problem& pb) {
 // element (r, c) of a VNNI block: pairs along the reduction dim r, `width` columns: [r / 2][width][2]
 inline size_t vnni(int r, int c, int width) { return (static_cast<size_t>(r >> 1) * width + c) * 2 + (r & 1); }
 
+// P's bf16 words of 16 lanes (round to nearest even; p finite): one vcvtneps2bf16 where the host has AVX512-BF16
+inline void store_bf16(c10::BFloat16* dst, nv p) {
+#if defined(__AVX512BF16__)
+  if constexpr (NW == 16) {
+    const __m256bh b = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(p));
+    std::memcpy(dst, &b, sizeof b);
+    return;
+  }
+#endif
+  typedef uint32_t nvu __attribute__((vector_size(NW * 4)));
+  typedef uint16_t nvh __attribute__((vector_size(NW * 2)));
+  const nvu u = (nvu)p;
+  const nvh b = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, nvh);
+  std::memcpy(dst, &b, sizeof b);
+}
+
 // The online softmax of rows [r0, r0 + rs) over one KV tile of n positions from j0: S [rs][n_pad] (fp32 scores, the
 // tile's rows) is scaled (qk_scale: the cache-dtype form's softmax scale), masked (mask_scores: softcap, ALiBi, the
 // rows' ranges, the custom mask), its exp is P [rs][n_pad] in TC (in place over S in the fp32 form; bf16 rounded to
-// nearest even), and m, l, acc of the rows (indexed by row) are rescaled.
+// nearest even), and m, l, acc of the rows (indexed by row) are rescaled. A row that sees the whole tile with nothing
+// to mask (prefill's cached positions) is read as stored: its max is max(S) * qk_scale (the scale is positive, so
+// the same value) and P = exp(S * qk_scale - m) in one FMA, without a scaled copy of S.
 template <typename TC>
 void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t j0, int n, int n_pad, float* S, TC* P,
                   float* m, float* l, float* acc, const float* slope, float qk_scale) {
   constexpr bool low = !std::is_same_v<TC, float>;
   const int dv = pb.d_v, dvp = pb.dv_pad;
-  const bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask;
+  const bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask && qk_scale > 0.f && n % L == 0;
   for (int r = r0; r < r0 + rs; ++r) {
     float* sr = S + static_cast<size_t>(r - r0) * n_pad;
-    const int64_t rlo = sc.row_lo[r], rhi = sc.row_hi[r];
-    // (in hardware-width vectors, nv: the 16-lane vf of mask_scores only where a chunk is masked)
-    nv vmax = nv{} + NEG_INF;
-    nvi vnan{};
-    auto track = [&](const float* x) {  // the running max and NaN lanes of 16 stored scores
-      for (int k = 0; k < L; k += NW) {
-        const nv s = loadn(x + k);
-        const nvi more = s > vmax;
-        vnan |= s != s;
-        vmax = (nv)((more & (nvi)s) | (~more & (nvi)vmax));
-      }
-    };
-    for (int c0 = 0; c0 < n; c0 += L) {  // columns past n (stale K rows) are masked by mask_scores
-      const int nn = std::min(L, n - c0);
-      if (plain && nn == L && rlo <= j0 + c0 && j0 + c0 + L <= rhi) {
-        if (low)
-          for (int k = 0; k < L; k += NW) storen(sr + c0 + k, loadn(sr + c0 + k) * qk_scale);
-      } else {
+    const bool whole = plain && sc.row_lo[r] <= j0 && j0 + n <= sc.row_hi[r];
+    if (!whole) {  // scale and mask in place (columns past n: stale K rows, masked)
+      const bool plain_row = !(pb.softcap > 0.f) && !slope && !pb.mask;
+      for (int c0 = 0; c0 < n; c0 += L) {
+        const int nn = std::min(L, n - c0);
         vf s = loadu(sr + c0);
         if (low) s *= qk_scale;
-        mask_scores(pb, sc, r, j0 + c0, nn, s, slope);
+        if (!(plain_row && nn == L && sc.row_lo[r] <= j0 + c0 && j0 + c0 + L <= sc.row_hi[r]))
+          mask_scores(pb, sc, r, j0 + c0, nn, s, slope);
         storeu(sr + c0, s);
       }
-      track(sr + c0);
+    }
+    const float f = whole ? qk_scale : 1.f;  // S's factor to scaled scores
+    // the row's max and NaN lanes, in hardware-width vectors (no call in this loop: the vectors stay in registers)
+    nv vmax = nv{} + NEG_INF;
+    nvi vnan{};
+    for (int c = 0; c < n; c += NW) {
+      const nv x = loadn(sr + c);
+      const nvi more = x > vmax;
+      vnan |= x != x;
+      vmax = (nv)((more & (nvi)x) | (~more & (nvi)vmax));
     }
     float mx = NEG_INF;
     int32_t any = 0;
@@ -109,6 +125,7 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
       mx = std::max(mx, vmax[i]);
       any |= vnan[i];
     }
+    mx *= f;
     const bool nan = any != 0;
     TC* pr = P + static_cast<size_t>(r - r0) * n_pad;
     if (nan || mx == NEG_INF) {  // a NaN row stays NaN (its l); nothing visible: the row is unchanged
@@ -119,14 +136,10 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
     const float m_new = std::max(m[r], mx), alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
     nv sum{};
     for (int c0 = 0; c0 < n_pad; c0 += NW) {
-      const nv p = c0 < n ? vexpn(loadn(sr + c0) - m_new) : nv{};  // masked lanes: exp(-inf) = 0
+      const nv p = c0 < n ? vexpn(loadn(sr + c0) * f - m_new) : nv{};  // masked lanes: exp(-inf) = 0
       sum += p;
-      if constexpr (std::is_same_v<TC, c10::BFloat16>) {  // round to nearest even (p is finite)
-        typedef uint32_t nvu __attribute__((vector_size(NW * 4)));
-        typedef uint16_t nvh __attribute__((vector_size(NW * 2)));
-        const nvu u = (nvu)p;
-        const nvh b = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, nvh);
-        std::memcpy(pr + c0, &b, sizeof b);
+      if constexpr (std::is_same_v<TC, c10::BFloat16>) {
+        store_bf16(pr + c0, p);
       } else if constexpr (low) {
         for (int c = 0; c < NW; ++c) pr[c0 + c] = TC(p[c]);
       } else {
@@ -227,9 +240,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       // K^T columns past n are left stale (their scores are never read); V rows past n must be zeros (their P is 0,
       // and 0 x NaN is NaN): the pairs from token n / 2 * 2 on, in every column block
       if constexpr (low) {
-        for (int c = 0; c < dv_n / GEMM_N; ++c)
-          std::memset(V + (static_cast<size_t>(c) * n_pad + n / 2 * 2) * GEMM_N, 0,
-                      sizeof(TC) * static_cast<size_t>(n_pad - n / 2 * 2) * GEMM_N);
+        std::memset(V + static_cast<size_t>(n / 2 * 2) * dv_n, 0, sizeof(TC) * static_cast<size_t>(n_pad - n / 2 * 2) * dv_n);
       } else {
         std::memset(V + static_cast<size_t>(n) * dv_n, 0, sizeof(TC) * static_cast<size_t>(n_pad - n) * dv_n);
       }
@@ -240,30 +251,27 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
         const TK* vs = vc + blk * pb.sv[0] + row * pb.sv[1] + h * pb.sv[2];
         const int tb = t / GEMM_N, tc = t % GEMM_N;
         if constexpr (low) {
-          TC* kb = K + static_cast<size_t>(tb) * GEMM_N * round_up(d, 2);
-          if (pb.sk[3] == 1 && (d / 2) % L == 0) {  // a pair of dims is one 32-bit word: K^T's VNNI block is a
+          if (pb.sk[3] == 1 && (d / 2) % L == 0) {  // a pair of dims is one 32-bit word: K^T's VNNI form is a
             std::memcpy(gs.krows.data() + static_cast<size_t>(tc) * (d / 2), ks, sizeof(TC) * d);  // word transpose
-            if (tc == GEMM_N - 1 || t == n - 1) turn(d / 2, reinterpret_cast<uint32_t*>(kb), GEMM_N, tc);
+            if (tc == GEMM_N - 1 || t == n - 1)
+              turn(d / 2, reinterpret_cast<uint32_t*>(K) + static_cast<size_t>(tb) * GEMM_N, n_pad, tc);
           } else {
-            for (int e = 0; e < d; ++e) kb[vnni(e, tc, GEMM_N)] = ks[e * pb.sk[3]];
+            for (int e = 0; e < d; ++e) K[vnni(e, t, n_pad)] = ks[e * pb.sk[3]];
           }
-          TC* vb = V + (static_cast<size_t>(t / 2) * GEMM_N * 2 + (t & 1));  // token pairs interleave
           if (pb.sv[3] == 1 && dv % 16 == 0 && (t & 1)) {  // the pair (t - 1, t), 16 dims at a time
             const uint16_t* a = reinterpret_cast<const uint16_t*>(vprev);
             const uint16_t* b = reinterpret_cast<const uint16_t*>(vs);
+            uint16_t* o = reinterpret_cast<uint16_t*>(V) + static_cast<size_t>(t / 2) * dv_n * 2;
             for (int e = 0; e < dv; e += 16) {
               vh x, y;
               std::memcpy(&x, a + e, sizeof x);
               std::memcpy(&y, b + e, sizeof y);
               // (x0, y0, x1, y1, ...): one 32-bit word per dim, little-endian (even token first)
               const vu w = __builtin_convertvector(x, vu) | (__builtin_convertvector(y, vu) << 16);
-              uint16_t* o = reinterpret_cast<uint16_t*>(V) + static_cast<size_t>(e / GEMM_N) * n_pad * GEMM_N +
-                            (static_cast<size_t>(t / 2) * GEMM_N + e % GEMM_N) * 2;
-              std::memcpy(o, &w, sizeof w);
+              std::memcpy(o + 2 * e, &w, sizeof w);
             }
           } else if (!(pb.sv[3] == 1 && dv % 16 == 0 && t + 1 < n)) {  // else the next token writes the pair
-            for (int e = 0; e < dv; ++e)
-              vb[static_cast<size_t>(e / GEMM_N) * n_pad * GEMM_N + (e % GEMM_N) * 2] = vs[e * pb.sv[3]];
+            for (int e = 0; e < dv; ++e) V[vnni(t, e, dv_n)] = vs[e * pb.sv[3]];
           }
           vprev = vs;
         } else {
@@ -299,10 +307,10 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
         const int r0 = u * GEMM_ROWS, rs = std::min(GEMM_ROWS, rows - r0);
         // S [rs][n_pad] = Q K^T for rows [r0, r0 + rs), GEMM_N columns at a time
         const TC* qh = Q + (static_cast<size_t>(h) * rows_pad + r0) * ld_q;
-        for (int c0 = 0; low && c0 < n_pad; c0 += GEMM_N) {
+        for (int c0 = 0; low && c0 < n_pad; c0 += GEMM_QK_N) {
           if constexpr (low)
-            at::native::cpublas::brgemm(rs, GEMM_N, d, ld_q, GEMM_N, n_pad, false, qh,
-                                        K + static_cast<size_t>(c0) * round_up(d, 2), S + c0, true);
+            at::native::cpublas::brgemm(rs, std::min(GEMM_QK_N, n_pad - c0), d, ld_q, n_pad, n_pad, false, qh,
+                                        K + static_cast<size_t>(c0) * 2, S + c0, true);
         }
         if constexpr (!low) {
           at::Tensor S_t = matrix(S, rs, n_pad, n_pad);
@@ -311,12 +319,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
         softmax_tile<TC>(pb, sc, r0, rs, j0, n, n_pad, S, P, m, l, acc, slope, qk_scale);
         // acc [rows][dv_pad] += P V, GEMM_N value columns at a time (reduction over n_pad: zero rows past n)
         float* acc0 = acc + static_cast<size_t>(r0) * dvp;
-        for (int e0 = 0; low && e0 < dvp; e0 += GEMM_N) {
-          const int w = std::min(GEMM_N, dvp - e0);
-          if constexpr (low)
-            at::native::cpublas::brgemm(rs, w, n_pad, n_pad, GEMM_N, dvp, true, P,
-                                        V + static_cast<size_t>(e0 / GEMM_N) * n_pad * GEMM_N, acc0 + e0, true);
-        }
+        if constexpr (low) at::native::cpublas::brgemm(rs, dv, n_pad, n_pad, dv_n, dvp, true, P, V, acc0, true);
         if constexpr (!low) matrix(acc0, rs, dv, dvp).addmm_(matrix(S, rs, n_pad, n_pad), matrix(V, n_pad, dv, dv_n));
       }
     }
