@@ -27,10 +27,10 @@ constexpr int GEMM_ITEM_ROWS = 4 * GEMM_ROWS;  // rows per prefill work item: it
 constexpr int GEMM_MIN_ROWS = 32;  // rows per KV head from which an item takes this path
 
 struct GemmScratch {
-  std::vector<float> s;  // S [rows][GEMM_KV] (fp32 form: then P in place)
-  std::vector<char> k, v, q, p;  // K^T, V (micro-kernel layouts), Q [H_kv][rows_pad][d] and P [rows][GEMM_KV] (TC)
-  std::vector<float> rc, rs;  // RoPE: cos / sin [GEMM_KV][d / 2] of the tile's positions
-  std::vector<uint32_t> krows;  // the K rows of one GEMM_N-token block, before their transpose (32-bit words)
+  avec<float> s;  // S [rows][GEMM_KV] (fp32 form: then P in place)
+  avec<char> k, v, q, p;  // K^T, V (micro-kernel layouts), Q [H_kv][rows_pad][d] and P [rows][GEMM_KV] (TC)
+  avec<float> rc, rs;  // RoPE: cos / sin [GEMM_KV][d / 2] of the tile's positions
+  avec<uint32_t> krows;  // the K rows of one GEMM_N-token block, before their transpose (32-bit words)
   void size(int rows_pad, const Problem& pb, size_t tc) {
     krows.resize(static_cast<size_t>(GEMM_N) * pb.d);
     const size_t dv_n = static_cast<size_t>(round_up(pb.d_v, GEMM_N));

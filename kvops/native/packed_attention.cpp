@@ -221,12 +221,12 @@ template <typename TQ>
 void run(const Problem& pb, const std::vector<Item>& items) {
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int dp = pb.dp, dvp = pb.dvp;
-    std::vector<float> qf(static_cast<size_t>(ROWS) * dp), acc(static_cast<size_t>(ROWS) * dvp);
+    avec<float> qf(static_cast<size_t>(ROWS) * dp), acc(static_cast<size_t>(ROWS) * dvp);
     // K tile as 16x16 blocks kb[e / 16][t][e % 16] (dequantized), then transposed: kt[e * 16 + t]; V row-major
     std::vector<vf> kbv(dp, vf{});  // vector-aligned: transpose16_to reads it as vf rows
     float* kb = reinterpret_cast<float*>(kbv.data());
-    std::vector<float> kt(static_cast<size_t>(dp) * BN, 0.f);
-    std::vector<float> vt(static_cast<size_t>(BN) * dvp, 0.f);
+    avec<float> kt(static_cast<size_t>(dp) * BN, 0.f);
+    avec<float> vt(static_cast<size_t>(BN) * dvp, 0.f);
     std::vector<vf> p(ROWS), pw(ROWS);
     float m[ROWS], alpha[ROWS];
     vf lv[ROWS];

@@ -243,11 +243,11 @@ struct Item {
 
 // Per-thread scratch; rows_pad rows per KV head.
 struct Scratch {
-  std::vector<float> qf, qt, ktmp, kt, vtmp, s, p, alpha, zeros;  // qt: qf dim-major per RB-row block (32-token chunks)
-  std::vector<float> slope, rc, rs;  // ALiBi slope per (KV head, row); RoPE cos/sin [d / 2][16] of a chunk
+  avec<float> qf, qt, ktmp, kt, vtmp, s, p, alpha, zeros;  // qt: qf dim-major per RB-row block (32-token chunks)
+  avec<float> slope, rc, rs;  // ALiBi slope per (KV head, row); RoPE cos/sin [d / 2][16] of a chunk
   std::vector<double> rope_c, rope_s, rope_step_c, rope_step_s;  // RoPE: rotation at the next position, and a step
   std::vector<int64_t> row_pos;
-  std::vector<vf> lv;
+  avec<vf> lv;
   std::vector<int64_t> row_lo, row_hi;
   std::vector<int64_t> row_mask;  // custom mask: the element / bit of (row's query, new key 0)
   int64_t first_new = 0;  // custom mask: the first new key's position (seq_len - q_len)
@@ -750,7 +750,7 @@ void finalize(const Problem& pb, const Item& it, int h, int rows, int rows_pad, 
 
 template <typename TQ, typename TK>
 void run(const Problem& pb, const std::vector<Item>& items, const std::vector<std::pair<int, int>>& work,
-         int max_rows_pad, std::vector<float>& partials) {
+         int max_rows_pad, avec<float>& partials) {
   const int dvp = pb.dv_pad, nh = pb.num_kv_heads;
   const int64_t head_size = static_cast<int64_t>(max_rows_pad) * (dvp + 2), part_size = nh * head_size;
   // tiny calls (decode of a few short sequences) run on the calling thread: waking the pool costs more than the work
@@ -760,7 +760,7 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
   at::parallel_for(0, static_cast<int64_t>(work.size()), grain, [&](int64_t begin, int64_t end) {
     static thread_local Scratch sc;  // reused across calls: no allocation once warm
     static thread_local GemmScratch gs;
-    static thread_local std::vector<float> own;
+    static thread_local avec<float> own;
     sc.size(max_rows_pad, pb);
     own.resize(part_size);
     for (int64_t w = begin; w < end; ++w) {
@@ -853,7 +853,7 @@ void run(const Problem& pb, const std::vector<Item>& items, const std::vector<st
 
 template <typename TQ>
 void run_cache(const Problem& pb, c10::ScalarType cache_dtype, const std::vector<Item>& items,
-               const std::vector<std::pair<int, int>>& work, int max_rows_pad, std::vector<float>& partials) {
+               const std::vector<std::pair<int, int>>& work, int max_rows_pad, avec<float>& partials) {
   if (cache_dtype == c10::ScalarType::Float8_e4m3fn)
     run<TQ, c10::Float8_e4m3fn>(pb, items, work, max_rows_pad, partials);
   else
@@ -1238,7 +1238,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_call(
     }
     for (int p = 0; p < it.parts; ++p) work.emplace_back(i, p);
   }
-  std::vector<float> partials(partial_floats);
+  avec<float> partials(partial_floats);
 
   const auto cache_dtype = k_cache.scalar_type();
   switch (q.scalar_type()) {
