@@ -13,9 +13,11 @@
 //   uses for fp32: MKL on x86 wheels, per ISA). oneDNN's fp32 brgemm ukernel measured slower on AVX2 (emulated on an
 //   AVX-512 host: 1.24x against 1.05x the SDPA ideal, Llama-3.1-8B geometry) and no faster on AVX-512 with AMX.
 // * the cache dtype (TC = bf16, where oneDNN packs it: AMX): Q as given and P in bf16, the scale applied to S, K / V
-//   in the VNNI layout (pairs along the reduction dim), fp32 accumulation, through at::native::cpublas::brgemm in
-//   GEMM_N-column blocks (oneDNN's brgemm ukernel, what torch's CPU flash attention and Inductor's CPP GEMM template
-//   call): what torch's scaled_dot_product_attention computes on such hosts. Needs an even head_dim, no RoPE at read.
+//   in the VNNI layout (pairs along the reduction dim: K^T [d/2][n_pad][2], V [n_pad/2][dv_n][2]), fp32
+//   accumulation, through at::native::cpublas::brgemm (oneDNN's brgemm ukernel, what torch's CPU flash attention and
+//   Inductor's CPP GEMM template call): S in GEMM_QK_N-column calls, P V in one call (64-column calls ran the AMX
+//   micro-kernel at half the rate). What torch's scaled_dot_product_attention computes on such hosts. Needs an even
+//   head_dim, no RoPE at read. All scratch is 64-byte aligned (avec, vec.h).
 #pragma once
 
 constexpr int GEMM_KV = 512;  // KV positions per GEMM tile (a multiple of GEMM_N)
@@ -236,7 +238,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
     if (!any) continue;
     for (int h = 0; h < nh; ++h) {
       // gather the tile's K / V rows of KV head h (positions < hi of blocks the table references: nothing else)
-      // into K^T [d][n_pad] and V [n_pad][dv_n] (fp32), or their VNNI forms in GEMM_N-wide column blocks
+      // into K^T [d][n_pad] and V [n_pad][dv_n] (fp32), or their VNNI forms
       // K^T columns past n are left stale (their scores are never read); V rows past n must be zeros (their P is 0,
       // and 0 x NaN is NaN): the pairs from token n / 2 * 2 on, in every column block
       if constexpr (low) {
@@ -305,7 +307,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       for (int u = 0; u < subs; ++u) {
         if (!sees(u, j0, n)) continue;
         const int r0 = u * GEMM_ROWS, rs = std::min(GEMM_ROWS, rows - r0);
-        // S [rs][n_pad] = Q K^T for rows [r0, r0 + rs), GEMM_N columns at a time
+        // S [rs][n_pad] = Q K^T for rows [r0, r0 + rs), GEMM_QK_N columns at a time (cache-dtype form)
         const TC* qh = Q + (static_cast<size_t>(h) * rows_pad + r0) * ld_q;
         for (int c0 = 0; low && c0 < n_pad; c0 += GEMM_QK_N) {
           if constexpr (low)
@@ -317,7 +319,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
           at::mm_out(S_t, matrix(const_cast<float*>(qh), rs, d, ld_q), matrix(K, d, n_pad, n_pad));
         }
         softmax_tile<TC>(pb, sc, r0, rs, j0, n, n_pad, S, P, m, l, acc, slope, qk_scale);
-        // acc [rows][dv_pad] += P V, GEMM_N value columns at a time (reduction over n_pad: zero rows past n)
+        // acc [rows][dv_pad] += P V (reduction over n_pad: V's rows past n are zeros)
         float* acc0 = acc + static_cast<size_t>(r0) * dvp;
         if constexpr (low) at::native::cpublas::brgemm(rs, dv, n_pad, n_pad, dv_n, dvp, true, P, V, acc0, true);
         if constexpr (!low) matrix(acc0, rs, dv, dvp).addmm_(matrix(S, rs, n_pad, n_pad), matrix(V, n_pad, dv, dv_n));
