@@ -21,7 +21,7 @@
 #pragma once
 
 constexpr int GEMM_KV = 512;  // KV positions per GEMM tile (a multiple of GEMM_N)
-constexpr int GEMM_N = 64;  // K rows per register transpose block; V's row stride is rounded to it
+constexpr int GEMM_N = 64;  // K rows per register transpose block; S / P rows and V's row stride are rounded to it
 constexpr int GEMM_QK_N = 256;  // S columns per Q K^T micro-kernel call (cache-dtype form)
 constexpr int GEMM_ROWS = 256;  // rows (queries x GQA group) per GEMM: the S / P tile is GEMM_ROWS x GEMM_KV
 constexpr int GEMM_ITEM_ROWS = 4 * GEMM_ROWS;  // rows per prefill work item: its GEMM_ROWS sub-tiles share each
@@ -137,15 +137,24 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
     }
     const float m_new = std::max(m[r], mx), alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
     nv sum{};
-    for (int c0 = 0; c0 < n_pad; c0 += NW) {
-      const nv p = c0 < n ? vexpn(loadn(sr + c0) * f - m_new) : nv{};  // masked lanes: exp(-inf) = 0
-      sum += p;
-      if constexpr (std::is_same_v<TC, c10::BFloat16>) {
-        store_bf16(pr + c0, p);
-      } else if constexpr (low) {
-        for (int c = 0; c < NW; ++c) pr[c0 + c] = TC(p[c]);
-      } else {
-        storen(pr + c0, p);
+    constexpr int K = 4;  // vectors per step (n_pad is a multiple of GEMM_N = 4 * 16 lanes): vexpn_k interleaves them
+    for (int c0 = 0; c0 < n_pad; c0 += K * NW) {
+      nv p[K];
+      for (int k = 0; k < K; ++k) {
+        const int c = c0 + k * NW;
+        p[k] = c < n ? loadn(sr + c) * f - m_new : nv{} + NEG_INF;  // masked lanes and columns past n: exp(-inf) = 0
+      }
+      vexpn_k<K>(p);
+      for (int k = 0; k < K; ++k) {
+        const int c = c0 + k * NW;
+        sum += p[k];
+        if constexpr (std::is_same_v<TC, c10::BFloat16>) {
+          store_bf16(pr + c, p[k]);
+        } else if constexpr (low) {
+          for (int i = 0; i < NW; ++i) pr[c + i] = TC(p[k][i]);
+        } else {
+          storen(pr + c, p[k]);
+        }
       }
     }
     float sum_all = 0.f;
