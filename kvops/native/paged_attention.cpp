@@ -425,6 +425,7 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
   const float* S = sc.s.data();
   float* P = sc.p.data();
   float* alpha = sc.alpha.data();
+  // 1. per row: masks, the running max and alpha; P holds S - m (-inf where nothing is visible: exp gives 0)
   for (int r = 0; r < rows; ++r) {
     vf s[NV];
     for (int v = 0; v < NV; ++v) {
@@ -443,7 +444,7 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
         bool nan = false;
         for (int v = 0; v < NV; ++v) {
           nan |= any_nan(s[v]);
-          storeu(P + r * W + v * L, splat(0.f));
+          storeu(P + r * W + v * L, splat(NEG_INF));
         }
         if (nan) lv[r] = splat(std::numeric_limits<float>::quiet_NaN());
         continue;
@@ -452,14 +453,26 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
       alpha[r] = std::exp(m[r] - mc);  // 0 when m was -inf
       m[r] = mc;
     }
-    vf sum = lv[r] * alpha[r];
-    for (int v = 0; v < NV; ++v) {
-      const vf pr = vexp(s[v] - m[r]);
-      storeu(P + r * W + v * L, pr);
-      sum += pr;
-    }
-    lv[r] = sum;
+    for (int v = 0; v < NV; ++v) storeu(P + r * W + v * L, s[v] - m[r]);
   }
+  // 2. P = exp(P) in place, two rows per step (vexpn_k interleaves their vectors' polynomial steps), and the rows'
+  // per-lane sums lv = lv * alpha + P
+  constexpr int VR = W / NW;  // hardware-width vectors per row
+  auto exp_rows = [&](int r0, auto two) {
+    constexpr int K = decltype(two)::value ? 2 * VR : VR;
+    nv x[K];
+    for (int k = 0; k < K; ++k) x[k] = loadn(P + r0 * W + k * NW);
+    vexpn_k<K>(x);
+    for (int k = 0; k < K; ++k) storen(P + r0 * W + k * NW, x[k]);
+    for (int r = r0; r < r0 + (decltype(two)::value ? 2 : 1); ++r) {
+      vf sum = lv[r] * alpha[r];
+      for (int v = 0; v < NV; ++v) sum += loadu(P + r * W + v * L);
+      lv[r] = sum;
+    }
+  };
+  int r = 0;
+  for (; r + 2 <= rows; r += 2) exp_rows(r, std::true_type{});
+  if (r < rows) exp_rows(r, std::false_type{});
 }
 
 // acc[r, dims [e0, e0 + VP * NW)] = acc * alpha + P V, RB rows at a time (RB x VP accumulators; one prefetch step per
