@@ -249,9 +249,10 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       // gather the tile's K / V rows of KV head h (positions < hi of blocks the table references: nothing else)
       // into K^T [d][n_pad] and V [n_pad][dv_n] (fp32), or their VNNI forms
       // K^T columns past n are left stale (their scores are never read); V rows past n must be zeros (their P is 0,
-      // and 0 x NaN is NaN): the pairs from token n / 2 * 2 on, in every column block
+      // and 0 x NaN is NaN): the token pairs from n / 2 * 2 on
       if constexpr (low) {
-        std::memset(V + static_cast<size_t>(n / 2 * 2) * dv_n, 0, sizeof(TC) * static_cast<size_t>(n_pad - n / 2 * 2) * dv_n);
+        std::memset(V + static_cast<size_t>(n / 2 * 2) * dv_n, 0,
+                    sizeof(TC) * static_cast<size_t>(n_pad - n / 2 * 2) * dv_n);
       } else {
         std::memset(V + static_cast<size_t>(n) * dv_n, 0, sizeof(TC) * static_cast<size_t>(n_pad - n) * dv_n);
       }
