@@ -99,8 +99,8 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
   const bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask && qk_scale > 0.f && n % L == 0;
   for (int r = r0; r < r0 + rs; ++r) {
     float* sr = S + static_cast<size_t>(r - r0) * n_pad;
-    const bool whole = plain && sc.row_lo[r] <= j0 && j0 + n <= sc.row_hi[r];
-    if (!whole) {  // scale and mask in place (columns past n: stale K rows, masked)
+    bool whole = plain && sc.row_lo[r] <= j0 && j0 + n <= sc.row_hi[r];
+    auto scale_and_mask = [&] {  // in place (columns past n: stale K rows, masked)
       const bool plain_row = !(pb.softcap > 0.f) && !slope && !pb.mask;
       for (int c0 = 0; c0 < n; c0 += L) {
         const int nn = std::min(L, n - c0);
@@ -110,25 +110,38 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
           mask_scores(pb, sc, r, j0 + c0, nn, s, slope);
         storeu(sr + c0, s);
       }
+    };
+    float mx;
+    bool nan;
+    // the row's max and NaN lanes, in hardware-width vectors (no call in the loop: the vectors stay in registers)
+    auto row_max = [&] {
+      nv vmax = nv{} + NEG_INF;
+      nvi vnan{};
+      for (int c = 0; c < n; c += NW) {
+        const nv x = loadn(sr + c);
+        const nvi more = x > vmax;
+        vnan |= x != x;
+        vmax = (nv)((more & (nvi)x) | (~more & (nvi)vmax));
+      }
+      mx = NEG_INF;
+      int32_t any = 0;
+      for (int i = 0; i < NW; ++i) {
+        mx = std::max(mx, vmax[i]);
+        any |= vnan[i];
+      }
+      nan = any != 0;
+    };
+    if (!whole) scale_and_mask();
+    row_max();
+    if (whole && !nan && mx * qk_scale > std::numeric_limits<float>::max()) {
+      // the scaled max overflows to +inf: scaled in place as any other row, so the row is NaN (exp(inf - inf)) as
+      // the decode rows and SDPA's fp32 math make it, never the zeros of "no keys" that exp(S * scale - inf) gives
+      whole = false;
+      scale_and_mask();
+      row_max();
     }
     const float f = whole ? qk_scale : 1.f;  // S's factor to scaled scores
-    // the row's max and NaN lanes, in hardware-width vectors (no call in this loop: the vectors stay in registers)
-    nv vmax = nv{} + NEG_INF;
-    nvi vnan{};
-    for (int c = 0; c < n; c += NW) {
-      const nv x = loadn(sr + c);
-      const nvi more = x > vmax;
-      vnan |= x != x;
-      vmax = (nv)((more & (nvi)x) | (~more & (nvi)vmax));
-    }
-    float mx = NEG_INF;
-    int32_t any = 0;
-    for (int i = 0; i < NW; ++i) {
-      mx = std::max(mx, vmax[i]);
-      any |= vnan[i];
-    }
     mx *= f;
-    const bool nan = any != 0;
     TC* pr = P + static_cast<size_t>(r - r0) * n_pad;
     if (nan || mx == NEG_INF) {  // a NaN row stays NaN (its l); nothing visible: the row is unchanged
       if (nan) l[r] = std::numeric_limits<float>::quiet_NaN();

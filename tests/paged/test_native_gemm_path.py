@@ -142,6 +142,28 @@ class TestGemmPath(unittest.TestCase):
         self.assertTrue(torch.isfinite(out).all())
         self.assertTrue(torch.isfinite(lse[:, :40]).all())
 
+    def test_overflowing_scaled_scores_are_nan_never_zero(self):
+        # a finite scale whose scaled scores overflow fp32 (+inf) gives NaN rows, as the decode rows and SDPA's fp32
+        # math do, never the zeros and -inf LSE of "no keys": every form, including rows that see a whole KV tile
+        # unmasked (non-causal: every row's range is the whole 512-position tile), whose max is read from the unscaled
+        # scores
+        for dtype in (torch.bfloat16, torch.float32):
+            with self.subTest(dtype=dtype):
+                q, kc, vc, cu, lens, table = make_case(15, q_lens=(64,), seq_lens=(512,), batch=1, width=32, h_q=2,
+                                                       h_kv=2, d=64, dtype=dtype)
+                q = q.abs() + 1  # every score of a visible key > 0
+                kc, vc = kc.abs() + 1, vc.abs() + 1
+                for big in (1e37, 3e38):
+                    (out, lse), calls = gemm_calls(lambda: kvops.paged_attention(
+                        q, kc, vc, cu, lens, table, 64, scale=big, causal=False, return_lse=True))
+                    self.assertGreater(calls, 0)
+                    self.assertTrue(out.isnan().all(), f"scale {big}: {out.isnan().sum()} NaN of {out.numel()}")
+                    self.assertTrue(lse.isnan().all())
+                    decode, decode_lse = kvops.paged_attention(q[:1], kc, vc, torch.tensor([0, 1], dtype=torch.int32),
+                                                               lens, table, 1, scale=big, causal=False,
+                                                               return_lse=True)
+                    self.assertTrue(decode.isnan().all() and decode_lse.isnan().all())
+
     def test_bf16_form_follows_the_mkldnn_switch(self):
         # the bf16 (VNNI, brgemm) form runs only where oneDNN packs bf16 and torch.backends.mkldnn is enabled; with it
         # disabled the same call takes the fp32 form (never the brgemm call that would refuse it)
