@@ -347,12 +347,8 @@ def _eager_native(args, features, tensor_key=None, return_lse=True):
     if features is NO_FEATURES and native.eager_entry is not None:  # the kernel without the dispatcher
         return native.eager_entry(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale,
                                   causal, window_left, softcap, sinks, k_scale, v_scale, return_lse)
-    if features is NO_FEATURES:  # the schema's defaults: fewer arguments to convert
-        out, lse = _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
-                           window_left, softcap, sinks, k_scale, v_scale)
-    else:
-        out, lse = _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
-                           window_left, softcap, sinks, k_scale, v_scale, *features)
+    out, lse = _NATIVE(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, sm_scale, causal,
+                       window_left, softcap, sinks, k_scale, v_scale, *features)
     return (out, lse) if return_lse else out
 
 
