@@ -1,4 +1,4 @@
-"""Cost of the native CPU paged-attention kernel's own index check (kvops/native/paged_attention.cpp).
+"""Cost of the native CPU paged-attention kernel's own index check (kvops/native/paged_checks.h).
 
 The kernel checks, before any parallel region, every index value it addresses memory with
 (``cu_seqlens_q``, ``seq_lens``, the block ids of the first ``ceil(seq_len / block_size)`` entries of each

@@ -268,7 +268,7 @@ native_available = None
 
 def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_blocks, block_size, window_left=-1,
                   sink_tokens=0, cache_leftpad=None) -> bool:
-    """Eager CPU fast path: True when the native kernel's one-pass check (``kvops/native/paged_attention.cpp``, the
+    """Eager CPU fast path: True when the native kernel's one-pass check (``kvops/native/paged_checks.h``, the
     same contracts as ``_attention_violations``) finds every contract held. False when one is violated (the torch
     path then finds it and raises) or the fast path does not apply (not CPU/int32, no native build)."""
     int32 = torch.int32
@@ -289,7 +289,7 @@ def _native_valid(q, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, num_bloc
 
 
 def native_checks_all(q, cu_seqlens_q, max_seqlen_q, cache_leftpad=None) -> bool:
-    """Whether the native kernel's own check (``kvops/native/paged_attention.cpp``: ``cu_seqlens_q``, ``seq_lens`` and
+    """Whether the native kernel's own check (``kvops/native/paged_checks.h``: ``cu_seqlens_q``, ``seq_lens`` and
     the block ids it reads, in every mode, with this module's messages word for word) is the whole eager check of a
     ``paged_attention`` call on CPU whose metadata the op's validator passed. Not with ``cache_leftpad`` (its bound
     ``<= seq_len`` is not in the kernel's pass); else when every ``q_len <= max_seqlen_q``, the one contract the kernel

@@ -17,7 +17,7 @@ between machines).
 
 Build variants (``kvops/native/_variants.py``): ``KVOPS_NATIVE_ISA=native`` (the default, ``-march=native``) or
 ``x86-64-v3`` (``-march=x86-64-v3``: AVX2 + FMA, no AVX-512, on any x86-64 CPU that has them), read when the build is
-first needed. The kernels have AVX-512 and AVX2 code paths (``#if`` in ``vec.h``, ``paged_attention.cpp``); on an
+first needed. The kernels have AVX-512 and AVX2 code paths (``#if`` in ``vec.h``, ``paged_problem.h``); on an
 AVX-512 machine the ``x86-64-v3`` build compiles and runs the AVX2 ones (tests/paged/test_native_isa.py runs the
 kernels' tests against both). Each variant has its own cached build (its flags are in the name's hash). Another value,
 or ``x86-64-v3`` on a machine that cannot run it, raises a ``ValueError`` at that first build (a user error, not a
@@ -67,7 +67,8 @@ SOURCES = [
     SOURCE.with_name("paged_write.cpp"),  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
     SOURCE.with_name("eager_entry.cpp"),  # the build's Python module: eager_entry (paged attention, no dispatcher)
 ]
-HEADERS = [SOURCE.with_name(h) for h in ("vec.h", "chunk_pairs.h", "attend_gemm.h", "packed_tile.h")]  # included by the sources: part of the build hash
+HEADERS = [SOURCE.with_name(h) for h in ("vec.h", "paged_problem.h", "attend_regs.h", "chunk_pairs.h", "attend_gemm.h",
+                                          "paged_checks.h", "packed_tile.h")]  # included by the sources: part of the build hash
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # and the variant's -march flag: cflags()
 OP_NAME = "kvops::_paged_attention_native"
 

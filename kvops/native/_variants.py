@@ -3,7 +3,7 @@
 ``native`` (the default) compiles for the building machine's CPU (``-march=native``: AVX-512 where it has it, AVX2 on
 an AVX2-only x86, NEON on Arm). ``x86-64-v3`` compiles for the x86-64-v3 level (``-march=x86-64-v3``: AVX2, FMA, F16C,
 BMI2, no AVX-512) on any x86-64 CPU that has it: on an AVX-512 machine it builds and runs the AVX2 code paths of
-``vec.h`` and ``paged_attention.cpp`` (the ``__AVX2__ && !__AVX512F__`` branches), which an AVX-512 host's ``native``
+``vec.h`` and ``paged_problem.h`` (the ``__AVX2__ && !__AVX512F__`` branches), which an AVX-512 host's ``native``
 build never compiles; the tests run the kernels' correctness tests against both (tests/paged/test_native_isa.py).
 
 The variant is read when the build is first needed (``kvops.native._build``), not at import. A value other than the

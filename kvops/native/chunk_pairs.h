@@ -1,4 +1,4 @@
-// The register kernel's chunk for bf16 caches read in place (included by paged_attention.cpp after chunk(); hashed
+// The register kernel's chunk for bf16 caches read in place (included by attend_regs.h after chunk(); hashed
 // with the sources by kvops/native/__init__.py). A bf16's fp32 value is its 16 bits shifted up by 16, so a 32-bit word
 // holding the bf16 of dims (2w, 2w + 1) gives the fp32 of the even dim as (word << 16) and of the odd dim as
 // (word & 0xffff0000): one integer op per vector, where converting bf16 -> fp32 through vpmovzxwd costs the shuffle

@@ -22,7 +22,7 @@
 // vec.h turns into K^T; scores, online softmax, then V's rows dequantized row-major and accumulated (unit-stride
 // int8 V: accumulated straight from its codes, the row scales folded into the softmax weights). A KV head's rows
 // go through the math in blocks of RB = 1, 2, 3, 4 (decode with GQA ratio <= 4: no padded rows) or 8, with 8 / RB
-// accumulator sets in the scores (paged_attention.cpp's chunk()). Measured (AVX-512 with AMX Xeon, 1 thread, decode
+// accumulator sets in the scores (attend_regs.h's chunk()). Measured (AVX-512 with AMX Xeon, 1 thread, decode
 // B = 8, bf16 q, benchmarks/paged_decode.py): scalar dequantization with K written transposed one value at a time
 // and rows always padded to 8 made int8 1.8x (Qwen2.5-0.5B) to 5.6x (Llama-3.1-8B) and int4 2.7-4.3x the time of
 // dense bf16 paged attention over the same values; docs/packed-cache.md has the table after.

@@ -48,7 +48,7 @@ constexpr int ACC_REGS = 8;
 #endif
 constexpr int pow2_floor(int x) { return x >= 16 ? 16 : x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
 // 16-token vectors per chunk of the register kernel where the registers allow (AVX-512): each K load feeds 2 RB FMAs
-// and the online softmax runs once per 32 tokens (paged_attention.cpp: chunk, chunk_pairs.h)
+// and the online softmax runs once per 32 tokens (attend_regs.h: chunk, chunk_pairs.h)
 constexpr int WIDE_NV = ACC_REGS >= 16 ? 2 : 1;
 typedef float nv __attribute__((vector_size(NW * 4)));
 inline nv loadn(const float* p) { nv v; std::memcpy(&v, p, sizeof v); return v; }

@@ -2,7 +2,7 @@
 errors, one cached build per variant, and the kernels' correctness tests against the variant this process did not
 load, in a child process (two builds register kernels for the same ops, so one process loads one of them).
 
-On an AVX-512 host the default ``native`` build compiles the kernels' AVX-512 branches (vec.h, paged_attention.cpp)
+On an AVX-512 host the default ``native`` build compiles the kernels' AVX-512 branches (vec.h, paged_problem.h)
 and the ``x86-64-v3`` build their AVX2 branches; on an AVX2-only host ``native`` is an AVX2 build and the child checks
 that the ``x86-64-v3`` build compiles and passes too. Either way, a change cannot break the path the host does not use
 without a test failing here.
