@@ -28,8 +28,9 @@ class AttnFeatures(NamedTuple):
     3. the oracle: ``kvops/reference/attention.py`` (the readable fp64 reference every test compares against);
     4. each kernel: the composite CPU kernel (``kvops/cpu/paged_attention.py``: ``paged_attention``), the native
        kernel (``kvops/native/paged_attention.cpp``: ``paged_attention_native``), and the Triton kernels
-       (``kvops/triton/paged_attention.py``: ``_feature_args`` for the launch, ``_decode_split_kernel`` /
-       ``_prefill_kernel`` and, for what a KV tile does, ``_attend_tiles`` / ``_scores``).
+       (``kvops/triton/paged_attention.py``: ``_feature_args`` for the launch; ``_decode_split_kernel`` in
+       ``paged_decode.py`` / ``_prefill_kernel`` in ``paged_prefill.py`` and, for what a KV tile does,
+       ``_attend_tiles`` / ``_scores`` in ``paged_tiles.py``).
 
     The op's public signature (``kvops.paged_attention``, the ``triton_op`` and its schema in ``kvops/_library.py``,
     the native op's schema there) lists the fields as arguments: a new field is one more argument there, passed on

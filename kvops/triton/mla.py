@@ -17,7 +17,7 @@ Cache ``[P, block_size, kv_lora_rank + rope_dim]``: one latent row per token (no
   a 512-wide and a 64-wide tile of the same rows); values are the same ``[BLOCK_N, rank]`` tile, so the cache is
   read once per KV tile. Decode batches (``max_seqlen_q == 1``) split the KV range over a third grid axis when the
   batch alone would not fill the GPU; the splits' normalized partial outputs and LSEs are merged by
-  ``kvops/triton/paged_attention.py``'s ``_decode_merge_kernel``.
+  ``kvops/triton/paged_decode.py``'s ``_decode_merge_kernel``.
 
 Precision: bf16/fp16 operands go into ``tl.dot`` in their own dtype (exact products, fp32 accumulation), and so do
 the softmax weights ``p`` (rounded to q's dtype, as FlashAttention and FlashMLA do): the 512-wide value tile then
@@ -38,7 +38,9 @@ import triton.language as tl
 
 from ..cpu.paged_write import unaliased
 from .launch import Launch, capability_of, run
-from .paged_attention import _decode_merge_kernel, _lane, merge_splits
+from .paged_attention import merge_splits
+from .paged_decode import _decode_merge_kernel
+from .paged_tiles import _lane
 from .paged_write import _e4m3_bits
 
 _TARGET_PROGRAMS = 256  # decode: split the KV range until about this many programs run (~2 per SM on H100/H200)

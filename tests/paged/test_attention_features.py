@@ -28,7 +28,7 @@ import triton.language as tl
 import kvops
 from kvops._checks.features import AttnFeatures
 from kvops.cpu.paged_attention import paged_attention as composite
-from kvops.triton.paged_attention import _sincos
+from kvops.triton.paged_tiles import _sincos
 from kvops.reference.attention import reference
 from tests.contract import raises_everywhere
 

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():  # before triton.jit decorates the kernels (te
 import expecttest  # noqa: E402
 
 from kvops.triton import paged_attention as tri  # noqa: E402
+from kvops.triton import paged_tiles  # noqa: E402
 from tests.paged.test_paged_attention import FP8, check_close, make_inputs, reference, ref_kwargs  # noqa: E402
 
 
@@ -68,7 +69,7 @@ class TestPagedAttentionTriton(expecttest.TestCase):
         @triton.jit
         def decode(src, dst):
             i = tl.arange(0, 256)
-            tl.store(dst + i, tri.e4m3_to_f32(tl.load(src + i)))
+            tl.store(dst + i, paged_tiles.e4m3_to_f32(tl.load(src + i)))
 
         bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
         out = torch.empty(256, dtype=torch.float32, device=DEVICE)
