@@ -54,8 +54,8 @@ lib.define(
     "Tensor? cache_leftpad=None, SymInt sink_tokens=0, float? rope_theta=None, float rope_scale=1.0, "
     "Tensor? custom_mask=None, Tensor? packed_custom_mask=None) -> (Tensor, Tensor)"
 )
-# The one-pass value-contract check of eager CPU calls (kvops/_checks/values.py; kernel in paged_attention.cpp, only
-# called where the native build is available): True when a contract fails.
+# The one-pass value-contract check of eager CPU calls (kvops/_checks/values_attention.py; kernel in
+# paged_attention.cpp, only called where the native build is available): True when a contract fails.
 lib.define(
     "_paged_attention_values_bad(Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, int num_tokens, "
     "int max_seqlen_q, int num_blocks, int block_size, int window_left=-1, int sink_tokens=0, "

@@ -74,7 +74,7 @@ def check_features(op: str, q: torch.Tensor, batch, features: AttnFeatures, max_
     ``alibi_slopes`` float32 ``[H_q]`` or ``[B, H_q]`` on q's device; ``window_right >= -1``; ``cache_leftpad``
     int32 ``[B]`` on q's device; ``sink_tokens >= 0``; finite ``rope_theta > 0`` and ``rope_scale > 0`` with an
     even ``head_dim``; a custom mask's form (:func:`check_custom_mask`). (The contents of ``alibi_slopes``, NaN or
-    infinite slopes, and the mask's exact length are value contracts: ``kvops/_checks/values.py``.)"""
+    infinite slopes, and the mask's exact length are value contracts: ``kvops/_checks/values_attention.py``.)"""
     alibi_slopes, window_right, cache_leftpad, sink_tokens, rope_theta, rope_scale = features[:6]
     num_heads = q.shape[1]
     if alibi_slopes is not None:

@@ -4,8 +4,8 @@
 ``[P, H_kv, block_size, D]`` with ``kv_layout="HND"`` (validated as the NHD view ``transpose(1, 2)``);
 ``cu_seqlens_q [B + 1]``, ``seq_lens [B]``, ``block_table [B, max_blocks]``, all int32. Only metadata and the scalar
 arguments are checked. Value contracts that depend on tensor *contents* are checked per the value-check mode by
-``kvops/_checks/values.py`` (docs/semantics.md §7), not here: ``cu_seqlens_q`` non-decreasing from 0 to ``T_q``,
-every ``q_len <= max_seqlen_q``,
+``kvops/_checks/values_attention.py`` (docs/semantics.md §7), not here: ``cu_seqlens_q`` non-decreasing from 0 to
+``T_q``, every ``q_len <= max_seqlen_q``,
 ``seq_len <= max_blocks * block_size``, and table entries of the first ``ceil(seq_len / block_size)`` blocks
 in ``[0, P)``.
 """

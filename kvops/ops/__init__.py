@@ -23,12 +23,12 @@ from .rotary import apply_rotary, rotary_paged_cache_write  # noqa: E402
 
 __all__ += ["rotary_paged_cache_write", "apply_rotary"]
 
-# the value checks' native fast path (kvops/_checks/values.py) asks whether the native build is available: the
-# validators are a layer below kvops.native, so the ops layer hands them the question
+# the value checks' native fast path (kvops/_checks/values_attention.py) asks whether the native build is available:
+# the validators are a layer below kvops.native, so the ops layer hands them the question
 from .. import native as _native  # noqa: E402
-from .._checks import values as _values  # noqa: E402
+from .._checks import values_attention as _values_attention  # noqa: E402
 
-_values.native_available = _native.available
+_values_attention.native_available = _native.available
 
 # packed (quantized) K/V (packed.py, packed_attention.py; docs/packed-cache.md; public namespace kvops.packed)
 from .packed import dequantize_kv, quantize_kv  # noqa: E402

@@ -110,8 +110,9 @@ class TestNativeKernel(unittest.TestCase):
                 run_and_check(self, inputs, window_left=-1 if i % 3 else 600)
 
     def test_native_value_check_agrees_with_the_torch_check(self):
-        # the one-pass native check of the eager CPU path flags exactly the calls the torch check of values.py does
-        from kvops._checks import values
+        # the one-pass native check of the eager CPU path flags exactly the calls the torch check of
+        # values_attention.py does
+        from kvops._checks import values_attention
 
         num_blocks, block_size = 6, 4
 
@@ -143,7 +144,8 @@ class TestNativeKernel(unittest.TestCase):
                 with self.subTest(case=name, strided=strided):
                     native_bad = torch.ops.kvops._paged_attention_values_bad(
                         cu, lens, t, num_tokens, max_q, num_blocks, block_size)
-                    v = values._attention_violations(q[:num_tokens], num_blocks, block_size, cu, lens, t, max_q)
+                    v = values_attention._attention_violations(q[:num_tokens], num_blocks, block_size, cu, lens, t,
+                                                               max_q)
                     self.assertEqual(native_bad, bool(torch.stack([x.any() for x in v.values()]).any()))
                     self.assertEqual(native_bad, not name.startswith("valid"))
 
@@ -308,7 +310,7 @@ class TestNativeMemorySafety(unittest.TestCase):
             with self.subTest(case=name), self.assertRaises(RuntimeError) as ctx:
                 f(self.q, self.k, self.v, cu, lens, table)
             self.assertIn(message, str(ctx.exception))
-            with self.assertRaises(RuntimeError) as eager:  # the eager check of kvops/_checks/values.py
+            with self.assertRaises(RuntimeError) as eager:  # the eager check of kvops/_checks/values_attention.py
                 kvops.paged_attention(self.q, self.k, self.v, cu, lens, table, max_seqlen_q=1)
             self.assertEqual(str(ctx.exception), str(eager.exception))  # word for word
 
