@@ -2,9 +2,9 @@
 
 ``paged_attention.cpp`` registers ``kvops::_paged_attention_native`` (the CPU kernel behind ``kvops::paged_attention``,
 see the comment at its top) and ``kvops::_paged_attention_values_bad`` (the one-pass value-contract check of eager CPU
-calls, ``kvops/_checks/values.py``). It is compiled by ``torch.utils.cpp_extension.load`` the first time a CPU paged attention
-runs (not at import), with the machine's C++ compiler (the one ``torch.compile`` on CPU needs too), into torch's
-extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the
+calls, ``kvops/_checks/values_attention.py``). It is compiled by ``torch.utils.cpp_extension.load`` the first time a
+CPU paged attention runs (not at import), with the machine's C++ compiler (the one ``torch.compile`` on CPU needs
+too), into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the
 source, the flags, the CPU's instruction-set flags and the torch it is built against (version and install folder), so
 later processes load the cached build in well under a second, and differing sources, machines or torch installs
 (two virtual environments) never share, or rebuild each other's, binary. One process builds at a time (an ``flock``

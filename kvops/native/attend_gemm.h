@@ -1,5 +1,5 @@
-// The GEMM path of the native paged attention (included by paged_attention.cpp, after attend_regs.h; hashed with the sources
-// by kvops/native/__init__.py): work items with many rows per KV head (chunked prefill: the tile's queries times the
+// The GEMM path of the native paged attention (included by paged_attention.cpp, after attend_regs.h; hashed with the
+// sources by kvops/native/__init__.py): work items with many rows per KV head (chunked prefill: the tile's queries times the
 // GQA group) multiply through PyTorch's own CPU GEMMs instead of the register kernel, whose FMA loops are written for a
 // few rows.
 //

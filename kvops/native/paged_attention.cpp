@@ -27,7 +27,7 @@
 // The K/V rows ~8 KiB ahead are software-prefetched (blocks are scattered), one cache line per inner-loop step
 // (a burst per chunk overflows the miss buffers and is mostly dropped). Vector code uses GCC/Clang vector
 // extensions (AVX-512 / AVX2 / NEON under -march=native). Also here: the one-pass value-contract check of eager CPU
-// calls (paged_attention_values_bad, used by kvops/_checks/values.py).
+// calls (paged_attention_values_bad, used by kvops/_checks/values_attention.py).
 //
 // Where things are: paged_problem.h (vector helpers, row loads, the prefetcher, Problem / Item / Scratch),
 // attend_regs.h (the register kernel: load_queries, online_softmax, chunk, attend; chunk_pairs.h for bf16 caches),
@@ -215,7 +215,7 @@ void run_cache(const Problem& pb, c10::ScalarType cache_dtype, const std::vector
 #include "paged_checks.h"  // Index, values_bad, raise_values, check_index_tensors, check_attention_args,
                            // resolve_bounds
 
-// Eager CPU calls' value check (kvops/_checks/values.py): true when a contract is violated (values.py then raises).
+// Eager CPU calls' value check (kvops/_checks/values_attention.py): true when a contract is violated (it then raises).
 bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                                 const at::Tensor& block_table, int64_t num_tokens, int64_t max_seqlen_q,
                                 int64_t num_blocks, int64_t block_size, int64_t window_left, int64_t sink_tokens,

@@ -3,7 +3,7 @@
 // checks that keep direct calls of the private ops in bounds (check_index_tensors, check_attention_args).
 #pragma once
 
-// The value contracts of paged_attention (kvops/_checks/values.py, docs/semantics.md §7) over the int32 index
+// The value contracts of paged_attention (kvops/_checks/values_attention.py, docs/semantics.md §7) over the int32 index
 // tensors (any strides), in one pass: true when any is violated. What the kernel addresses memory with is all here:
 // 0 = cu[0] <= cu[1] <= ... <= cu[B] <= T_q (query rows read and output rows written), 0 <= seq_lens[b] <=
 // max_blocks * block_size (block_table entries read), and the block ids of the first ceil(seq_len / block_size)
@@ -69,7 +69,8 @@ bool values_bad(const Index& x) {
   return false;
 }
 
-// The message of the first violated contract, in values.py's order and words (_raise_attention); only on failure.
+// The message of the first violated contract, in values_attention.py's order and words (_raise_attention); only on
+// failure.
 [[noreturn]] void raise_values(const Index& x) {
   const char* op = "kvops.paged_attention";
   const int64_t capacity = x.width * x.block_size;
