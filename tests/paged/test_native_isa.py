@@ -85,9 +85,9 @@ class TestVariantSelection(expecttest.TestCase):
     def test_each_variant_has_its_own_build(self):
         names = {v: native.build_name(v) for v in _variants.VARIANTS}
         self.assertEqual(len(set(names.values())), len(names), names)
-        with mock.patch.dict(os.environ, _env()):
+        with mock.patch.dict(os.environ, _env(), clear=True):
             self.assertEqual(native.build_name(), names["native"])
-        with mock.patch.dict(os.environ, _env(**{ENV: "x86-64-v3"})), \
+        with mock.patch.dict(os.environ, _env(**{ENV: "x86-64-v3"}), clear=True), \
                 mock.patch.object(_variants.platform, "machine", lambda: "x86_64"), \
                 mock.patch.object(native, "_cpu_flags", lambda: "flags\t: " + " ".join(_variants.X86_64_V3_CPU_FLAGS)):
             self.assertEqual(native.build_name(), native.build_name("x86-64-v3"))  # the variable selects the build
@@ -96,11 +96,11 @@ class TestVariantSelection(expecttest.TestCase):
             self.assertNotEqual(native.build_name("native"), names["native"])  # the variant's flags are hashed
 
     def test_empty_value_is_the_default(self):
-        with mock.patch.dict(os.environ, _env(**{ENV: ""})):
+        with mock.patch.dict(os.environ, _env(**{ENV: ""}), clear=True):
             self.assertEqual(_variants.selected(native._cpu_flags()), "native")
 
     def test_unknown_value_raises_at_the_first_build(self):
-        with mock.patch.dict(os.environ, _env(**{ENV: "avx512"}, KVOPS_NATIVE="1")), \
+        with mock.patch.dict(os.environ, _env(**{ENV: "avx512"}, KVOPS_NATIVE="1"), clear=True), \
                 mock.patch.object(native, "_state", None):
             with self.assertRaises(ValueError) as cm:
                 native.available()
@@ -109,7 +109,7 @@ class TestVariantSelection(expecttest.TestCase):
 KVOPS_NATIVE_ISA='avx512' is not a build variant of the native CPU kernels; accepted values: 'native', 'x86-64-v3' ('native', the default, targets this CPU; 'x86-64-v3' targets AVX2 + FMA without AVX-512). Unset KVOPS_NATIVE_ISA for the default.""")
 
     def test_x86_64_v3_refused_where_it_cannot_run(self):
-        with mock.patch.dict(os.environ, _env(**{ENV: "x86-64-v3"})):
+        with mock.patch.dict(os.environ, _env(**{ENV: "x86-64-v3"}), clear=True):
             with mock.patch.object(_variants.platform, "machine", lambda: "aarch64"), \
                     self.assertRaises(ValueError) as cm:
                 _variants.selected("Features\t: fp asimd")
