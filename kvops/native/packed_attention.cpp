@@ -2,7 +2,7 @@
 // kvops::_packed_attention_native.
 //
 // Built on first use together with paged_attention.cpp (one extension, kvops/native/__init__.py); the Python op
-// kvops::packed_attention calls it for CPU tensors after its validator ran (kvops/packed/_checks.py), so this file
+// kvops::packed_attention calls it for CPU tensors after its validator ran (kvops/_checks/packed.py), so this file
 // trusts the arguments' metadata (dtypes, ranks, shapes) and reads values only. The one index among those values,
 // int2 cluster ids, is checked against the number of centroids before any work (check_cluster_ids); row_counts are
 // weights (their length is metadata), never addresses.
@@ -323,7 +323,7 @@ void run(const Problem& pb, const std::vector<Item>& items) {
   });
 }
 
-// Metadata of every tensor the kernel addresses (kvops/packed/_checks.py checks it all first, with better messages):
+// Metadata of every tensor the kernel addresses (kvops/_checks/packed.py checks it all first, with better messages):
 // a direct call of this private op (torch.ops.kvops._packed_attention_native) gets these checks instead of a read out
 // of bounds. Shapes follow kvops.packed.packed_layout; returns the total rows.
 int64_t check_args(const at::Tensor& q, const std::vector<at::Tensor>& k_dense, const std::vector<at::Tensor>& v_dense,
