@@ -200,7 +200,7 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
 // V vector load)
 template <typename T, int RB, int VP, int W>
 inline void pv_rows(const float* P, const float* alpha, const T* const* vp, int n, int e0, int rows_pad, int dvp,
-                    float* acc, Prefetcher& pf) {  // P: rows of W lanes
+                    float* acc, PfStep& pf) {  // P: rows of W lanes
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     nv a[VP][RB];
     for (int w = 0; w < VP; ++w)
@@ -222,8 +222,9 @@ inline void pv_rows(const float* P, const float* alpha, const T* const* vp, int 
 // t >= n point at zeros): scores, online softmax, accumulation. Rows go RB at a time (RB = rows_pad <= 8, else 8).
 template <typename T, int RB, int NV>
 inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int n, int64_t j0, int rows, int rows_pad,
-                  Scratch& sc, const float* qf, const float* qt, float* m, vf* lv, float* acc, Prefetcher& pf,
+                  Scratch& sc, const float* qf, const float* qt, float* m, vf* lv, float* acc, const Prefetcher& pfw,
                   const float* slope) {  // qf: the KV head's queries row-major, qt: dim-major per block of RB rows
+  PfStep pf(pfw);
   constexpr int W = NV * L;  // tokens of the chunk (NV = 1 with RoPE at read: sc.rc / sc.rs hold 16 positions)
   const int dp = pb.d_pad, dvp = pb.dv_pad;
   float* S = sc.s.data();
@@ -376,7 +377,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
     return Prefetcher(fkc, fvc, h * pb.sk[2] * static_cast<int64_t>(sizeof(TK)), h * pb.sv[2] * static_cast<int64_t>(sizeof(TK)),
                       fn, kl, vl);
   };
-  for (int u = 0; u < ahead; ++u) list_lines(lo + int64_t(u / nh) * CW, u % nh).rest();  // the first units: at once
+  for (int u = 0; u < ahead; ++u) PfStep(list_lines(lo + int64_t(u / nh) * CW, u % nh)).rest();  // the first units: at once
   const int half = pb.d / 2;
   if (pb.rope_freq) {  // the rotation at the first key position; later ones by exact steps (double)
     const double p0 = static_cast<double>(lo - pb.seq_start(it.b));

@@ -43,7 +43,7 @@ inline void pair_layout(float* acc, int rows, int dvp, bool to_pairs) {
 // load feeds 2 RB FMAs; one prefetch step per word)
 template <int RB, int WP, int W>
 inline void pv_words(const float* P, const float* alpha, const c10::BFloat16* const* vp, int n, int g0, int rows_pad,
-                     int dvp, float* acc, Prefetcher& pf) {  // P: rows of W lanes
+                     int dvp, float* acc, PfStep& pf) {  // P: rows of W lanes
   for (int r0 = 0; r0 < rows_pad; r0 += RB) {
     nv a[WP][2][RB];
     for (int w = 0; w < WP; ++w)
@@ -74,7 +74,8 @@ inline void pv_words(const float* P, const float* alpha, const c10::BFloat16* co
 template <int RB, int NV>
 inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const c10::BFloat16* const* vp, int n,
                         int64_t j0, int rows, int rows_pad, Scratch& sc, const float* qf, const float* qt, float* m,
-                        vf* lv, float* acc, Prefetcher& pf, const float* slope) {  // queries as chunk()'s
+                        vf* lv, float* acc, const Prefetcher& pfw, const float* slope) {  // queries as chunk()'s
+  PfStep pf(pfw);
   constexpr int W = NV * L;  // tokens of the chunk = lanes of a row of S and P
   const int dp = pb.d_pad, dvp = pb.dv_pad, words = pb.d / 2;
   float* S = sc.s.data();
