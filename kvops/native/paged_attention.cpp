@@ -62,12 +62,17 @@ namespace kvops_native {
 namespace {
 
 #include "vec.h"  // L = 16 lanes (= tokens per chunk), vf/vi, loadu/storeu/splat/vsel/hsum, vexp, fp8_lut
-#ifndef KVOPS_PREFETCH  // Zen 5 (48 KiB L1d), one thread: 8 KiB as good as or better than 4, 16, 32 KiB; t0 > t1, t2
+// Zen 5 (48 KiB L1d), one thread: 8 KiB as good as or better than 4, 16, 32 KiB; t0 > t1, t2. Zen 3 (32 KiB L1d): 4, 8
+// and 16 KiB the same within noise; no prefetch 1.4-1.6x slower (Qwen2.5-0.5B and Llama-3.1-8B decode, B 8)
+#ifndef KVOPS_PREFETCH
 #define KVOPS_PREFETCH 8192
 #endif
 constexpr int PREFETCH_BYTES = KVOPS_PREFETCH;  // K/V bytes prefetched ahead of the math
 constexpr int WIDE_UNIT_BYTES = 16384;  // the largest chunk of one KV head (K and V) taken 32 tokens at a time
-constexpr int64_t TINY_KV_ROWS = 2048;  // (KV position, KV head) rows below which a call stays on one thread (~50 us)
+// (KV position, KV head) rows below which a call stays on one thread: waking the pool costs more than the work. 2048
+// kept Qwen2.5-0.5B decode at B 1 ctx 256 (512 rows, ~25 us) on one thread while SDPA split it: 1.3-1.5x SDPA's time
+// at 2 threads, 1.2-1.35x split (AVX2 host, AMD EPYC Zen 3); at 256 rows splitting measured the same as not
+constexpr int64_t TINY_KV_ROWS = 512;
 #include "paged_problem.h"  // vector helpers, row loads, Prefetcher, Problem, Item, Scratch
 #include "attend_regs.h"  // the register kernel: load_queries, online_softmax, chunk, attend (+ chunk_pairs.h)
 
