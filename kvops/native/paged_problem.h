@@ -112,7 +112,7 @@ struct Prefetcher {
     if (kl + vl == 0) n = 0;
     first = next_row(Cursor{nullptr, int64_t(-1) * (int64_t(1) << 32)});
   }
-  static int left(Cursor c) { return static_cast<int32_t>(c.lt & 0xffffffff); }
+  static int left(int64_t lt) { return static_cast<int32_t>(lt & 0xffffffff); }  // lines left in the row
   // the next row with lines to issue (left == 0 when done)
   __attribute__((noinline)) Cursor next_row(Cursor c) const {
     int64_t tv = c.lt >> 32;
@@ -132,14 +132,14 @@ struct PfStep {
   Prefetcher::Cursor c;
   explicit PfStep(const Prefetcher& pf) : w(&pf), c(pf.first) {}
   inline void step() {
-    if (Prefetcher::left(c) > 0) {
+    if (Prefetcher::left(c.lt) > 0) {
       prefetch_line(c.p);
       c.p += 64;
-      if (Prefetcher::left(Prefetcher::Cursor{c.p, --c.lt}) == 0) c = w->next_row(c);
+      if (Prefetcher::left(--c.lt) == 0) c = w->next_row(c);
     }
   }
   inline void rest() {
-    while (Prefetcher::left(c) > 0) step();
+    while (Prefetcher::left(c.lt) > 0) step();
   }
 };
 
