@@ -293,6 +293,7 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
 }
 
 #include "chunk_pairs.h"  // chunk_pairs: chunk() for bf16 caches, reading K / V as 32-bit words
+#include "chunk_dot.h"  // chunk_dot: bf16 dot products (AVX512-BF16) for bf16 caches and queries
 
 // Online softmax of rows [0, rows) of every KV head over KV positions [lo, hi) of item `it`. `state` holds, per KV
 // head, m [rows_pad], l [rows_pad], acc [rows_pad, dv_pad] (head_size floats), updated in place. The KV heads of a
@@ -309,8 +310,10 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   // bf16 rows read in place go through chunk_pairs (accumulators in its layout while this pass runs)
   constexpr bool bf16 = std::is_same_v<TK, c10::BFloat16>;
   const bool pairs = bf16 && direct && d % (2 * L) == 0 && pb.d_v % (2 * NW) == 0 && !pb.rope_freq;
-  if (pairs)
-    for (int h = 0; h < nh; ++h) pair_layout(state + h * head_size + 2 * rows_pad, rows_pad, dvp, true);
+  const bool dot = DOT_BF16 && pairs && pb.q_bf16 && !pb.k_scale;  // chunk_dot.h (AVX512-BF16 builds)
+  for (int h = 0; pairs && h < nh; ++h)
+    (dot ? dot_layout : pair_layout)(state + h * head_size + 2 * rows_pad, rows_pad, dvp, true);
+  if (dot) load_query_words<RB>(pb, it, rows, rows_pad, sc);
   for (int h = 0; h < nh; ++h)  // the running sum carries over from an earlier pass (sinks), in lane 0
     for (int r = 0; r < rows_pad; ++r) {
       vf l0{};
@@ -417,6 +420,16 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
         vp[t] = t < n ? vb[t] + h * pb.sv[2] : zeros;
       }
       if constexpr (bf16) {
+#if defined(__AVX512BF16__)
+        if (dot) {
+          const uint32_t* qw = sc.qw.data() + static_cast<size_t>(h) * rows_pad * (d / 2);
+          if (wide)
+            chunk_dot<RB, WIDE_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, qw, m, lv, acc, pf, slope);
+          else
+            chunk_dot<RB, 1>(pb, kp, vp, n, j0, rows, rows_pad, sc, qw, m, lv, acc, pf, slope);
+          continue;
+        }
+#endif
         if (pairs) {
           if (wide)
             chunk_pairs<RB, WIDE_NV>(pb, kp, vp, n, j0, rows, rows_pad, sc, qf, qt, m, lv, acc, pf, slope);
@@ -450,6 +463,6 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   }
   for (int h = 0; h < nh; ++h)
     for (int r = 0; r < rows; ++r) state[h * head_size + rows_pad + r] = hsum(sc.lv[h * rows_pad + r]);
-  if (pairs)
-    for (int h = 0; h < nh; ++h) pair_layout(state + h * head_size + 2 * rows_pad, rows_pad, dvp, false);
+  for (int h = 0; pairs && h < nh; ++h)
+    (dot ? dot_layout : pair_layout)(state + h * head_size + 2 * rows_pad, rows_pad, dvp, false);
 }

@@ -343,6 +343,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_call(
   pb.dv_pad = round_up(pb.d_v, L);
   pb.block_size = static_cast<int>(k_cache.size(1));
   pb.scale = static_cast<float>(scale);
+  pb.q_bf16 = q.scalar_type() == at::kBFloat16;
   pb.softcap = static_cast<float>(softcap);
   pb.causal = causal;
   pb.window_left = window_left;

@@ -177,6 +177,7 @@ struct Problem {
   // each sequence's q_len x q_len block, row-major, from element (bool) / bit (packed) mask_off[b]; null: none
   const uint8_t* mask;
   bool mask_packed;
+  bool q_bf16;  // q is bf16 (chunk_dot.h reads it as given)
   const int64_t* mask_off;
   bool mask_bit(int64_t k) const { return mask_packed ? (mask[k >> 3] >> (k & 7)) & 1 : mask[k] != 0; }
   int seq_start(int b) const { return leftpad ? std::max(0, leftpad[b]) : 0; }
@@ -201,6 +202,7 @@ struct Scratch {
   std::vector<double> rope_c, rope_s, rope_step_c, rope_step_s;  // RoPE: rotation at the next position, and a step
   std::vector<int64_t> row_pos;
   avec<vf> lv;
+  avec<uint32_t> qw, pw;  // chunk_dot.h: the queries' bf16 words, P's bf16 token pairs
   std::vector<int64_t> row_lo, row_hi;
   std::vector<int64_t> row_mask;  // custom mask: the element / bit of (row's query, new key 0)
   int64_t first_new = 0;  // custom mask: the first new key's position (seq_len - q_len)
@@ -214,6 +216,7 @@ struct Scratch {
     vtmp.resize(static_cast<size_t>(L) * pb.dv_pad);
     s.resize(static_cast<size_t>(rows_pad) * 2 * L);  // rows of up to 2 L lanes (chunk_pairs' chunks of 2 L tokens)
     p.assign(static_cast<size_t>(rows_pad) * 2 * L, 0.f);
+    pw.resize(static_cast<size_t>(rows_pad) * L);
     alpha.assign(rows_pad, 1.f);
     row_lo.resize(rows_pad);
     row_hi.resize(rows_pad);
