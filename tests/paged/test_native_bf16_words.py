@@ -2,10 +2,11 @@
 32-bit words (two dims each), through the bf16 dot products of kvops/native/chunk_dot.h where the build has AVX512-BF16
 (vdpbf16ps; P rounded to bf16; accumulators in its interleaved layout while a pass runs), else through
 kvops/native/chunk_pairs.h (fp32 FMAs; an even/odd layout). tests/paged/test_native_isa.py runs this file under the
-build variant that compiles the other form (x86-64-v4 on an AVX512-BF16 host). Every feature it serves, every row block (GQA 1, 2, 3, 4, 5, 7, 8), both layouts, joint and padded caches with
-NaN in unused slots, block_size 1, split-KV with two threads and a streaming sink pass before the window pass (the
-layout must survive between passes) are checked against the fp64 oracle (kvops/reference/attention.py). head_dim 80
-and RoPE at read keep the fp32 form in the same calls' neighbours (they are checked by the other native tests)."""
+build variant that compiles the other form (x86-64-v4 on an AVX512-BF16 host). Every feature they serve, every row
+block (GQA 1, 2, 3, 4, 5, 7, 8), both layouts, joint and padded caches with NaN in unused slots, block_size 1, split-KV
+with two threads and a streaming sink pass before the window pass (the layout must survive between passes) are checked
+against the fp64 oracle (kvops/reference/attention.py). head_dim 80 and RoPE at read keep the fp32 form in the same
+calls' neighbours (they are checked by the other native tests)."""
 
 from __future__ import annotations
 
