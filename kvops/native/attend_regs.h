@@ -1,7 +1,7 @@
 // The register kernel of the native paged attention (included by paged_attention.cpp after paged_problem.h; hashed
 // with the sources by kvops/native/__init__.py): the queries of a KV head's rows in fp32 (load_queries, RoPE at
 // read), masking (mask_scores), the online softmax, the PV accumulation and chunk() (16 or 32 tokens of one KV
-// head), chunk_pairs.h for bf16 caches, and attend(), the pass of an item's rows over a KV range.
+// head), chunk_pairs.h and chunk_dot.h for bf16 caches, and attend(), the pass of an item's rows over a KV range.
 #pragma once
 
 // x[0, d) rotated by `position` (GPT-NeoX pairs (e, e + d/2), angles in double)
@@ -307,7 +307,8 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   const int d = pb.d, dp = pb.d_pad, dvp = pb.dv_pad, nh = pb.num_kv_heads;
   // rows are read in place when unit-stride and a multiple of 16 long; otherwise staged (converted, zero-padded)
   const bool direct = pb.sk[3] == 1 && pb.sv[3] == 1 && d == dp && pb.d_v == dvp;
-  // bf16 rows read in place go through chunk_pairs (accumulators in its layout while this pass runs)
+  // bf16 rows read in place go through chunk_dot (AVX512-BF16 builds, bf16 q) or chunk_pairs (accumulators in its
+  // layout while this pass runs)
   constexpr bool bf16 = std::is_same_v<TK, c10::BFloat16>;
   const bool pairs = bf16 && direct && d % (2 * L) == 0 && pb.d_v % (2 * NW) == 0 && !pb.rope_freq;
   const bool dot = DOT_BF16 && pairs && pb.q_bf16 && !pb.k_scale;  // chunk_dot.h (AVX512-BF16 builds)

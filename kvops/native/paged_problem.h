@@ -177,8 +177,8 @@ struct Problem {
   // each sequence's q_len x q_len block, row-major, from element (bool) / bit (packed) mask_off[b]; null: none
   const uint8_t* mask;
   bool mask_packed;
-  bool q_bf16;  // q is bf16 (chunk_dot.h reads it as given)
   const int64_t* mask_off;
+  bool q_bf16;  // q is bf16 (chunk_dot.h reads it as given)
   bool mask_bit(int64_t k) const { return mask_packed ? (mask[k >> 3] >> (k & 7)) & 1 : mask[k] != 0; }
   int seq_start(int b) const { return leftpad ? std::max(0, leftpad[b]) : 0; }
   bool streaming() const { return sink_tokens > 0 && window_left >= 0; }
