@@ -15,15 +15,17 @@ builds ahead of time. It is not built at install time: the binary is specific to
 and to the torch it was compiled against, and a wheel or an install outlives both (torch upgrades, images moved
 between machines).
 
-Build variants (``kvops/native/_variants.py``): ``KVOPS_NATIVE_ISA=native`` (the default, ``-march=native``),
-``x86-64-v3`` (``-march=x86-64-v3``: AVX2 + FMA, no AVX-512) or ``x86-64-v4`` (AVX-512 without AVX512-BF16), on any
-x86-64 CPU that has the level, read when the build is first needed. The kernels have AVX-512 and AVX2 code paths (``#if``
-in ``vec.h``, ``paged_problem.h``) and a bf16 dot-product path for AVX512-BF16 CPUs (``chunk_dot.h``); the levels build
-the paths a host's ``native`` build skips (tests/paged/test_native_isa.py runs the kernels' tests against them). Each
-variant has its own cached build (its flags are in the name's hash). Another value, or a level on a machine that
-cannot run it, raises a ``ValueError`` at that first build (a user error, not a build failure). ``isa()`` says which
-variant this process loaded, ``isa_macros()`` which ISA macros (``__AVX512F__``, ``__AVX512BF16__``, ``__AVX2__``,
-``__FMA__``) the compiler defined in it; ``python -m kvops.native --isa x86-64-v3`` builds a variant ahead of time.
+Build variants (``kvops/native/_variants.py``): ``KVOPS_NATIVE_ISA=native`` (the default, ``-march=native``) or
+``x86-64-v3`` (``-march=x86-64-v3``: AVX2 + FMA, no AVX-512, on any x86-64 CPU that has them), read when the build is
+first needed. The kernels have AVX-512 and AVX2 code paths (``#if`` in ``vec.h``, ``paged_problem.h``); on an AVX-512
+machine the ``x86-64-v3`` build compiles and runs the AVX2 ones (tests/paged/test_native_isa.py runs the kernels'
+tests against both). bf16 decode has two forms on builds with AVX512-BF16 (``chunk_pairs.h``, fp32 FMAs;
+``chunk_dot.h``, ``vdpbf16ps``), chosen per call: the dot products on AMD CPUs, the FMAs elsewhere, or what
+``KVOPS_NATIVE_BF16_DOT`` (``1`` / ``0``) says (docs/native-kernel.md). Each variant has its own cached build (its
+flags are in the name's hash). Another value, or ``x86-64-v3`` on a machine that cannot run it, raises a
+``ValueError`` at that first build (a user error, not a build failure). ``isa()`` says which variant this process
+loaded, ``isa_macros()`` which ISA macros (``__AVX512F__``, ``__AVX512BF16__``, ``__AVX2__``, ``__FMA__``) the
+compiler defined in it; ``python -m kvops.native --isa x86-64-v3`` builds a variant ahead of time.
 
 The schema of ``kvops::_paged_attention_native`` is defined at import (``kvops/_library.py``), not by the build, with
 the composite kernel as its ``CompositeExplicitAutograd`` fallback (registered here): a graph that calls it (an Inductor graph reloaded from the
@@ -101,7 +103,7 @@ def _cpu_flags() -> str:
 
 
 def cflags(variant: str) -> list[str]:
-    """The compiler flags of a build variant (``native``, ``x86-64-v3``, ``x86-64-v4``: ``kvops/native/_variants.py``)."""
+    """The compiler flags of a build variant (``native``, ``x86-64-v3``: ``kvops/native/_variants.py``)."""
     return [*_variants.VARIANTS[variant], *CFLAGS]
 
 
@@ -279,9 +281,8 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """The build variant loaded in this process (``"native"``, ``"x86-64-v3"`` or ``"x86-64-v4"``, from
-    ``KVOPS_NATIVE_ISA``), or None while none is (before the first ``available()``, after a failed build, with
-    ``KVOPS_NATIVE=0``)."""
+    """The build variant loaded in this process (``"native"`` or ``"x86-64-v3"``, from ``KVOPS_NATIVE_ISA``), or None
+    while none is (before the first ``available()``, after a failed build, with ``KVOPS_NATIVE=0``)."""
     return _isa
 
 

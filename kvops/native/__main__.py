@@ -1,4 +1,4 @@
-"""``python -m kvops.native [--isa native|x86-64-v3|x86-64-v4]``: build (or load the cached build of) the native CPU kernels now,
+"""``python -m kvops.native [--isa native|x86-64-v3]``: build (or load the cached build of) the native CPU kernels now,
 e.g. in a Docker image build step, so that the first CPU ``kvops.paged_attention`` of a program does not wait for the
 compiler. ``--isa`` builds that variant (as ``KVOPS_NATIVE_ISA`` does, which it overrides; kvops/native/_variants.py)."""
 
@@ -18,7 +18,7 @@ def main(argv=None) -> int:
         os.environ[_variants.ENV] = args.isa
     try:
         ok = available()
-    except ValueError as e:  # a bad KVOPS_NATIVE_ISA, or an x86-64 level on a machine that cannot run it
+    except ValueError as e:  # a bad KVOPS_NATIVE_ISA, or x86-64-v3 on a machine that cannot run it
         print(f"kvops: {e}", file=sys.stderr)
         return 2
     if not ok:

@@ -311,7 +311,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   // layout while this pass runs)
   constexpr bool bf16 = std::is_same_v<TK, c10::BFloat16>;
   const bool pairs = bf16 && direct && d % (2 * L) == 0 && pb.d_v % (2 * NW) == 0 && !pb.rope_freq;
-  const bool dot = DOT_BF16 && pairs && pb.q_bf16 && !pb.k_scale;  // chunk_dot.h (AVX512-BF16 builds)
+  const bool dot = pairs && pb.bf16_dot && !pb.k_scale;  // chunk_dot.h
   for (int h = 0; pairs && h < nh; ++h)
     (dot ? dot_layout : pair_layout)(state + h * head_size + 2 * rows_pad, rows_pad, dvp, true);
   if (dot) load_query_words<RB>(pb, it, rows, rows_pad, sc);

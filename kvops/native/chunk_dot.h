@@ -11,7 +11,9 @@
 //   while attend runs the accumulator rows hold each group in that order (dot_layout on entry and exit). The row
 //   sums l come from the fp32 P.
 // Needs what chunk_pairs needs (head_dim % 32 == 0, head_dim_v % 32 == 0, unit-stride rows, no RoPE at read), a bf16
-// q, and no k_scale (fp8 only).
+// q, and no k_scale (fp8 only). Runs where paged_attention.cpp's bf16_dot_wanted() says: on AMD CPUs by default
+// (Zen 4: faster than chunk_pairs; on an Intel Xeon vdpbf16ps issued at half the FMAs' rate per product), or as
+// KVOPS_NATIVE_BF16_DOT chooses.
 #pragma once
 
 #if defined(__AVX512BF16__)

@@ -53,6 +53,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -235,6 +236,30 @@ bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor
 
 // kvops::_paged_attention_native's kernel; with_lse false (an eager call that does not return the LSE: eager_entry.cpp)
 // leaves the returned LSE undefined, the kernel writing it into a per-thread buffer instead (no tensor to allocate)
+// Whether bf16 decode takes chunk_dot.h's dot products where the build has them (AVX512-BF16): by default on AMD CPUs
+// (Zen 4: vdpbf16ps at the FMA rate; bf16 decode took ~0.75x the time of chunk_pairs.h's fp32 FMAs), not elsewhere (on
+// an AVX512-BF16 Xeon with AMX it issued at half the FMA rate per product and decode was slower: docs/native-kernel.md).
+// KVOPS_NATIVE_BF16_DOT=1 / 0 chooses either form (the tests run both on any such host); read per call.
+bool bf16_dot_wanted() {
+  const char* env = std::getenv("KVOPS_NATIVE_BF16_DOT");
+  if (env == nullptr || *env == '\0') {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool amd = [] {
+      __builtin_cpu_init();
+      return __builtin_cpu_is("amd") != 0;
+    }();
+    return amd;
+#else
+    return false;
+#endif
+  }
+  const std::string v(env);
+  TORCH_CHECK_VALUE(v == "0" || v == "1", "KVOPS_NATIVE_BF16_DOT='", v,
+                    "' is not a form of the native bf16 decode; set it to 1 (bf16 dot products, vdpbf16ps, where the "
+                    "build has AVX512-BF16), 0 (fp32 FMAs) or unset it (the default: dot products on AMD CPUs)");
+  return v == "1";
+}
+
 std::tuple<at::Tensor, at::Tensor> paged_attention_call(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
     const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t max_seqlen_q, double scale, bool causal,
@@ -268,6 +293,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_call(
     TORCH_CHECK(!rope_theta || (*rope_theta > 0 && rope_scale > 0 && q.size(2) % 2 == 0), op,
                 ": RoPE at read time needs rope_theta > 0, rope_scale > 0 and an even head_dim");
   }
+  const bool bf16_dot = bf16_dot_wanted();  // a bad KVOPS_NATIVE_BF16_DOT raises here, on any dtype and build
   const Index index = index_of(cu_seqlens_q, seq_lens, block_table, num_tokens, std::numeric_limits<int64_t>::max(),
                                k_cache.size(0), k_cache.size(1), window_left, sink_tokens, cache_leftpad);
   if (values_bad(index)) raise_values(index);
@@ -343,7 +369,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_call(
   pb.dv_pad = round_up(pb.d_v, L);
   pb.block_size = static_cast<int>(k_cache.size(1));
   pb.scale = static_cast<float>(scale);
-  pb.q_bf16 = q.scalar_type() == at::kBFloat16;
+  pb.bf16_dot = DOT_BF16 && bf16_dot && q.scalar_type() == at::kBFloat16;
   pb.softcap = static_cast<float>(softcap);
   pb.causal = causal;
   pb.window_left = window_left;

@@ -178,7 +178,7 @@ struct Problem {
   const uint8_t* mask;
   bool mask_packed;
   const int64_t* mask_off;
-  bool q_bf16;  // q is bf16 (chunk_dot.h reads it as given)
+  bool bf16_dot;  // bf16 q, AVX512-BF16 build, bf16_dot_wanted(): bf16 caches read in place take chunk_dot.h
   bool mask_bit(int64_t k) const { return mask_packed ? (mask[k >> 3] >> (k & 7)) & 1 : mask[k] != 0; }
   int seq_start(int b) const { return leftpad ? std::max(0, leftpad[b]) : 0; }
   bool streaming() const { return sink_tokens > 0 && window_left >= 0; }

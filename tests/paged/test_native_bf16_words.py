@@ -1,18 +1,23 @@
 """The bf16 forms of the native register kernel: bf16 caches read in place with head_dim % 32 == 0 read K and V as
-32-bit words (two dims each), through the bf16 dot products of kvops/native/chunk_dot.h where the build has AVX512-BF16
-(vdpbf16ps; P rounded to bf16; accumulators in its interleaved layout while a pass runs), else through
-kvops/native/chunk_pairs.h (fp32 FMAs; an even/odd layout). tests/paged/test_native_isa.py runs this file under the
-build variant that compiles the other form (x86-64-v4 on an AVX512-BF16 host). Every feature they serve, every row
-block (GQA 1, 2, 3, 4, 5, 7, 8), both layouts, joint and padded caches with NaN in unused slots, block_size 1, split-KV
-with two threads and a streaming sink pass before the window pass (the layout must survive between passes) are checked
-against the fp64 oracle (kvops/reference/attention.py). head_dim 80 and RoPE at read keep the fp32 form in the same
-calls' neighbours (they are checked by the other native tests)."""
+32-bit words (two dims each), through kvops/native/chunk_pairs.h (fp32 FMAs; accumulators in an even/odd layout while a
+pass runs) or, where the build has AVX512-BF16, through the bf16 dot products of kvops/native/chunk_dot.h (vdpbf16ps; P
+rounded to bf16; an interleaved layout), chosen per call (AMD CPUs: dot products; ``KVOPS_NATIVE_BF16_DOT`` 1 / 0
+forces either). Every test runs for both forms (TestBf16WordForm, TestBf16DotForm; on a build without AVX512-BF16 the
+second runs the word form again). Every feature they serve, every row block (GQA 1, 2, 3, 4, 5, 7, 8), both layouts,
+joint and padded caches with NaN in unused slots, block_size 1, split-KV with two threads and a streaming sink pass
+before the window pass (the layout must survive between passes) are checked against the fp64 oracle
+(kvops/reference/attention.py). head_dim 80 and RoPE at read keep the fp32 form in the same calls' neighbours (they are
+checked by the other native tests)."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import shutil
 import unittest
+from unittest import mock
 
+import expecttest
 import torch
 
 import kvops
@@ -29,8 +34,13 @@ NO_ROPE = [kw for kw in FEATURES if "rope_theta" not in kw]
 
 @unittest.skipUnless(HAS_COMPILER, "no C++ compiler on this machine: the composite fallback is what runs")
 class TestBf16WordForm(unittest.TestCase):
+    FORM = "0"  # KVOPS_NATIVE_BF16_DOT: chunk_pairs.h
+
     def setUp(self):
         self.assertTrue(native.available())
+        env = mock.patch.dict(os.environ, {"KVOPS_NATIVE_BF16_DOT": self.FORM})
+        env.start()
+        self.addCleanup(env.stop)
 
     def check(self, q, k_cache, v_cache, cu, lens, table, kw, layout="NHD"):
         nhd = (k_cache, v_cache) if layout == "NHD" else (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
@@ -115,6 +125,47 @@ class TestBf16WordForm(unittest.TestCase):
             for kw in ({}, dict(sink_tokens=4, window_left=1000), dict(softcap=30.0, window_left=2500)):
                 with self.subTest(threads=threads, kw=kw):
                     self.check(q, kc, vc, cu, lens, table, kw)
+
+
+@unittest.skipUnless(HAS_COMPILER, "no C++ compiler on this machine: the composite fallback is what runs")
+class TestBf16DotForm(TestBf16WordForm):
+    FORM = "1"  # chunk_dot.h where the build has AVX512-BF16 (else chunk_pairs.h again)
+
+
+def _amd() -> bool:
+    info = pathlib.Path("/proc/cpuinfo")
+    return info.exists() and "AuthenticAMD" in info.read_text()
+
+
+@unittest.skipUnless(HAS_COMPILER, "no C++ compiler on this machine: the composite fallback is what runs")
+class TestBf16FormChoice(expecttest.TestCase):
+    def run_form(self, form, inputs):
+        with mock.patch.dict(os.environ, {"KVOPS_NATIVE_BF16_DOT": form}):
+            if not form:
+                del os.environ["KVOPS_NATIVE_BF16_DOT"]
+            return kvops.paged_attention(**inputs, return_lse=True)
+
+    def test_the_variable_picks_the_form_and_the_default_follows_the_vendor(self):
+        self.assertTrue(native.available())
+        inputs = make_inputs(5, [700, 33, 1], [1, 1, 1], block_size=16, h_q=7, h_kv=1, d=64, dtype=BF16)
+        words, dots, default = (self.run_form(f, inputs) for f in ("0", "1", ""))
+        has_dot = native.isa_macros()["__AVX512BF16__"]
+        # the forms round differently (P in bf16): their outputs differ where the build has both, and are one where not
+        self.assertEqual(torch.equal(words[0], dots[0]), not has_dot)
+        want = dots if has_dot and _amd() else words
+        self.assertTrue(torch.equal(default[0], want[0]) and torch.equal(default[1], want[1]))
+        for out, lse in (words, dots):
+            check_close(self, out, lse, *matrix_reference(**ref_kwargs(inputs)), BF16)
+
+    def test_a_bad_value_raises_in_eager_and_compiled_calls(self):
+        self.assertTrue(native.available())
+        inputs = make_inputs(5, [40, 3], [1, 1], block_size=16, h_q=7, h_kv=1, d=64, dtype=torch.float32)
+        compiled = torch.compile(lambda i: kvops.paged_attention(**i), fullgraph=True)
+        for run in (lambda: kvops.paged_attention(**inputs), lambda: compiled(inputs)):
+            with mock.patch.dict(os.environ, {"KVOPS_NATIVE_BF16_DOT": "yes"}), self.assertRaises(ValueError) as cm:
+                run()
+            self.assertExpectedInline(str(cm.exception).splitlines()[0], """\
+KVOPS_NATIVE_BF16_DOT='yes' is not a form of the native bf16 decode; set it to 1 (bf16 dot products, vdpbf16ps, where the build has AVX512-BF16), 0 (fp32 FMAs) or unset it (the default: dot products on AMD CPUs)""")
 
 
 if __name__ == "__main__":

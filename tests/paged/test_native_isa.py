@@ -4,10 +4,8 @@ load, in a child process (two builds register kernels for the same ops, so one p
 
 On an AVX-512 host the default ``native`` build compiles the kernels' AVX-512 branches (vec.h, paged_problem.h)
 and the ``x86-64-v3`` build their AVX2 branches; on an AVX2-only host ``native`` is an AVX2 build and the child checks
-that the ``x86-64-v3`` build compiles and passes too. On a host with AVX512-BF16 (Zen 4, Sapphire Rapids) ``native``
-runs bf16 decode through the bf16 dot products (chunk_dot.h), and a second child runs the bf16 and GEMM-path tests
-under ``x86-64-v4`` (AVX-512 without AVX512-BF16: chunk_pairs.h, the fp32 -> bf16 rounding without vcvtneps2bf16).
-Either way, a change cannot break a path the host does not use without a test failing here.
+that the ``x86-64-v3`` build compiles and passes too. Either way, a change cannot break the path the host does not use
+without a test failing here.
 """
 
 from __future__ import annotations
@@ -49,13 +47,6 @@ CHILD_TESTS = (
     "tests/paged/test_paged_write.py::TestPagedWrite",
     "tests/paged/test_paged_write.py::TestNativeKernel",
 )
-# what differs between an AVX512-BF16 host's native build and x86-64-v4 (the bf16 register kernel, the GEMM path's
-# bf16 rounding of P), for the second child (~20 s after its build)
-CHILD_TESTS_V4 = (
-    "tests/paged/test_native_isa.py::TestLoadedVariant",
-    "tests/paged/test_native_bf16_words.py",
-    "tests/paged/test_native_gemm_path.py",
-)
 CHILD_TIMEOUT_S = 900  # each child (the build, then the tests) stops by itself after this long
 
 
@@ -85,8 +76,6 @@ class TestLoadedVariant(unittest.TestCase):
         macros = native.isa_macros()
         if want == "x86-64-v3":
             self.assertEqual(macros, {"__AVX512F__": False, "__AVX512BF16__": False, "__AVX2__": True, "__FMA__": True})
-        elif want == "x86-64-v4":
-            self.assertEqual(macros, {"__AVX512F__": True, "__AVX512BF16__": False, "__AVX2__": True, "__FMA__": True})
         elif X86_64:
             self.assertEqual(macros["__AVX512F__"], _cpu_has("avx512f"))
             self.assertEqual(macros["__AVX512BF16__"], _cpu_has("avx512_bf16"))
@@ -118,7 +107,7 @@ class TestVariantSelection(expecttest.TestCase):
                 native.available()
             self.assertIsNone(native._state)  # nothing recorded: the next call raises again
         self.assertExpectedInline(str(cm.exception), """\
-KVOPS_NATIVE_ISA='avx512' is not a build variant of the native CPU kernels; accepted values: 'native', 'x86-64-v3', 'x86-64-v4' ('native', the default, targets this CPU; 'x86-64-v3' targets AVX2 + FMA without AVX-512; 'x86-64-v4' AVX-512 without AVX512-BF16). Unset KVOPS_NATIVE_ISA for the default.""")
+KVOPS_NATIVE_ISA='avx512' is not a build variant of the native CPU kernels; accepted values: 'native', 'x86-64-v3' ('native', the default, targets this CPU; 'x86-64-v3' targets AVX2 + FMA without AVX-512). Unset KVOPS_NATIVE_ISA for the default.""")
 
     def test_x86_64_v3_refused_where_it_cannot_run(self):
         with mock.patch.dict(os.environ, _env(**{ENV: "x86-64-v3"}), clear=True):
@@ -133,18 +122,11 @@ KVOPS_NATIVE_ISA='x86-64-v3' builds x86-64 code, which this aarch64 machine cann
             self.assertExpectedInline(str(cm.exception), """\
 KVOPS_NATIVE_ISA='x86-64-v3': this CPU lacks avx2, bmi1, bmi2, f16c, fma, abm, movbe (/proc/cpuinfo), which x86-64-v3 code needs; unset KVOPS_NATIVE_ISA (or set it to 'native') to build for this CPU.""")
 
-    def test_x86_64_v4_refused_on_an_avx2_cpu(self):
-        with mock.patch.dict(os.environ, _env(**{ENV: "x86-64-v4"}), clear=True), \
-                mock.patch.object(_variants.platform, "machine", lambda: "x86_64"), self.assertRaises(ValueError) as cm:
-            _variants.selected("flags\t\t: " + " ".join(_variants.X86_64_V3_CPU_FLAGS) + " avx512f")
-        self.assertExpectedInline(str(cm.exception), """\
-KVOPS_NATIVE_ISA='x86-64-v4': this CPU lacks avx512bw, avx512cd, avx512dq, avx512vl (/proc/cpuinfo), which x86-64-v4 code needs; unset KVOPS_NATIVE_ISA (or set it to 'native') to build for this CPU.""")
-
     def test_isa_macros_without_a_loaded_build(self):
         with mock.patch.object(native, "_isa", None), self.assertRaises(ValueError) as cm:
             native.isa_macros()
         self.assertExpectedInline(str(cm.exception), """\
-isa_macros(): no native build is loaded in this process (kvops.native.available() is False or was not called yet); pass a variant, one of ['native', 'x86-64-v3', 'x86-64-v4']""")
+isa_macros(): no native build is loaded in this process (kvops.native.available() is False or was not called yet); pass a variant, one of ['native', 'x86-64-v3']""")
 
     def test_bad_value_leaves_import_working_and_the_command_says_why(self):
         out = subprocess.run([sys.executable, "-m", "kvops.native"], capture_output=True, text=True, timeout=300,
@@ -162,32 +144,22 @@ kvops: the native CPU kernels are not available (KVOPS_NATIVE=0 is set: unset it
 
 @unittest.skipUnless(HAS_COMPILER and X86_64, "the x86-64-v3 variant needs an x86-64 machine and a C++ compiler")
 class TestOtherVariantInAChild(unittest.TestCase):
-    def run_child(self, variant, tests):
-        built = subprocess.run([sys.executable, "-m", "kvops.native", "--isa", variant], capture_output=True,
-                               text=True, timeout=CHILD_TIMEOUT_S, cwd=ROOT, env=_env())
-        self.assertEqual(built.returncode, 0, built.stdout + built.stderr)
-        self.assertIn(f"native CPU kernels ready in {native.build_directory(native.build_name(variant))} ({variant}: ",
-                      built.stdout)
-        ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rA", "-p", "no:cacheprovider", "-k",
-                              "not triton", *tests], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-                             cwd=ROOT, env=_env(**{ENV: variant}))
-        self.assertEqual(ran.returncode, 0, ran.stdout[-6000:] + ran.stderr[-3000:])
-        # the child loaded the variant (TestLoadedVariant ran and passed there)
-        self.assertIn("PASSED tests/paged/test_native_isa.py::TestLoadedVariant::test_loaded_build_is_the_selected_"
-                      "variant", ran.stdout)
-        self.assertNotIn("SKIPPED", ran.stdout)
-        return built
-
     def test_native_kernel_tests_pass_under_the_other_variant(self):
         self.assertTrue(native.available())
         other = "native" if native.isa() == "x86-64-v3" else "x86-64-v3"
-        built = self.run_child(other, CHILD_TESTS)
+        env = _env(**{ENV: other})
+        built = subprocess.run([sys.executable, "-m", "kvops.native", "--isa", other], capture_output=True,
+                               text=True, timeout=CHILD_TIMEOUT_S, cwd=ROOT, env=_env())
+        self.assertEqual(built.returncode, 0, built.stdout + built.stderr)
+        self.assertIn(f"native CPU kernels ready in {native.build_directory(native.build_name(other))} ({other}: ",
+                      built.stdout)
         if other == "x86-64-v3":
             self.assertIn("__AVX512F__ undefined, __AVX512BF16__ undefined, __AVX2__ defined", built.stdout)
-
-    def test_avx512_without_bf16_dot_products(self):
-        self.assertTrue(native.available())
-        if not (native.isa() == "native" and native.isa_macros()["__AVX512BF16__"]):
-            self.skipTest("the native build has no bf16 dot products (chunk_dot.h): it runs the x86-64-v4 paths itself")
-        built = self.run_child("x86-64-v4", CHILD_TESTS_V4)
-        self.assertIn("__AVX512F__ defined, __AVX512BF16__ undefined", built.stdout)
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rA", "-p", "no:cacheprovider", "-k",
+                                "not triton", *CHILD_TESTS], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                               cwd=ROOT, env=env)
+        self.assertEqual(tests.returncode, 0, tests.stdout[-6000:] + tests.stderr[-3000:])
+        # the child loaded the other variant (TestLoadedVariant ran and passed there)
+        self.assertIn("PASSED tests/paged/test_native_isa.py::TestLoadedVariant::test_loaded_build_is_the_selected_"
+                      "variant", tests.stdout)
+        self.assertNotIn("SKIPPED", tests.stdout)
