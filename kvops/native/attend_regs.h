@@ -357,7 +357,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   };
   // software prefetch (the blocks are scattered, so the hardware prefetcher alone leaves chunks waiting on memory):
   // work goes in units (chunk, KV head); while unit u is computed, the lines of unit u + ahead are issued one per
-  // inner step of its math (Prefetcher), `ahead` sized so that ~PREFETCH_BYTES of K/V are in flight (within L1)
+  // inner step of its math (Prefetcher), `ahead` sized so that ~PREFETCH_BYTES of K/V are in flight
   const int unit_bytes = CW * (k_bytes + v_bytes);
   const int ahead = std::max(1, (PREFETCH_BYTES + unit_bytes - 1) / unit_bytes);
   const TK* fk[2 * L];
@@ -381,28 +381,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
     return Prefetcher(fkc, fvc, h * pb.sk[2] * static_cast<int64_t>(sizeof(TK)), h * pb.sv[2] * static_cast<int64_t>(sizeof(TK)),
                       fn, kl, vl);
   };
-  // whole token rows: where a token's K (V) rows of all KV heads are one run of bytes (NHD, heads adjacent) and the
-  // cache is 16-bit or 8-bit, the units of a chunk prefetch the next chunk's token rows whole, in address order, each
-  // unit a 1 / nh share, instead of the next unit's rows of one head. One thread reads a paged cache 2x as fast token
-  // by token as head by head (benchmarks/paged_read_pattern.cpp: 16 against 7.7 GB/s, AMD EPYC Zen 4). Eager / ideal,
-  // 1 thread, 2 x 5 rounds: Llama-3.1-8B bf16 B 8 ctx 4096 0.67-0.68 -> 0.62 (AVX-512 build) and 0.87-0.89 -> 0.74
-  // (x86-64-v3 build), Qwen2.5-0.5B bf16 B 32 ctx 4096 0.57-0.59 -> 0.45-0.48 and 0.84-0.88 -> 0.79-0.82; fp32 caches
-  // keep the per-head walk (Llama fp32 B 8 ctx 1024: 0.85 -> 0.82-0.84 on AVX-512, 0.89-0.90 -> 0.96-0.97 on AVX2)
-  const bool tok = sizeof(TK) <= 2 && nh > 1 && pb.sk[3] == 1 && pb.sv[3] == 1 && pb.sk[2] == d &&
-                   pb.sv[2] == pb.d_v && pb.sk[1] == static_cast<int64_t>(nh) * d &&
-                   pb.sv[1] == static_cast<int64_t>(nh) * pb.d_v;
-  const int tkl = (nh * k_bytes + 63) / 64, tvl = (nh * v_bytes + 63) / 64;
-  auto list_rows = [&](int64_t j, int h) {  // chunk j's token rows [h * fn / nh, (h + 1) * fn / nh)
-    if (j >= hi) return Prefetcher(fkc, fvc, 0, 0, 0, 0, 0);
-    list_lines(j, 0);  // fills fkc / fvc for chunk j
-    const int t0 = h * fn / nh, t1 = (h + 1) * fn / nh;
-    return Prefetcher(fkc + t0, fvc + t0, 0, 0, t1 - t0, tkl, tvl);
-  };
-  if (tok) {
-    for (int h = 0; h < nh; ++h) PfStep(list_rows(lo, h)).rest();
-  } else {
-    for (int u = 0; u < ahead; ++u) PfStep(list_lines(lo + int64_t(u / nh) * CW, u % nh)).rest();  // the first units: at once
-  }
+  for (int u = 0; u < ahead; ++u) PfStep(list_lines(lo + int64_t(u / nh) * CW, u % nh)).rest();  // the first units: at once
   const int half = pb.d / 2;
   if (pb.rope_freq) {  // the rotation at the first key position; later ones by exact steps (double)
     const double p0 = static_cast<double>(lo - pb.seq_start(it.b));
@@ -431,7 +410,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
     }
     for (int h = 0; h < nh; ++h) {
       const float* slope = pb.alibi ? sc.slope.data() + static_cast<size_t>(h) * rows_pad : nullptr;
-      Prefetcher pf = tok ? list_rows(j0 + CW, h) : list_lines(j0 + int64_t((h + ahead) / nh) * CW, (h + ahead) % nh);
+      Prefetcher pf = list_lines(j0 + int64_t((h + ahead) / nh) * CW, (h + ahead) % nh);
       const float* qf = sc.qf.data() + static_cast<size_t>(h) * rows_pad * dp;  // the KV head's queries
       const float* qt = sc.qt.data() + static_cast<size_t>(h) * rows_pad * dp;  // the same, dim-major per row block
       float* m = state + h * head_size;

@@ -63,8 +63,10 @@ namespace kvops_native {
 namespace {
 
 #include "vec.h"  // L = 16 lanes (= tokens per chunk), vf/vi, loadu/storeu/splat/vsel/hsum, vexp, fp8_lut
-// Zen 5 (48 KiB L1d), one thread: 8 KiB as good as or better than 4, 16, 32 KiB; t0 > t1, t2. Zen 3 (32 KiB L1d): 4, 8
-// and 16 KiB the same within noise; no prefetch 1.4-1.6x slower (Qwen2.5-0.5B and Llama-3.1-8B decode, B 8)
+// Zen 5 (48 KiB L1d), one thread, an earlier kernel with prefetcht0: 8 KiB as good as or better than 4, 16, 32 KiB,
+// t0 better than t1, t2. Zen 3 (32 KiB L1d): 4, 8 and 16 KiB the same within noise; no prefetch 1.4-1.6x slower
+// (Qwen2.5-0.5B and Llama-3.1-8B decode, B 8). Zen 4 (32 KiB L1d, 1 MiB L2): prefetcht1 up to 1.6x faster than t0 from
+// memory (vec.h: prefetch_line), 8 KiB; no prefetch 1.3-1.5x slower than t0
 #ifndef KVOPS_PREFETCH
 #define KVOPS_PREFETCH 8192
 #endif
