@@ -1,16 +1,21 @@
 // How fast one thread can read a paged K/V cache in the orders a decode kernel may take, with no attention math: the
-// ceiling under issue 32's bandwidth target (docs/native-kernel.md). The cache is NHD bf16 [num_blocks][16][H][D] for
-// K and for V, its blocks in random order (as a block table scatters them), read in chunks of 32 tokens (2 blocks):
+// ceiling under benchmarks/paged_decode.py's bandwidth target (docs/native-kernel.md, "Reading order"). The cache is
+// NHD bf16 [num_blocks][16][H][D] for K and for V, its blocks in random order (as a block table scatters them), read
+// in chunks of 32 tokens (2 blocks):
 //   0 head-major: per KV head, the 32 tokens' rows of that head (D * 2 bytes at a stride of H * D * 2), K and V, as
 //     kvops' register kernel reads them; no software prefetch
-//   1 the same with the kernel's prefetch: the next (chunk, head) unit's lines, one per 64 bytes read
-//   3 the same, prefetching the next chunk's blocks whole, in address order
+//   1 the same with the kernel's prefetch: the next (chunk, head) unit's lines, one per 64 bytes read, prefetcht1
+//     (into L2, as kvops/native/vec.h's prefetch_line)
+//   2 mode 1 with prefetcht0 (into L1: the kernel's instruction before; slower on AMD Zen 4)
+//   3 head-major, prefetching the next chunk's blocks whole, in address order (prefetcht0)
 //   4 block-major: each block of K and of V read whole, in address order
 //   5 token-major: each token's row of all heads (H * D * 2 contiguous bytes), K then V
 // and, for reference, 9: one sequential read of the same bytes. Prints the best of 7 passes (64 MiB written between
-// passes, so each pass reads from memory when the cache exceeds the last-level cache) in GB/s of K/V read.
+// passes, so each pass reads from memory when the cache exceeds the last-level cache) in GB/s of K/V read, and in
+// parentheses a lane of the sum of what was read (printed so that the compiler keeps the reads; meaningless).
+// Another mode number is refused (exit status 2).
 //   g++ -O2 -march=native -o /tmp/paged_read_pattern benchmarks/paged_read_pattern.cpp
-//   for m in 9 0 1 3 4 5; do /tmp/paged_read_pattern 8 128 8 4096 $m; done   # Llama-3.1-8B heads, B 8, ctx 4096
+//   for m in 9 0 1 2 3 4 5; do /tmp/paged_read_pattern 8 128 8 4096 $m; done   # Llama-3.1-8B heads, B 8, ctx 4096
 // x86-64 with AVX-512 (the reads are 64-byte zmm loads); one thread.
 #include <immintrin.h>
 
@@ -23,15 +28,20 @@
 #include <random>
 #include <vector>
 
-static inline void prefetch(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+static inline void prefetch_l1(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+static inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
 
 int main(int argc, char** argv) {
   if (argc < 6) {
-    std::fprintf(stderr, "usage: %s H_kv head_dim batch context mode (0 1 3 4 5 9)\n", argv[0]);
+    std::fprintf(stderr, "usage: %s H_kv head_dim batch context mode (0 1 2 3 4 5 9)\n", argv[0]);
     return 2;
   }
   const int H = std::atoi(argv[1]), D = std::atoi(argv[2]), B = std::atoi(argv[3]), ctx = std::atoi(argv[4]);
   const int mode = std::atoi(argv[5]);
+  if (mode < 0 || mode > 9 || mode == 6 || mode == 7 || mode == 8) {
+    std::fprintf(stderr, "mode %s: not one of 0 1 2 3 4 5 9 (the header says what each reads)\n", argv[5]);
+    return 2;
+  }
   const int BS = 16, bpseq = ctx / BS, nb = B * bpseq, nchunks = bpseq / 2, hb = D * 2;
   const size_t row = static_cast<size_t>(H) * hb, blk = BS * row;
   char* K = static_cast<char*>(std::aligned_alloc(4096, nb * blk));
@@ -83,15 +93,20 @@ int main(int argc, char** argv) {
               read(kr + e);
               read(vr + e);
               for (int k = 0; k < 2; ++k, ++pl) {
-                if (mode == 1 && nc < nchunks && pl < static_cast<size_t>(lines)) {
+                if ((mode == 1 || mode == 2) && nc < nchunks && pl < static_cast<size_t>(lines)) {
                   const int tt = pl / (2 * (hb / 64)), w = pl % (2 * (hb / 64));
-                  prefetch((w & 1 ? V : K) + tb[2 * nc + tt / 16] * blk + (tt % 16) * row + nh * hb + (w >> 1) * 64);
+                  const char* line =
+                      (w & 1 ? V : K) + tb[2 * nc + tt / 16] * blk + (tt % 16) * row + nh * hb + (w >> 1) * 64;
+                  if (mode == 1)
+                    prefetch_l2(line);
+                  else
+                    prefetch_l1(line);
                 }
                 if (mode == 3 && c + 1 < nchunks) {  // this head's share of the next chunk's 4 regions, in order
                   const size_t per = 4 * blk / 64 / H, li = h * per + pl;
                   if (pl >= per) continue;
                   const size_t region = li / (blk / 64), off = (li % (blk / 64)) * 64;
-                  prefetch((region & 2 ? V : K) + tb[2 * (c + 1) + (region & 1)] * blk + off);
+                  prefetch_l1((region & 2 ? V : K) + tb[2 * (c + 1) + (region & 1)] * blk + off);
                 }
               }
             }

@@ -20,8 +20,8 @@ Build variants (``kvops/native/_variants.py``): ``KVOPS_NATIVE_ISA=native`` (the
 first needed. The kernels have AVX-512 and AVX2 code paths (``#if`` in ``vec.h``, ``paged_problem.h``); on an AVX-512
 machine the ``x86-64-v3`` build compiles and runs the AVX2 ones (tests/paged/test_native_isa.py runs the kernels'
 tests against both). bf16 decode has two forms on builds with AVX512-BF16 (``chunk_pairs.h``, fp32 FMAs;
-``chunk_dot.h``, ``vdpbf16ps``), chosen per call: the dot products on AMD CPUs, the FMAs elsewhere, or what
-``KVOPS_NATIVE_BF16_DOT`` (``1`` / ``0``) says (docs/native-kernel.md). Each variant has its own cached build (its
+``chunk_dot.h``, ``vdpbf16ps``), chosen per call: the dot products on AMD CPUs, the word form's fp32 FMAs elsewhere,
+or what ``KVOPS_NATIVE_BF16_DOT`` (``1``: dot products, ``0``: word form) says (docs/native-kernel.md). Each variant has its own cached build (its
 flags are in the name's hash). Another value, or ``x86-64-v3`` on a machine that cannot run it, raises a
 ``ValueError`` at that first build (a user error, not a build failure). ``isa()`` says which variant this process
 loaded, ``isa_macros()`` which ISA macros (``__AVX512F__``, ``__AVX512BF16__``, ``__AVX2__``, ``__FMA__``) the

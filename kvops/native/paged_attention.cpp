@@ -66,7 +66,7 @@ namespace {
 // Zen 5 (48 KiB L1d), one thread, an earlier kernel with prefetcht0: 8 KiB as good as or better than 4, 16, 32 KiB,
 // t0 better than t1, t2. Zen 3 (32 KiB L1d): 4, 8 and 16 KiB the same within noise; no prefetch 1.4-1.6x slower
 // (Qwen2.5-0.5B and Llama-3.1-8B decode, B 8). Zen 4 (32 KiB L1d, 1 MiB L2): prefetcht1 up to 1.6x faster than t0 from
-// memory (vec.h: prefetch_line), 8 KiB; no prefetch 1.3-1.5x slower than t0
+// memory (vec.h: prefetch_line), 8 KiB; no prefetch 1.06-1.42x slower than t0
 #ifndef KVOPS_PREFETCH
 #define KVOPS_PREFETCH 8192
 #endif
@@ -258,7 +258,8 @@ bool bf16_dot_wanted() {
   const std::string v(env);
   TORCH_CHECK_VALUE(v == "0" || v == "1", "KVOPS_NATIVE_BF16_DOT='", v,
                     "' is not a form of the native bf16 decode; set it to 1 (bf16 dot products, vdpbf16ps, where the "
-                    "build has AVX512-BF16), 0 (fp32 FMAs) or unset it (the default: dot products on AMD CPUs)");
+                    "build has AVX512-BF16), 0 (the word form: fp32 FMAs) or unset it (the default: dot products on "
+                    "AMD CPUs)");
   return v == "1";
 }
 

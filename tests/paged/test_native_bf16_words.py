@@ -165,7 +165,7 @@ class TestBf16FormChoice(expecttest.TestCase):
             with mock.patch.dict(os.environ, {"KVOPS_NATIVE_BF16_DOT": "yes"}), self.assertRaises(ValueError) as cm:
                 run()
             self.assertExpectedInline(str(cm.exception).splitlines()[0], """\
-KVOPS_NATIVE_BF16_DOT='yes' is not a form of the native bf16 decode; set it to 1 (bf16 dot products, vdpbf16ps, where the build has AVX512-BF16), 0 (fp32 FMAs) or unset it (the default: dot products on AMD CPUs)""")
+KVOPS_NATIVE_BF16_DOT='yes' is not a form of the native bf16 decode; set it to 1 (bf16 dot products, vdpbf16ps, where the build has AVX512-BF16), 0 (the word form: fp32 FMAs) or unset it (the default: dot products on AMD CPUs)""")
 
 
 if __name__ == "__main__":
