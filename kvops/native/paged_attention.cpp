@@ -236,8 +236,6 @@ bool paged_attention_values_bad(const at::Tensor& cu_seqlens_q, const at::Tensor
                              window_left, sink_tokens, cache_leftpad));
 }
 
-// kvops::_paged_attention_native's kernel; with_lse false (an eager call that does not return the LSE: eager_entry.cpp)
-// leaves the returned LSE undefined, the kernel writing it into a per-thread buffer instead (no tensor to allocate)
 // Whether bf16 decode takes chunk_dot.h's dot products where the build has them (AVX512-BF16): by default on AMD CPUs
 // (Zen 4: vdpbf16ps at the FMA rate; bf16 decode took ~0.75x the time of chunk_pairs.h's fp32 FMAs), not elsewhere (on
 // an AVX512-BF16 Xeon with AMX it issued at half the FMA rate per product and decode was slower: docs/native-kernel.md).
@@ -263,6 +261,8 @@ bool bf16_dot_wanted() {
   return v == "1";
 }
 
+// kvops::_paged_attention_native's kernel; with_lse false (an eager call that does not return the LSE: eager_entry.cpp)
+// leaves the returned LSE undefined, the kernel writing it into a per-thread buffer instead (no tensor to allocate)
 std::tuple<at::Tensor, at::Tensor> paged_attention_call(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
     const at::Tensor& seq_lens, const at::Tensor& block_table, int64_t max_seqlen_q, double scale, bool causal,
