@@ -74,12 +74,7 @@ inline void chunk_dot(const Problem& pb, const c10::BFloat16* const* kp, const c
   float* S = sc.s.data();
   const float* alpha = sc.alpha.data();
   float* kt = sc.kt.data();  // kt[w * W + t]: word w (dims 2w, 2w + 1) of token t
-  for (int v = 0; v < NV; ++v)
-    for (int w0 = 0; w0 < words; w0 += L) {
-      vf tile[L];
-      for (int t = 0; t < L; ++t) std::memcpy(&tile[t], kp[v * L + t] + 2 * w0, sizeof(vf));
-      transpose16_to(tile, kt + static_cast<size_t>(w0) * W + v * L, W);
-    }
+  transpose_k_words<NV>(kp, words, kt);
   // scores: NA accumulator sets over words keep about ACC_REGS chains in flight; each query word is broadcast from
   // memory into the dot product
   constexpr int NA = pow2_floor(ACC_REGS / (RB * NV) > 0 ? ACC_REGS / (RB * NV) : 1);

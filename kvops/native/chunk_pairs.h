@@ -38,6 +38,19 @@ inline void pair_layout(float* acc, int rows, int dvp, bool to_pairs) {
     }
 }
 
+// K of a chunk's NV * 16 tokens transposed as 32-bit words: kt[w * NV * 16 + t] holds word w (dims 2w, 2w + 1) of
+// token t (chunk_pairs and chunk_dot.h's chunk_dot)
+template <int NV>
+inline void transpose_k_words(const c10::BFloat16* const* kp, int words, float* kt) {
+  constexpr int W = NV * L;
+  for (int v = 0; v < NV; ++v)
+    for (int w0 = 0; w0 < words; w0 += L) {
+      vf tile[L];
+      for (int t = 0; t < L; ++t) std::memcpy(&tile[t], kp[v * L + t] + 2 * w0, sizeof(vf));
+      transpose16_to(tile, kt + static_cast<size_t>(w0) * W + v * L, W);
+    }
+}
+
 // acc[r, groups [g0, g0 + WP)] = acc * alpha + P V for RB rows at a time: each V word vector gives the even and the
 // odd dims of a group, so a pass keeps WP groups x 2 halves x RB rows of accumulators (ACC_REGS in flight: one V
 // load feeds 2 RB FMAs; one prefetch step per word)
@@ -82,12 +95,7 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
   const float* P = sc.p.data();
   const float* alpha = sc.alpha.data();
   float* kt = sc.kt.data();  // kt[w * W + t]: word w (dims 2w, 2w + 1) of token t
-  for (int v = 0; v < NV; ++v)
-    for (int w0 = 0; w0 < words; w0 += L) {
-      vf tile[L];
-      for (int t = 0; t < L; ++t) std::memcpy(&tile[t], kp[v * L + t] + 2 * w0, sizeof(vf));
-      transpose16_to(tile, kt + static_cast<size_t>(w0) * W + v * L, W);
-    }
+  transpose_k_words<NV>(kp, words, kt);
   // scores: as chunk(), with the dims of a word taken apart, for the NV vectors of tokens at once (one query broadcast
   // feeds NV FMAs); NA accumulator sets over words, and where the registers allow (SPLIT) the even and the odd dims
   // accumulate apart, keep about ACC_REGS FMA chains in flight
