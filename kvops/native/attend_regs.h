@@ -139,6 +139,7 @@ inline void mask_scores(const Problem& pb, const Scratch& sc, int r, int64_t j0,
 // Online softmax of rows [0, rows) over the chunk's scores S (sc.s, rows of NV * 16 lanes): softcap before masking
 // (mask_scores), running max m, per-lane sums lv, the rescale alpha of each row's accumulator (sc.alpha) and
 // P = exp(S - m) (sc.p, the same layout); lane c is position j0 + c. Shared by chunk (NV = 1) and chunk_pairs.
+constexpr float RESCALE_SLACK = 8.f;  // online_softmax: how far a score may pass the running max before it is raised
 template <int NV = 1>
 inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0, int n, float* m, vf* lv,
                            const float* slope) {
@@ -146,12 +147,27 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
   const float* S = sc.s.data();
   float* P = sc.p.data();
   float* alpha = sc.alpha.data();
+  // masks only where some row needs them: softcap, ALiBi, a custom mask, a row's range not covering the chunk
+  bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask && n == W;
+  for (int r = 0; plain && r < rows; ++r) plain = sc.row_lo[r] <= j0 && j0 + W <= sc.row_hi[r];
   // 1. per row: masks, the running max and alpha; P holds S - m (-inf where nothing is visible: exp gives 0)
   for (int r = 0; r < rows; ++r) {
     vf s[NV];
     for (int v = 0; v < NV; ++v) {
       s[v] = loadu(S + r * W + v * L);
-      mask_scores(pb, sc, r, j0 + v * L, std::clamp(n - v * L, 0, L), s[v], slope);
+      if (!plain) mask_scores(pb, sc, r, j0 + v * L, std::clamp(n - v * L, 0, L), s[v], slope);
+    }
+    // the running max is raised only when a score passes it by more than RESCALE_SLACK (as FlashAttention-4 does):
+    // P = exp(S - m) stays below e^RESCALE_SLACK, and most chunks skip the max over lanes and alpha (a NaN score
+    // passes nothing: it reaches P and l as below)
+    if (m[r] != NEG_INF) {
+      bool over = false;
+      for (int v = 0; v < NV; ++v) over |= any_gt(s[v], m[r] + RESCALE_SLACK);
+      if (!over) {
+        alpha[r] = 1.f;
+        for (int v = 0; v < NV; ++v) storeu(P + r * W + v * L, s[v] - m[r]);
+        continue;
+      }
     }
     vf mx = s[0];
     for (int v = 1; v < NV; ++v) mx = vsel(vgt(s[v], mx), s[v], mx);

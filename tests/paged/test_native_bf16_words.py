@@ -24,6 +24,7 @@ import kvops
 import kvops.native as native
 from kvops.reference.attention import reference
 from tests.paged.test_attention_features import FEATURES, TOL, make_case, resolve
+from tests.paged.test_native_paged_attention import rising_scores
 from tests.paged.test_paged_attention import check_close, make_inputs, ref_kwargs
 from tests.paged.test_paged_attention import reference as matrix_reference
 
@@ -103,6 +104,18 @@ class TestBf16WordForm(unittest.TestCase):
                 want, want_lse = reference(q[1:], kc, vc, cu[1:] - 1, lens[1:], table[1:], window_left=0)
                 torch.testing.assert_close(out[1:].double(), want, atol=TOL[BF16], rtol=0)
                 torch.testing.assert_close(lse[:, 1:].double(), want_lse, atol=TOL[BF16], rtol=0)
+
+    def test_running_max_rising_by_less_and_more_than_the_slack(self):
+        # as tests/paged/test_native_paged_attention.py's test of the same name, in bf16 (P rounded to bf16 in the
+        # dot form, its values up to e^8 there)
+        profiles = dict(slow=lambda j: 0.02 * j, fast=lambda j: 0.4 * j, jump=lambda j: 40.0 * (j >= 150),
+                        falling=lambda j: -0.3 * j, steps=lambda j: 7.9 * (j // 32))
+        for name, profile in profiles.items():
+            for h_q in (7, 4):
+                with self.subTest(profile=name, h_q=h_q):
+                    inputs = rising_scores(len(name), profile, BF16, h_q=h_q)
+                    out, lse = kvops.paged_attention(**inputs, return_lse=True)
+                    check_close(self, out, lse, *matrix_reference(**ref_kwargs(inputs)), BF16)
 
     def test_value_head_dim_differs(self):
         # head_dim_v != head_dim (MLA-style values): K and V words are read with their own widths

@@ -56,8 +56,33 @@ def run_and_check(test, inputs, **options):
     return out, lse
 
 
+def rising_scores(seed, profile, dtype, seq_len=300, h_q=7, d=64):
+    """Decode inputs whose scores follow ``profile`` (a function of the KV position, one sequence of ``seq_len``
+    tokens, one KV head): each key is a multiple of the group's mean query, so every query row's scores are a
+    (row-dependent, mostly positive) multiple of the profile. The online softmax's running max then rises by less,
+    or by more, than the kernel's rescale slack per chunk."""
+    inputs = make_inputs(seed, [seq_len], [1], block_size=16, h_q=h_q, h_kv=1, d=d, dtype=dtype)
+    scale = d**-0.5
+    qm = inputs["q"][0].double().mean(0)
+    table = inputs["block_table"][0]
+    for j in range(seq_len):
+        inputs["k_cache"][table[j // 16], j % 16, 0] = (profile(j) / scale * qm / qm.dot(qm)).to(dtype)
+    return inputs
+
+
 @unittest.skipUnless(HAS_COMPILER, "no C++ compiler on this machine: the composite fallback is what runs")
 class TestNativeKernel(unittest.TestCase):
+    def test_running_max_rising_by_less_and_more_than_the_slack(self):
+        # the running max is raised only when a score passes it by more than 8 (attend_regs.h: RESCALE_SLACK): slow
+        # rises (stale max for several chunks), fast rises (raised every chunk), a jump of 40, falling scores
+        profiles = dict(slow=lambda j: 0.02 * j, fast=lambda j: 0.4 * j, jump=lambda j: 40.0 * (j >= 150),
+                        falling=lambda j: -0.3 * j, steps=lambda j: 7.9 * (j // 32))
+        for dtype in (torch.float32, torch.float16):
+            for name, profile in profiles.items():
+                with self.subTest(dtype=dtype, profile=name):
+                    run_and_check(self, rising_scores(len(name), profile, dtype))
+                    run_and_check(self, rising_scores(len(name), profile, dtype), window_left=100)
+
     def test_built_once_cached_and_used(self):
         self.assertTrue(native.available())
         build_dir = pathlib.Path(torch.utils.cpp_extension._get_build_directory(native.build_name(), False))
