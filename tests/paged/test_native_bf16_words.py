@@ -107,9 +107,9 @@ class TestBf16WordForm(unittest.TestCase):
 
     def test_running_max_rising_by_less_and_more_than_the_slack(self):
         # as tests/paged/test_native_paged_attention.py's test of the same name, in bf16 (P rounded to bf16 in the
-        # dot form, its values up to e^8 there)
+        # dot form, its values up to 256 there)
         profiles = dict(slow=lambda j: 0.02 * j, fast=lambda j: 0.4 * j, jump=lambda j: 40.0 * (j >= 150),
-                        falling=lambda j: -0.3 * j, steps=lambda j: 7.9 * (j // 32))
+                        falling=lambda j: -0.3 * j, steps=lambda j: 5.4 * (j // 32), big_steps=lambda j: 7.9 * (j // 32))
         for name, profile in profiles.items():
             for h_q in (7, 4):
                 with self.subTest(profile=name, h_q=h_q):

@@ -10,6 +10,7 @@ The sampled matrix in tests/paged/test_paged_attention.py already runs against t
 from __future__ import annotations
 
 import importlib
+import math
 import pathlib
 import shutil
 import unittest
@@ -72,11 +73,35 @@ def rising_scores(seed, profile, dtype, seq_len=300, h_q=7, d=64):
 
 @unittest.skipUnless(HAS_COMPILER, "no C++ compiler on this machine: the composite fallback is what runs")
 class TestNativeKernel(unittest.TestCase):
+    def test_lazy_rescale_keeps_huge_values_finite(self):
+        # one key 7.5 / 5 above the others' scores in a later chunk, its V row 2e35 (a new user's finding: with a
+        # slack of 8 its weight e^7.5 took the accumulator past the fp32 range). The slack is ln 256: a weight stays
+        # below 256, so V entries up to the fp32 maximum / 256 (1.3e36) stay finite, in fp32 and bf16 (both forms)
+        for dtype in (torch.float32, torch.bfloat16):
+            for form in ("0", "1"):
+                for bump in (7.5, 5.0):
+                    with self.subTest(dtype=dtype, form=form, bump=bump), \
+                            mock.patch.dict("os.environ", {"KVOPS_NATIVE_BF16_DOT": form}):
+                        q = torch.zeros(1, 1, 64, dtype=dtype)
+                        q[0, 0, 0] = 8.0  # scale 1/8: score = k[0]
+                        k = torch.zeros(128, 1, 1, 64, dtype=dtype)
+                        k[100, 0, 0, 0] = bump
+                        v = torch.zeros(128, 1, 1, 64, dtype=dtype)
+                        v[100] = 2e35
+                        args = (q, k, v, torch.tensor([0, 1], dtype=torch.int32),
+                                torch.tensor([128], dtype=torch.int32), torch.arange(128, dtype=torch.int32)[None], 1)
+                        out = kvops.paged_attention(*args)
+                        want = 2e35 * math.exp(bump) / (127 + math.exp(bump))
+                        self.assertTrue(torch.isfinite(out).all(), out[0, 0, :4])
+                        torch.testing.assert_close(out[0, 0].double(), torch.full((64,), want, dtype=torch.double),
+                                                   rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)
+
     def test_running_max_rising_by_less_and_more_than_the_slack(self):
-        # the running max is raised only when a score passes it by more than 8 (attend_regs.h: RESCALE_SLACK): slow
-        # rises (stale max for several chunks), fast rises (raised every chunk), a jump of 40, falling scores
+        # the running max is raised only when a score passes it by more than ln 256 (attend_regs.h: RESCALE_SLACK):
+        # slow rises (stale max for several chunks), fast rises (raised every chunk), a jump of 40, falling scores,
+        # steps of 5.4 per chunk (just under the slack) and 7.9
         profiles = dict(slow=lambda j: 0.02 * j, fast=lambda j: 0.4 * j, jump=lambda j: 40.0 * (j >= 150),
-                        falling=lambda j: -0.3 * j, steps=lambda j: 7.9 * (j // 32))
+                        falling=lambda j: -0.3 * j, steps=lambda j: 5.4 * (j // 32), big_steps=lambda j: 7.9 * (j // 32))
         for dtype in (torch.float32, torch.float16):
             for name, profile in profiles.items():
                 with self.subTest(dtype=dtype, profile=name):
