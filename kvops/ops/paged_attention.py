@@ -228,7 +228,8 @@ def paged_attention(
         ``out == sum_j exp(s_j - lse) v_j`` holds in every case. A query with no visible key gets ``out = 0``
         (never NaN) and ``lse = -inf`` (or ``sinks[h]`` when sinks are given). GQA: query head ``h`` reads KV head
         ``h // (H_q // H_kv)``. Values stored in slots at or beyond ``seq_len`` never reach the output, even when
-        NaN/inf; a NaN score of a visible key (NaN in q or K) makes the query's output and LSE NaN, as SDPA's.
+        NaN/inf; a NaN score of a visible key (NaN in q or K) makes the query's output and LSE NaN, as SDPA's math
+        backend's (docs/semantics.md).
         Windows and ``sink_tokens`` of ``2**31`` or more (e.g. ``sys.maxsize``) are unbounded.
 
     Raises:
