@@ -136,13 +136,15 @@ inline void mask_scores(const Problem& pb, const Scratch& sc, int r, int64_t j0,
   }
 }
 
-// Online softmax of rows [0, rows) over the chunk's scores S (sc.s, rows of NV * 16 lanes): softcap before masking
-// (mask_scores), running max m, per-lane sums lv, the rescale alpha of each row's accumulator (sc.alpha) and
-// P = exp(S - m) (sc.p, the same layout); lane c is position j0 + c. Shared by chunk (NV = 1) and chunk_pairs.
 // online_softmax: how far a score may pass the running max before it is raised, ln 256 (FlashAttention-4's 8 in log2
 // units): a weight exp(s - m) stays below 256, so V entries up to the fp32 maximum / 256 (1.3e36) stay finite (with 8,
 // weights up to e^8 took V rows of 2e35 past the fp32 range)
 constexpr float RESCALE_SLACK = 5.5451774f;
+
+// Online softmax of rows [0, rows) over the chunk's scores S (sc.s, rows of NV * 16 lanes): softcap before masking
+// (mask_scores), running max m, per-lane sums lv, the rescale alpha of each row's accumulator (sc.alpha) and
+// P = exp(S - m) (sc.p, the same layout; m raised lazily: RESCALE_SLACK); lane c is position j0 + c. Shared by chunk
+// (NV = 1), chunk_pairs and chunk_dot.
 template <int NV = 1>
 inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0, int n, float* m, vf* lv,
                            const float* slope) {
