@@ -76,7 +76,8 @@ class TestNativeKernel(unittest.TestCase):
     def test_lazy_rescale_keeps_huge_values_finite(self):
         # one key 7.5 / 5 above the others' scores in a later chunk, its V row 2e35 (a new user's finding: with a
         # slack of 8 its weight e^7.5 took the accumulator past the fp32 range). The slack is ln 256: a weight stays
-        # below 256, so V entries up to the fp32 maximum / 256 (1.3e36) stay finite, in fp32 and bf16 (both forms)
+        # below 256, so one dominant key's V row stays finite up to the fp32 maximum / 256, in fp32 and bf16 (both
+        # forms); the general limit is |out| x l (docs/native-kernel.md, "Lazy rescale")
         for dtype in (torch.float32, torch.bfloat16):
             for form in ("0", "1"):
                 for bump in (7.5, 5.0):
