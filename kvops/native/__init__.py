@@ -42,9 +42,9 @@ packages must load without kvops and so get the composite traced into aten ops (
 ``native_in_aoti_packages()``, whose packages call the native kernel and need ``import kvops`` where they load).
 ``available()`` says whether the kernel is usable. When the build fails (no compiler, missing headers) it returns
 False after ONE ``RuntimeWarning`` per process, and ``kvops.paged_attention`` keeps using the composite torch kernel
-(``kvops/cpu/paged_attention.py``), which gives the same results (up to rounding; the native
-kernel's accumulator overflows 256x sooner near the fp32 maximum: docs/native-kernel.md, "Lazy rescale"), only slower. Setting ``KVOPS_NATIVE=0``
-selects the composite without trying to build.
+(``kvops/cpu/paged_attention.py``), which gives the same results (up to rounding; the native kernel's accumulator
+overflows 256x sooner near the fp32 maximum: docs/native-kernel.md, "Lazy rescale"), only slower. Setting
+``KVOPS_NATIVE=0`` selects the composite without trying to build.
 """
 
 from __future__ import annotations

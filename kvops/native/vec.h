@@ -95,7 +95,8 @@ inline bool any_gt(vf v, float th) {
   __m256 h[2];
   std::memcpy(h, &v, sizeof v);
   const __m256 t = _mm256_set1_ps(th);
-  return (_mm256_movemask_ps(_mm256_cmp_ps(h[0], t, _CMP_GT_OQ)) | _mm256_movemask_ps(_mm256_cmp_ps(h[1], t, _CMP_GT_OQ))) != 0;
+  return (_mm256_movemask_ps(_mm256_cmp_ps(h[0], t, _CMP_GT_OQ)) |
+          _mm256_movemask_ps(_mm256_cmp_ps(h[1], t, _CMP_GT_OQ))) != 0;
 #else
   bool any = false;
   for (int i = 0; i < L; ++i) any |= v[i] > th;
