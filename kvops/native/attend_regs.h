@@ -137,10 +137,10 @@ inline void mask_scores(const Problem& pb, const Scratch& sc, int r, int64_t j0,
 }
 
 // online_softmax: how far a score may pass the running max before it is raised, ln 256 (FlashAttention-4's 8 in log2
-// units): a weight exp(s - m) stays below 256, so the accumulator sum(p v) is at most 256x the exact online softmax's
-// and overflows once |out| * l passes the fp32 maximum / 256 (l = sum_j exp(s_j - max s), >= 1: about the number of
-// keys near the max) where the exact form's limit is the fp32 maximum (with 8: e^8 ~ 2981x; a V row of 2e35 under one
-// key 7.5 above the rest overflowed)
+// units): a weight exp(s - m) stays below 256, so the accumulator sum(p v) is at most 256x the exact online softmax's:
+// finite while max |v| x visible keys stays below the fp32 maximum / 256, and may overflow past |out| x l at that
+// bound (l = sum_j exp(s_j - max s)) where the exact form stays finite (docs/native-kernel.md, "Lazy rescale"; with 8:
+// e^8 ~ 2981x, and a V row of 2e35 under one key 7.5 above the rest overflowed)
 constexpr float RESCALE_SLACK = 5.5451774f;
 
 // Online softmax of rows [0, rows) over the chunk's scores S (sc.s, rows of NV * 16 lanes): softcap before masking

@@ -229,7 +229,9 @@ def paged_attention(
         (never NaN) and ``lse = -inf`` (or ``sinks[h]`` when sinks are given). GQA: query head ``h`` reads KV head
         ``h // (H_q // H_kv)``. Values stored in slots at or beyond ``seq_len`` never reach the output, even when
         NaN/inf; a NaN score of a visible key (NaN in q or K) makes the query's output and LSE NaN, as SDPA's math
-        backend's (docs/semantics.md).
+        backend's (docs/semantics.md). The native CPU kernel's output is guaranteed finite while max ``|v|`` times
+        the number of visible keys stays below the fp32 maximum / 256 (1.3e36; its lazy softmax rescale), the other
+        kernels' below the fp32 maximum (docs/native-kernel.md, "Lazy rescale").
         Windows and ``sink_tokens`` of ``2**31`` or more (e.g. ``sys.maxsize``) are unbounded.
 
     Raises:
