@@ -1,10 +1,12 @@
 """Parts of ``benchmarks/paged_decode.py``'s output besides its per-row tables (a helper module, not a benchmark).
 
 * **Host figures** (per thread count): the copy bandwidth (``copy_bandwidth_gbs``: read + write bytes per second of
-  a 256 MiB tensor copy) and the fp32 FMA rate (``fma_gflops``: an fp32 ``torch.mm`` big enough to be compute bound,
-  GFLOP/s), both measured in the same run as the rows they bound.
+  a 256 MiB tensor copy) and the FMA rates (``fma_gflops``: a ``torch.mm`` big enough to be compute bound, GFLOP/s,
+  in fp32 and in bf16), all measured in the same run as the rows they bound.
 * **Bounds of a decode row** (``bounds``): the bytes bound, the time to read the row's K/V at the copy's rate, and the
-  FMA bound, the time of the row's score (q.K) and PV FMAs at the measured fp32 rate; and the fraction of the copy's
+  FMA bound, the time of the row's score (q.K) and PV FMAs at the faster of the fp32 rate and the rate of the row's
+  cache dtype (bf16 rows on a CPU with AVX512-BF16 or AMX: torch's bf16 mm does two products per lane and
+  instruction, as kvops' bf16 dot form does); and the fraction of the copy's
   bandwidth eager kvops reaches (K/V bytes read per second over the copy's read + write bytes per second), and
   whether the K/V fits in the last-level cache (then repeated calls read it from the cache, the copy from memory).
 * **Two threads against one** (``thread_speedup``): eager kvops timed at 1 and 2 torch threads interleaved in the same
@@ -41,11 +43,11 @@ def copy_bandwidth_gbs(device, clock: str, sync=None, rounds: int = 5) -> float:
     return 2 * COPY_BYTES / t / 1e9
 
 
-def fma_gflops(device, clock: str, sync=None, rounds: int = 5) -> float:
-    """fp32 GFLOP/s (2 per FMA) of ``torch.mm`` of two ``[MM_SIZE, MM_SIZE]`` matrices (median over rounds): the
-    host's FMA rate at the current torch thread count (MKL/oneDNN at their best vector ISA, or the one emulated)."""
+def fma_gflops(device, clock: str, sync=None, rounds: int = 5, dtype=torch.float32) -> float:
+    """GFLOP/s (2 per FMA) of ``torch.mm`` of two ``[MM_SIZE, MM_SIZE]`` matrices of ``dtype`` (median over rounds):
+    the host's FMA rate at the current torch thread count (MKL/oneDNN at their best vector ISA, or the one emulated)."""
     g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(MM_SIZE, MM_SIZE, generator=g).to(device) for _ in range(2))
+    a, b = (torch.randn(MM_SIZE, MM_SIZE, generator=g).to(device, dtype) for _ in range(2))
     out = torch.empty_like(a)
     t = harness.interleave({"mm": lambda: torch.mm(a, b, out=out)}, rounds, clock=clock, sync=sync).time("mm").median
     return 2 * MM_SIZE**3 / t / 1e9
@@ -59,6 +61,11 @@ def last_level_cache_bytes() -> int | None:
             text = (d / "size").read_text().strip()
             sizes.append(int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]] if text[-1] in "KMG" else int(text))
     return max(sizes, default=None)
+
+
+def row_gflops(host: dict, dtype) -> float:
+    """The FMA rate that bounds a row whose cache is ``dtype``: the faster of fp32 and that dtype's ``torch.mm``."""
+    return max(host["gflops"], host.get("gflops_" + str(dtype).removeprefix("torch."), 0.0))
 
 
 def bounds(c: dict, r: dict, mode: str, copy_gbs: float, gflops: float) -> dict:
@@ -86,7 +93,7 @@ def bounds_text(b: dict, r: dict, mode: str, copy_gbs: float, gflops: float, ver
     return (f"bandwidth: {mode} kvops reads the K/V ({b['kv_bytes'] / 1e6:.1f} MB{where}) at {r['bw'][mode]} GB/s = "
             f"{b['fraction']} of the copy's {copy_gbs:.1f} GB/s (K/V bytes read per second over the copy's read + "
             f"write bytes per second){verdict}; bounds: bytes {b['bytes_ms']:.3f} ms (the K/V at the copy's rate), "
-            f"FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at {gflops:.0f} GFLOP/s fp32 mm): the "
+            f"FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at {gflops:.0f} GFLOP/s, mm): the "
             f"{b['larger']} bound is the larger; {mode} {ms:.3f} ms = "
             f"{ms / max(b['bytes_ms'], b['fma_ms']):.2f}x it")
 

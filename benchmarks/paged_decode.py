@@ -38,7 +38,8 @@ Targets (the ``TARGETS`` table below, the one place they live), "CPU kernels at 
 * decode bandwidth, context >= 4096, bf16, 1 thread: the K/V bytes eager kvops reads per second >= 0.6x the copy
   bandwidth measured in the same run (a tensor copy's read + write bytes per second; a sub-line under each such row
   gives the fraction, the bytes bound (the K/V at the copy's rate), the FMA bound (the row's score and PV FMAs at the
-  fp32 FMA rate of a ``torch.mm`` timed in the same run; at GQA 7 the FMAs may bound first) and which is the larger);
+  faster of the fp32 and the bf16 FMA rate of a ``torch.mm`` timed in the same run; at GQA 7 the FMAs may bound
+  first) and which is the larger);
 * chunked prefill, eager and compiled: <= 1.0x gather-then-SDPA and <= 1.2x the ideal;
 * two threads, eager kvops, decode B = 8 x context 4096 and the prefill case: >= 1.7x the one-thread throughput, when
   the run has threads 1 and 2 (a dedicated section times both thread counts interleaved with the wall clock).
@@ -250,11 +251,12 @@ def row_targets_and_bounds(report, table, c, r, name: str, dtype_name: str, thre
         return
     for target, t in targets_for(kind, c["batch"], c["context"], dtype_name, metric="bandwidth").items():
         for mode in (m for m in t["modes"] if m in r["bw"]):
-            b = sections.bounds(c, r, mode, host["copy_gbs"], host["gflops"])
+            gflops = sections.row_gflops(host, c["k_cache"].dtype)
+            b = sections.bounds(c, r, mode, host["copy_gbs"], gflops)
             timely = t.get("threads") is None or threads in t["threads"]
             verdict = (f": target {t['op']} {t['bound']:g} {'ok' if met(b['fraction'].median, t) else 'MISS'}"
                        if timely else f" (the target applies at {'/'.join(map(str, t['threads']))} thread(s))")
-            table.sub(sections.bounds_text(b, r, mode, host["copy_gbs"], host["gflops"], verdict))
+            table.sub(sections.bounds_text(b, r, mode, host["copy_gbs"], gflops, verdict))
             table.rows[-1].update(bandwidth_fraction=b["fraction"].json(), bytes_bound_ms=b["bytes_ms"],
                                   fma_bound_ms=b["fma_ms"], larger_bound=b["larger"])
             if timely:
@@ -270,9 +272,11 @@ def thread_section(report, args, device, threads: int, panels: dict) -> float:
     where = f"{threads} CPU thread(s)" if device.type == "cpu" else torch.cuda.get_device_name(device)
     report.print(f"\n=== {where}, {clock_name} clock ===")
     host = dict(copy_gbs=sections.copy_bandwidth_gbs(device, clock_name, cases.sync),
-                gflops=sections.fma_gflops(device, clock_name, cases.sync))
+                gflops=sections.fma_gflops(device, clock_name, cases.sync),
+                gflops_bfloat16=sections.fma_gflops(device, clock_name, cases.sync, dtype=torch.bfloat16))
     report.print(f"copy bandwidth (read + write bytes per second of a 256 MiB tensor copy) {host['copy_gbs']:.1f} "
-                 f"GB/s; fp32 FMA rate (torch.mm {sections.MM_SIZE}^3) {host['gflops']:.0f} GFLOP/s"
+                 f"GB/s; FMA rate (torch.mm {sections.MM_SIZE}^3) fp32 {host['gflops']:.0f}, bf16 "
+                 f"{host['gflops_bfloat16']:.0f} GFLOP/s"
                  + (f"; torch.compile graph entry {cases.graph_entry_us(device, clock_name):.1f} us per call"
                     if "compiled" in args.modes else ""))
     report.extra.setdefault("host_figures", {})[str(threads)] = host

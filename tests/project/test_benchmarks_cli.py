@@ -181,12 +181,18 @@ class TestJsonOutput(unittest.TestCase):
             figures = doc["extra"]["host_figures"][threads]
             self.assertGreater(figures["copy_gbs"], 0)
             self.assertGreater(figures["gflops"], 0)
+            self.assertGreater(figures["gflops_bfloat16"], 0)
         decode = [row for table in doc["tables"] for row in table["rows"] if row.get("kind") == "decode"]
         self.assertEqual([row["threads"] for row in decode], [1, 2])
         for row in decode:  # the sub-line at every thread count, the target at 1 thread only
             self.assertIn(row["larger_bound"], {"bytes", "FMAs"})
             self.assertIn("of the copy's", row["note"])
             self.assertIn("bound is the larger", row["note"])
+            # a bf16 row's FMA bound: Qwen's score + PV FMAs (2 x B 1 x 14 query heads x ctx 4096 x 64 dims) at the
+            # faster of the fp32 and the bf16 mm rates
+            figures = doc["extra"]["host_figures"][str(row["threads"])]
+            rate = max(figures["gflops"], figures["gflops_bfloat16"])
+            self.assertAlmostEqual(row["fma_bound_ms"], 2 * 14 * 4096 * 64 / (rate * 1e9 / 2) * 1e3, places=9)
         self.assertEqual(decode[0]["bandwidth_fraction"]["rounds"], 1)
         names = [t["target"] for t in doc["targets"]]
         bandwidth = [n for n in names if "copy's read+write GB/s" in n]
