@@ -6,7 +6,8 @@
 * **Bounds of a decode row** (``bounds``): the bytes bound, the time to read the row's K/V at the copy's rate, and the
   FMA bound, the time of the row's score (q.K) and PV FMAs at the faster of the fp32 rate and the rate of the row's
   cache dtype (bf16 rows on a CPU with AVX512-BF16 or AMX: torch's bf16 mm does two products per lane and
-  instruction, as kvops' bf16 dot form does); and the fraction of the copy's
+  instruction, as kvops' bf16 dot form does; the bf16 word form, ``KVOPS_NATIVE_BF16_DOT=0``, does fp32 FMAs, so its own
+  FMA bound is up to twice this one); and the fraction of the copy's
   bandwidth eager kvops reaches (K/V bytes read per second over the copy's read + write bytes per second), and
   whether the K/V fits in the last-level cache (then repeated calls read it from the cache, the copy from memory).
 * **Two threads against one** (``thread_speedup``): eager kvops timed at 1 and 2 torch threads interleaved in the same
@@ -93,7 +94,8 @@ def bounds_text(b: dict, r: dict, mode: str, copy_gbs: float, gflops: float, ver
     return (f"bandwidth: {mode} kvops reads the K/V ({b['kv_bytes'] / 1e6:.1f} MB{where}) at {r['bw'][mode]} GB/s = "
             f"{b['fraction']} of the copy's {copy_gbs:.1f} GB/s (K/V bytes read per second over the copy's read + "
             f"write bytes per second){verdict}; bounds: bytes {b['bytes_ms']:.3f} ms (the K/V at the copy's rate), "
-            f"FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at {gflops:.0f} GFLOP/s, mm): the "
+            f"FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at {gflops:.0f} GFLOP/s, the faster of "
+            f"fp32 and bf16 torch.mm): the "
             f"{b['larger']} bound is the larger; {mode} {ms:.3f} ms = "
             f"{ms / max(b['bytes_ms'], b['fma_ms']):.2f}x it")
 

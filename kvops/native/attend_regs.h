@@ -416,8 +416,10 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   for (int64_t j0 = lo; j0 < hi; j0 += CW) {
     const int n = static_cast<int>(std::min<int64_t>(CW, hi - j0));
     token_bases(j0, n, kb, vb);
-    if (j0 + TLB_AHEAD < hi) {  // the pages of the blocks TLB_AHEAD positions on: a line where each K and V block's
-      const int64_t ja = j0 + TLB_AHEAD, je = std::min<int64_t>(hi, ja + CW);  // run of [ja, je) starts and ends
+    // the pages of the blocks TLB_AHEAD positions on: a line where each K and V block's run of [ja, je) starts and
+    // ends (blocks of TLB_MIN_BLOCK positions or more: at block_size 1 the touches cost more than they saved)
+    if (pb.block_size >= TLB_MIN_BLOCK && j0 + TLB_AHEAD < hi) {
+      const int64_t ja = j0 + TLB_AHEAD, je = std::min<int64_t>(hi, ja + CW);
       for (int64_t bi = ja / pb.block_size; bi * pb.block_size < je; ++bi) {
         const int64_t blk = table[bi], b0 = bi * pb.block_size;
         const int64_t first = std::max(ja, b0) - b0, last = std::min<int64_t>(je, b0 + pb.block_size) - 1 - b0;

@@ -71,12 +71,14 @@ namespace {
 #define KVOPS_PREFETCH 8192
 #endif
 constexpr int PREFETCH_BYTES = KVOPS_PREFETCH;  // K/V bytes prefetched ahead of the math
-// KV positions ahead of the chunk being computed at which attend() touches each block's K/V pages (one line where the
-// chunk's run of a block starts and one where it ends): a block of 16 bf16 tokens of 2 KV heads x 64 dims is one 4 KiB
-// page, so with the blocks scattered nearly every block costs a page walk; started ~8 chunks early, the walk is done
-// when the block's lines are prefetched (Qwen2.5-0.5B bf16 decode from memory, B 32 ctx 4096: 6.8 -> 6.3 ms, AMD EPYC
-// Zen 4; docs/native-kernel.md, "Page walks")
+// KV positions ahead of the chunk being computed at which attend() touches each block's run of K/V (one line of head
+// 0's rows where the run starts and one where it ends): a block of 16 bf16 tokens of 2 KV heads x 64 dims is 4 KiB
+// (one or two pages), so with the blocks scattered nearly every block costs a page walk; started 256 positions (8 or
+// 16 chunks) early, the walk is done when the block's lines are prefetched (Qwen2.5-0.5B bf16 decode from memory, B
+// 32 ctx 4096: 6.8 -> 6.3 ms, AMD EPYC Zen 4; docs/native-kernel.md, "Page walks and overlap"). Not for blocks
+// shorter than TLB_MIN_BLOCK: at block_size 1 a touch per position made Qwen fp32 B 8 ctx 4096 2.98 -> 3.21 ms.
 constexpr int TLB_AHEAD = 256;
+constexpr int TLB_MIN_BLOCK = 16;
 constexpr int WIDE_UNIT_BYTES = 16384;  // the largest chunk of one KV head (K and V) taken 32 tokens at a time
 // (KV position, KV head) rows below which a call stays on one thread: waking the pool costs more than the work. 2048
 // kept Qwen2.5-0.5B decode at B 1 ctx 256 (512 rows, ~25 us) on one thread while SDPA split it: 1.3-1.5x SDPA's time
