@@ -75,8 +75,9 @@ constexpr int PREFETCH_BYTES = KVOPS_PREFETCH;  // K/V bytes prefetched ahead of
 // 0's rows where the run starts and one where it ends): a block of 16 bf16 tokens of 2 KV heads x 64 dims is 4 KiB
 // (one or two pages), so with the blocks scattered nearly every block costs a page walk; started 256 positions (8 or
 // 16 chunks) early, the walk is done when the block's lines are prefetched (Qwen2.5-0.5B bf16 decode from memory, B
-// 32 ctx 4096: 6.8 -> 6.3 ms, AMD EPYC Zen 4; docs/native-kernel.md, "Page walks and overlap"). Not for blocks
-// shorter than TLB_MIN_BLOCK: at block_size 1 a touch per position made Qwen fp32 B 8 ctx 4096 2.98 -> 3.21 ms.
+// 32 ctx 4096: 6.8 -> 6.3 ms, AMD EPYC Zen 4, AVX-512 build; docs/native-kernel.md, "Page walks and overlap"). Not
+// for blocks shorter than TLB_MIN_BLOCK: at block_size 1 a touch per position made Qwen fp32 B 8 ctx 4096 2.98 -> 3.21
+// ms (the same host and build).
 constexpr int TLB_AHEAD = 256;
 constexpr int TLB_MIN_BLOCK = 16;
 constexpr int WIDE_UNIT_BYTES = 16384;  // the largest chunk of one KV head (K and V) taken 32 tokens at a time
