@@ -55,13 +55,39 @@ inline at::Tensor matrix(float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
 
-// whether the cache-dtype form runs for this problem (else fp32)
+// whether oneDNN's brgemm multiplies bf16 in the VNNI form with the CPU's own bf16 dot products where it does not
+// pack (AVX512-BF16 without AMX: AMD Zen 4, Intel Cooper Lake): the CPU has them and a one-row call runs (oneDNN's ISA
+// may be capped below AVX-512 by ONEDNN_MAX_CPU_ISA, where brgemm refuses the VNNI form). Asked once, with
+// torch.backends.mkldnn enabled (the caller checks it per call: the refusal it causes must not be remembered).
+inline bool bf16_dot_brgemm() {
+#if defined(__x86_64__)
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    try {
+      alignas(64) c10::BFloat16 a[2] = {}, b[2 * 16] = {};
+      alignas(64) float c[16];
+      at::native::cpublas::brgemm(1, 16, 2, 2, 16, 16, false, a, b, c, true);
+      at::native::cpublas::brgemm_release(true);
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// whether the cache-dtype form runs for this problem (else fp32): where oneDNN packs the dtype (AMX), or for bf16
+// where the CPU has AVX512-BF16 dot products (bf16_dot_brgemm), as torch's own CPU SDPA multiplies bf16 there
 template <typename TQ, typename TK>
 inline bool low_precision_gemm(const Problem& pb) {
   if constexpr (std::is_same_v<TQ, TK> && (std::is_same_v<TK, c10::BFloat16> || std::is_same_v<TK, c10::Half>)) {
-    // asked per call: it follows torch.backends.mkldnn.enabled, which brgemm's VNNI form also needs
-    const bool packs = at::native::cpublas::could_pack(c10::CppTypeToScalarType<TK>::value);
-    return packs && pb.d % 2 == 0 && !pb.rope_freq;
+    if (pb.d % 2 != 0 || pb.rope_freq) return false;
+    // asked per call: both follow torch.backends.mkldnn.enabled, which brgemm's VNNI form also needs
+    if (at::native::cpublas::could_pack(c10::CppTypeToScalarType<TK>::value)) return true;
+    return std::is_same_v<TK, c10::BFloat16> && at::globalContext().userEnabledMkldnn() && bf16_dot_brgemm();
   }
   return false;
 }

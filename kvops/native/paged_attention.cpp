@@ -37,6 +37,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/addmm.h>

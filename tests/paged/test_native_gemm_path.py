@@ -6,7 +6,10 @@ decode rows."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import unittest
 
 import torch
@@ -19,6 +22,20 @@ from tests.paged.test_attention_features import FEATURES, TOL, make_case, resolv
 from tests.paged.test_paged_attention import FP8, check_close, make_inputs, ref_kwargs
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+def bf16_dots() -> bool:
+    """Whether this host's oneDNN multiplies bf16 with the CPU's own bf16 instructions (AVX512-BF16 or AMX-BF16, read
+    from /proc/cpuinfo) and no ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA caps it: where the GEMM path takes its bf16
+    form."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def gemm_calls(fn):
@@ -165,24 +182,47 @@ class TestGemmPath(unittest.TestCase):
                     self.assertTrue(decode.isnan().all() and decode_lse.isnan().all())
 
     def test_bf16_form_follows_the_mkldnn_switch(self):
-        # the bf16 (VNNI, brgemm) form runs only where oneDNN packs bf16 and torch.backends.mkldnn is enabled; with it
-        # disabled the same call takes the fp32 form (never the brgemm call that would refuse it)
+        # the bf16 (VNNI, brgemm) form runs where oneDNN packs bf16 (AMX) or the CPU has AVX512-BF16 dot products, and
+        # torch.backends.mkldnn is enabled; with it disabled the same call takes the fp32 form (never the brgemm call
+        # that would refuse it)
         q, kc, vc, cu, lens, table = make_case(14, q_lens=(40, 9), seq_lens=(90, 53), batch=2, width=8, h_q=4,
                                                h_kv=2, d=64, dtype=torch.bfloat16)
         want, _ = reference(q, kc, vc, cu, lens, table)
         before = torch.backends.mkldnn.enabled
         self.addCleanup(setattr, torch.backends.mkldnn, "enabled", before)
-        for enabled in (True, False):
+        for enabled in (True, False, True):  # and back: a refusal while disabled is not remembered
             with self.subTest(mkldnn=enabled):
                 torch.backends.mkldnn.enabled = enabled
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     out = kvops.paged_attention(q, kc, vc, cu, lens, table, 40)
                 names = {e.key for e in prof.key_averages() if e.key.startswith("kvops::paged_attention::gemm_path")}
-                if not enabled:
-                    self.assertEqual(names, {"kvops::paged_attention::gemm_path(fp32)"})
-                else:
-                    self.assertEqual(len(names), 1)  # one form per call: the bf16 one on AMX hosts, else fp32
+                form = "cache dtype" if enabled and bf16_dots() else "fp32"
+                self.assertEqual(names, {f"kvops::paged_attention::gemm_path({form})"})
                 torch.testing.assert_close(out.double(), want, atol=TOL[torch.bfloat16], rtol=0)
+
+    def test_bf16_form_with_onednn_capped_at_avx2(self):
+        # ONEDNN_MAX_CPU_ISA=AVX2 (paged_decode.py --emulate-avx2) makes brgemm refuse the VNNI form even on a host
+        # with AVX512-BF16: the call takes the fp32 form and answers as the oracle does, never raising
+        code = (
+            "import torch, kvops\n"
+            "from torch.profiler import profile, ProfilerActivity\n"
+            "from tests.paged.test_attention_features import make_case\n"
+            "from kvops.reference.attention import reference\n"
+            "q, kc, vc, cu, lens, table = make_case(14, q_lens=(40,), seq_lens=(90,), batch=1, width=8, h_q=4, h_kv=2,"
+            " d=64, dtype=torch.bfloat16)\n"
+            "with profile(activities=[ProfilerActivity.CPU]) as prof:\n"
+            "    out = kvops.paged_attention(q, kc, vc, cu, lens, table, 40)\n"
+            "want, _ = reference(q, kc, vc, cu, lens, table)\n"
+            "print(sorted(e.key for e in prof.key_averages() if e.key.startswith('kvops::paged_attention::gemm')),"
+            " float((out.double() - want).abs().max()))\n")
+        env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                             timeout=300)
+        self.assertEqual(res.returncode, 0, res.stderr[-2000:])
+        names, err = res.stdout.strip().rsplit(" ", 1)
+        self.assertEqual(names, "['kvops::paged_attention::gemm_path(fp32)']")
+        self.assertLessEqual(float(err), TOL[torch.bfloat16])
 
     def test_decode_rows_take_the_register_kernel(self):
         q, kc, vc, cu, lens, table = make_case(13, q_lens=(1, 1, 1), h_q=14, h_kv=2, d=64)
