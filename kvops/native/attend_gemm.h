@@ -50,11 +50,6 @@ struct GemmScratch {
   }
 };
 
-// a [rows, cols] fp32 matrix over scratch memory, row stride ld
-inline at::Tensor matrix(float* p, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
-}
-
 // whether oneDNN's brgemm multiplies bf16 in the VNNI form with the CPU's own bf16 dot products where it does not
 // pack (AVX512-BF16 without AMX: AMD Zen 4, Intel Cooper Lake): the CPU has them and a one-row call runs (oneDNN's ISA
 // may be capped below AVX-512 by ONEDNN_MAX_CPU_ISA, where brgemm refuses the VNNI form). Asked once, with
@@ -356,22 +351,20 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       for (int u = 0; u < subs; ++u) {
         if (!sees(u, j0, n)) continue;
         const int r0 = u * GEMM_ROWS, rs = std::min(GEMM_ROWS, rows - r0);
-        // S [rs][n_pad] = Q K^T for rows [r0, r0 + rs), GEMM_QK_N columns at a time (cache-dtype form)
+        // S [rs][n_pad] = Q K^T for rows [r0, r0 + rs): GEMM_QK_N columns at a time (cache-dtype form), in one call
+        // (fp32 form)
         const TC* qh = Q + (static_cast<size_t>(h) * rows_pad + r0) * ld_q;
-        for (int c0 = 0; low && c0 < n_pad; c0 += GEMM_QK_N) {
-          if constexpr (low)
+        if constexpr (low) {
+          for (int c0 = 0; c0 < n_pad; c0 += GEMM_QK_N)
             at::native::cpublas::brgemm(rs, std::min(GEMM_QK_N, n_pad - c0), d, ld_q, n_pad, n_pad, false, qh,
                                         K + static_cast<size_t>(c0) * 2, S + c0, true);
-        }
-        if constexpr (!low) {
-          at::Tensor S_t = matrix(S, rs, n_pad, n_pad);
-          at::mm_out(S_t, matrix(const_cast<float*>(qh), rs, d, ld_q), matrix(K, d, n_pad, n_pad));
+        } else {
+          at::native::cpublas::brgemm(rs, n_pad, d, ld_q, n_pad, n_pad, false, qh, K, S, false);
         }
         softmax_tile<TC>(pb, sc, r0, rs, j0, n, n_pad, S, P, m, l, acc, slope, qk_scale);
         // acc [rows][dv_pad] += P V (reduction over n_pad: V's rows past n are zeros)
         float* acc0 = acc + static_cast<size_t>(r0) * dvp;
-        if constexpr (low) at::native::cpublas::brgemm(rs, dv, n_pad, n_pad, dv_n, dvp, true, P, V, acc0, true);
-        if constexpr (!low) matrix(acc0, rs, dv, dvp).addmm_(matrix(S, rs, n_pad, n_pad), matrix(V, n_pad, dv, dv_n));
+        at::native::cpublas::brgemm(rs, dv, n_pad, n_pad, dv_n, dvp, true, P, V, acc0, low);
       }
     }
   }

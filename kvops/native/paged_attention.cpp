@@ -40,9 +40,6 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
-#include <ATen/ops/addmm.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mm.h>
 #include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
