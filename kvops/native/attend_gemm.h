@@ -106,20 +106,21 @@ inline void store_bf16(c10::BFloat16* dst, nv p) {
   std::memcpy(dst, &b, sizeof b);
 }
 
-// The online softmax of rows [r0, r0 + rs) over one KV tile of n positions from j0: S [rs][n_pad] (fp32 scores, the
-// tile's rows) is scaled (qk_scale: the cache-dtype form's softmax scale), masked (mask_scores: softcap, ALiBi, the
-// rows' ranges, the custom mask), its exp is P [rs][n_pad] in TC (in place over S in the fp32 form; bf16 rounded to
-// nearest even), and m, l, acc of the rows (indexed by row) are rescaled. A row that sees the whole tile with nothing
-// to mask (prefill's cached positions) is read as stored: its max is max(S) * qk_scale (the scale is positive, so
-// the same value) and P = exp(S * qk_scale - m) in one FMA, without a scaled copy of S.
+// The online softmax of rows [r0, r0 + rs) over n KV positions from j0: S [rs][n_pad] (fp32 scores, row stride ld,
+// n_pad a multiple of L) is scaled (qk_scale: the cache-dtype form's softmax scale), masked (mask_scores: softcap,
+// ALiBi, the rows' ranges, the custom mask), its exp is P [rs][n_pad] in TC (row stride ld; in place over S in the
+// fp32 form; bf16 rounded to nearest even; zeros from n on), and m, l, acc of the rows (indexed by row) are rescaled.
+// A row that sees all n positions with nothing to mask (prefill's cached positions) is read as stored: its max is
+// max(S) * qk_scale (the scale is positive, so the same value) and P = exp(S * qk_scale - m) in one FMA, without a
+// scaled copy of S.
 template <typename TC>
-void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t j0, int n, int n_pad, float* S, TC* P,
-                  float* m, float* l, float* acc, const float* slope, float qk_scale) {
+void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t j0, int n, int n_pad, int ld, float* S,
+                  TC* P, float* m, float* l, float* acc, const float* slope, float qk_scale) {
   constexpr bool low = !std::is_same_v<TC, float>;
   const int dv = pb.d_v, dvp = pb.dv_pad;
   const bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask && qk_scale > 0.f && n % L == 0;
   for (int r = r0; r < r0 + rs; ++r) {
-    float* sr = S + static_cast<size_t>(r - r0) * n_pad;
+    float* sr = S + static_cast<size_t>(r - r0) * ld;
     bool whole = plain && sc.row_lo[r] <= j0 && j0 + n <= sc.row_hi[r];
     auto scale_and_mask = [&] {  // in place (columns past n: stale K rows, masked)
       const bool plain_row = !(pb.softcap > 0.f) && !slope && !pb.mask;
@@ -134,22 +135,30 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
     };
     float mx;
     bool nan;
-    // the row's max and NaN lanes, in hardware-width vectors (no call in the loop: the vectors stay in registers)
+    // the row's max and NaN lanes, in hardware-width vectors (no call in the loop: the vectors stay in registers), A
+    // independent maxima (one compare-and-blend chain ran at its latency, ~1/3 of the bf16 form's softmax)
     auto row_max = [&] {
-      nv vmax = nv{} + NEG_INF;
-      nvi vnan{};
-      for (int c = 0; c < n; c += NW) {
+      constexpr int A = 4;
+      nv vmax[A];
+      nvi vnan[A];
+      for (int a = 0; a < A; ++a) vmax[a] = nv{} + NEG_INF, vnan[a] = nvi{};
+      auto step = [&](int a, int c) {
         const nv x = loadn(sr + c);
-        const nvi more = x > vmax;
-        vnan |= x != x;
-        vmax = (nv)((more & (nvi)x) | (~more & (nvi)vmax));
-      }
+        const nvi more = x > vmax[a];
+        vnan[a] |= x != x;
+        vmax[a] = (nv)((more & (nvi)x) | (~more & (nvi)vmax[a]));
+      };
+      int c = 0;
+      for (; c + A * NW <= n; c += A * NW)
+        for (int a = 0; a < A; ++a) step(a, c + a * NW);
+      for (; c < n; c += NW) step(0, c);
       mx = NEG_INF;
       int32_t any = 0;
-      for (int i = 0; i < NW; ++i) {
-        mx = std::max(mx, vmax[i]);
-        any |= vnan[i];
-      }
+      for (int a = 0; a < A; ++a)
+        for (int i = 0; i < NW; ++i) {
+          mx = std::max(mx, vmax[a][i]);
+          any |= vnan[a][i];
+        }
       nan = any != 0;
     };
     if (!whole) scale_and_mask();
@@ -163,7 +172,7 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
     }
     const float f = whole ? qk_scale : 1.f;  // S's factor to scaled scores
     mx *= f;
-    TC* pr = P + static_cast<size_t>(r - r0) * n_pad;
+    TC* pr = P + static_cast<size_t>(r - r0) * ld;
     if (nan || mx == NEG_INF) {  // a NaN row stays NaN (its l); nothing visible: the row is unchanged
       if (nan) l[r] = std::numeric_limits<float>::quiet_NaN();
       for (int c = 0; c < n_pad; ++c) pr[c] = TC(0.f);
@@ -171,7 +180,7 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
     }
     const float m_new = std::max(m[r], mx), alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
     nv sum{};
-    constexpr int K = 4;  // vectors per step (n_pad is a multiple of GEMM_N = 4 * 16 lanes): vexpn_k interleaves them
+    constexpr int K = 4;  // vectors per step: vexpn_k interleaves them
     for (int c0 = 0; c0 < n_pad; c0 += K * NW) {
       nv p[K];
       for (int k = 0; k < K; ++k) {
@@ -181,6 +190,7 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
       vexpn_k<K>(p);
       for (int k = 0; k < K; ++k) {
         const int c = c0 + k * NW;
+        if (c >= n_pad) break;  // (past n_pad: the next row's S in the fp32 form)
         sum += p[k];
         if constexpr (std::is_same_v<TC, c10::BFloat16>) {
           store_bf16(pr + c, p[k]);
@@ -351,20 +361,27 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       for (int u = 0; u < subs; ++u) {
         if (!sees(u, j0, n)) continue;
         const int r0 = u * GEMM_ROWS, rs = std::min(GEMM_ROWS, rows - r0);
-        // S [rs][n_pad] = Q K^T for rows [r0, r0 + rs): GEMM_QK_N columns at a time (cache-dtype form), in one call
+        // the sub-tile's columns [c0, c1) of the tile: those its rows see (the causal diagonal, a window's start),
+        // widened to multiples of L (V's rows past n are zeros)
+        const int c0 = static_cast<int>(std::max<int64_t>(sub_lo[u] - j0, 0)) / L * L;
+        const int c1 = round_up(static_cast<int>(std::min<int64_t>(sub_hi[u] - j0, n)), L);
+        const int nc = c1 - c0;
+        // S [rs][c0, c1) = Q K^T for rows [r0, r0 + rs): GEMM_QK_N columns at a time (cache-dtype form), in one call
         // (fp32 form)
         const TC* qh = Q + (static_cast<size_t>(h) * rows_pad + r0) * ld_q;
         if constexpr (low) {
-          for (int c0 = 0; c0 < n_pad; c0 += GEMM_QK_N)
-            at::native::cpublas::brgemm(rs, std::min(GEMM_QK_N, n_pad - c0), d, ld_q, n_pad, n_pad, false, qh,
-                                        K + static_cast<size_t>(c0) * 2, S + c0, true);
+          for (int c = c0; c < c1; c += GEMM_QK_N)
+            at::native::cpublas::brgemm(rs, std::min(GEMM_QK_N, c1 - c), d, ld_q, n_pad, n_pad, false, qh,
+                                        K + static_cast<size_t>(c) * 2, S + c, true);
         } else {
-          at::native::cpublas::brgemm(rs, n_pad, d, ld_q, n_pad, n_pad, false, qh, K, S, false);
+          at::native::cpublas::brgemm(rs, nc, d, ld_q, n_pad, n_pad, false, qh, K + c0, S + c0, false);
         }
-        softmax_tile<TC>(pb, sc, r0, rs, j0, n, n_pad, S, P, m, l, acc, slope, qk_scale);
-        // acc [rows][dv_pad] += P V (reduction over n_pad: V's rows past n are zeros)
+        softmax_tile<TC>(pb, sc, r0, rs, j0 + c0, std::min(n, c1) - c0, nc, n_pad, S + c0, P + c0, m, l, acc, slope,
+                         qk_scale);
+        // acc [rows][dv_pad] += P V over the columns [c0, c1) (V's rows past n are zeros)
         float* acc0 = acc + static_cast<size_t>(r0) * dvp;
-        at::native::cpublas::brgemm(rs, dv, n_pad, n_pad, dv_n, dvp, true, P, V, acc0, low);
+        const TC* vc0 = V + static_cast<size_t>(c0) * dv_n;  // (the VNNI form: pair row c0 / 2 of 2 * dv_n values)
+        at::native::cpublas::brgemm(rs, dv, nc, n_pad, dv_n, dvp, true, P + c0, vc0, acc0, low);
       }
     }
   }
