@@ -152,13 +152,17 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
       for (; c + A * NW <= n; c += A * NW)
         for (int a = 0; a < A; ++a) step(a, c + a * NW);
       for (; c < n; c += NW) step(0, c);
+      for (int a = 1; a < A; ++a) {  // into one vector, then its lanes
+        const nvi more = vmax[a] > vmax[0];
+        vmax[0] = (nv)((more & (nvi)vmax[a]) | (~more & (nvi)vmax[0]));
+        vnan[0] |= vnan[a];
+      }
       mx = NEG_INF;
       int32_t any = 0;
-      for (int a = 0; a < A; ++a)
-        for (int i = 0; i < NW; ++i) {
-          mx = std::max(mx, vmax[a][i]);
-          any |= vnan[a][i];
-        }
+      for (int i = 0; i < NW; ++i) {
+        mx = std::max(mx, vmax[0][i]);
+        any |= vnan[0][i];
+      }
       nan = any != 0;
     };
     if (!whole) scale_and_mask();

@@ -113,6 +113,18 @@ class TestGemmPath(unittest.TestCase):
                         torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=0)
                         torch.testing.assert_close(lse.double(), want_lse, atol=TOL[dtype] * 4, rtol=0)
 
+    def test_sub_tile_columns_odd_shapes(self):
+        # each 256-row sub-tile multiplies only the columns of a KV tile its rows see (from the window's start to the
+        # causal diagonal, in multiples of 16): GQA 7, head_dim 80, tiles whose length is no multiple of 16 (600 =
+        # 512 + 88, 700 = 512 + 188 positions), the prompt's diagonal crossing sub-tiles, windows starting inside a
+        # tile, sink tokens
+        for dtype in (torch.float32, torch.bfloat16):
+            q, kc, vc, cu, lens, table = make_case(22, batch=2, q_lens=(600, 37), seq_lens=(600, 700), width=48,
+                                                   h_q=7, h_kv=1, d=80, dtype=dtype)
+            for kw in ({}, dict(window_left=100), dict(sink_tokens=4, window_left=37), dict(softcap=20.0)):
+                with self.subTest(dtype=dtype, kw=kw):
+                    self.check(q, kc, vc, cu, lens, table, kw, dtype)
+
     def test_fp8_caches_joint_and_padded_layouts_sinks(self):
         # the shared matrix's inputs: NaN in every unused slot and unreferenced block, fp8 with per-KV-head scales
         for layout, cache_dtype, extra in (("joint", None, {}), ("padded", None, dict(window_left=20)),
