@@ -17,7 +17,7 @@
 //   (AVX-512), 16.7 -> 15.2 and 71.0 -> 67.0 (AVX2 code: x86-64-v3 build, ONEDNN_MAX_CPU_ISA=AVX2, MKL AVX2).
 // * the cache dtype (TC = bf16 / fp16; low_precision_gemm: where oneDNN packs it (AMX), and for bf16 where the CPU
 //   has AVX512-BF16 dot products): Q as given and P in bf16, the scale applied to S, K / V in the VNNI layout (pairs
-//   along the reduction dim: K^T [d/2][n_pad][2], V [n_pad/2][dv_n][2]), fp32 accumulation: S in GEMM_QK_N-column
+//   along the reduction dim: K^T [d/2][GEMM_KV][2], V [n_pad/2][dv_n][2]), fp32 accumulation: S in GEMM_QK_N-column
 //   calls, P V in one call (64-column calls ran the AMX micro-kernel at half the rate). What torch's
 //   scaled_dot_product_attention computes on such hosts. Needs an even head_dim, no RoPE at read. All scratch is
 //   64-byte aligned (avec, vec.h).
@@ -25,11 +25,12 @@
 
 constexpr int GEMM_KV = 512;  // KV positions per GEMM tile (a multiple of GEMM_N)
 constexpr int GEMM_N = 64;  // K rows per register transpose block; S / P rows and V's row stride are rounded to it
+constexpr int GEMM_COLS = 64;  // a sub-tile's column range is rounded out to multiples of it
 constexpr int GEMM_QK_N = 256;  // S columns per Q K^T micro-kernel call (cache-dtype form)
 constexpr int GEMM_ROWS = 256;  // rows (queries x GQA group) per GEMM: the S / P tile is GEMM_ROWS x GEMM_KV
 constexpr int GEMM_ITEM_ROWS = 4 * GEMM_ROWS;  // rows per prefill work item: its GEMM_ROWS sub-tiles share each
                                                // gathered K / V tile
-constexpr int GEMM_MIN_ROWS = 32;  // rows per KV head from which an item takes this path
+constexpr int GEMM_MIN_ROWS = 32;  // rows per KV head from which an item takes this path (pad_rows: its multiple)
 
 struct GemmScratch {
   avec<float> s;  // S [rows][GEMM_KV] (fp32 form: then P in place)
@@ -244,6 +245,8 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
     TC* q = reinterpret_cast<TC*>(gs.q.data());
     const TQ* src = static_cast<const TQ*>(pb.q);
     const int64_t t0 = pb.cu[it.b] + it.q0;
+    for (int h = 0; h < nh; ++h)  // rows [rows, rows_pad): zeros (the GEMMs' M is rounded up to 8)
+      std::memset(q + (static_cast<size_t>(h) * rows_pad + rows) * d, 0, sizeof(TC) * (rows_pad - rows) * d);
     for (int h = 0; h < nh; ++h)
       for (int r = 0; r < rows; ++r) {
         const TQ* row = src + (t0 + r / pb.group) * pb.sq[0] + static_cast<int64_t>(h * pb.group + r % pb.group) * pb.sq[1];
@@ -284,7 +287,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
   };
   for (int64_t j0 = lo; j0 < hi; j0 += GEMM_KV) {
     const int n = static_cast<int>(std::min<int64_t>(GEMM_KV, hi - j0));
-    const int n_pad = round_up(n, GEMM_N);  // S / P row stride; K^T columns; V rows (zeros past n)
+    const int n_pad = round_up(n, GEMM_N);  // V's rows (zeros past n)
     if (pb.rope_freq) {  // cos / sin of the tile's positions (relative to the sequence start), angles in double
       for (int t = 0; t < n; ++t)
         for (int i = 0; i < half; ++i) {
@@ -298,7 +301,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
     if (!any) continue;
     for (int h = 0; h < nh; ++h) {
       // gather the tile's K / V rows of KV head h (positions < hi of blocks the table references: nothing else)
-      // into K^T [d][n_pad] and V [n_pad][dv_n] (fp32), or their VNNI forms
+      // into K^T [d][GEMM_KV] and V [n_pad][dv_n] (fp32), or their VNNI forms
       // K^T columns past n are left stale (their scores are never read); V rows past n must be zeros (their P is 0,
       // and 0 x NaN is NaN): the token pairs from n / 2 * 2 on
       if constexpr (low) {
@@ -317,9 +320,9 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
           if (pb.sk[3] == 1 && (d / 2) % L == 0) {  // a pair of dims is one 32-bit word: K^T's VNNI form is a
             std::memcpy(gs.krows.data() + static_cast<size_t>(tc) * (d / 2), ks, sizeof(TC) * d);  // word transpose
             if (tc == GEMM_N - 1 || t == n - 1)
-              turn(d / 2, reinterpret_cast<uint32_t*>(K) + static_cast<size_t>(tb) * GEMM_N, n_pad, tc);
+              turn(d / 2, reinterpret_cast<uint32_t*>(K) + static_cast<size_t>(tb) * GEMM_N, GEMM_KV, tc);
           } else {
-            for (int e = 0; e < d; ++e) K[vnni(e, t, n_pad)] = ks[e * pb.sk[3]];
+            for (int e = 0; e < d; ++e) K[vnni(e, t, GEMM_KV)] = ks[e * pb.sk[3]];
           }
           if (pb.sv[3] == 1 && dv % 16 == 0 && (t & 1)) {  // the pair (t - 1, t), 16 dims at a time
             const uint16_t* a = reinterpret_cast<const uint16_t*>(vprev);
@@ -350,9 +353,9 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
             }
           }
           if (d % L == 0) {
-            if (tc == GEMM_N - 1 || t == n - 1) turn(d, reinterpret_cast<uint32_t*>(K) + tb * GEMM_N, n_pad, tc);
+            if (tc == GEMM_N - 1 || t == n - 1) turn(d, reinterpret_cast<uint32_t*>(K) + tb * GEMM_N, GEMM_KV, tc);
           } else {
-            for (int e = 0; e < d; ++e) K[static_cast<size_t>(e) * n_pad + t] = kr[e];
+            for (int e = 0; e < d; ++e) K[static_cast<size_t>(e) * GEMM_KV + t] = kr[e];
           }
           load_row(vs, pb.sv[3], dv, V + static_cast<size_t>(t) * dv_n, dv);
         }
@@ -368,27 +371,34 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
       for (int u = 0; u < subs; ++u) {
         if (!sees(u, j0, n)) continue;
         const int r0 = u * GEMM_ROWS, rs = std::min(GEMM_ROWS, rows - r0);
+        // the GEMMs' M: rs rounded up to 32 (pad_rows; rows past `rows`: zero queries, never finalized) and the
+        // columns to GEMM_COLS, with fixed row strides, so that few distinct micro-kernels are generated: oneDNN JITs
+        // one per shape (~55 us) and keeps it per thread for the process's life (fp32, 3000 chunked prefills of
+        // varied lengths, 1 thread, AMD EPYC Zen 4: +131 MB RSS at M / columns rounded to 8 / 16, +54 at 8 / 64)
+        const int rm = std::min(round_up(rs, 32), rows_pad - r0);
         // the sub-tile's columns [c0, c1) of the tile: those its rows see (the causal diagonal, a window's start),
-        // widened to multiples of L (V's rows past n are zeros)
-        const int c0 = static_cast<int>(std::max<int64_t>(sub_lo[u] - j0, 0)) / L * L;
-        const int c1 = round_up(static_cast<int>(std::min<int64_t>(sub_hi[u] - j0, n)), L);
+        // widened to multiples of GEMM_COLS (V's rows past n are zeros)
+        const int c0 = static_cast<int>(std::max<int64_t>(sub_lo[u] - j0, 0)) / GEMM_COLS * GEMM_COLS;
+        const int c1 = round_up(static_cast<int>(std::min<int64_t>(sub_hi[u] - j0, n)), GEMM_COLS);
         const int nc = c1 - c0;
-        // S [rs][c0, c1) = Q K^T for rows [r0, r0 + rs): GEMM_QK_N columns at a time (cache-dtype form), in one call
-        // (fp32 form)
+        // S [rm][c0, c1) = Q K^T for rows [r0, r0 + rm): GEMM_QK_N columns at a time (cache-dtype form), in one call
+        // (fp32 form); every row stride of K^T, S and P is GEMM_KV
         const TC* qh = Q + (static_cast<size_t>(h) * rows_pad + r0) * ld_q;
         if constexpr (low) {
           for (int c = c0; c < c1; c += GEMM_QK_N)
-            at::native::cpublas::brgemm(rs, std::min(GEMM_QK_N, c1 - c), d, ld_q, n_pad, n_pad, false, qh,
+            at::native::cpublas::brgemm(rm, std::min(GEMM_QK_N, c1 - c), d, ld_q, GEMM_KV, GEMM_KV, false, qh,
                                         K + static_cast<size_t>(c) * 2, S + c, true);
+          for (int r = rs; r < rm; ++r)  // P's padding rows: zeros (their products go to padding rows of acc)
+            std::memset(P + static_cast<size_t>(r) * GEMM_KV + c0, 0, sizeof(TC) * nc);
         } else {
-          at::native::cpublas::brgemm(rs, nc, d, ld_q, n_pad, n_pad, false, qh, K + c0, S + c0, false);
+          at::native::cpublas::brgemm(rm, nc, d, ld_q, GEMM_KV, GEMM_KV, false, qh, K + c0, S + c0, false);
         }
-        softmax_tile<TC>(pb, sc, r0, rs, j0 + c0, std::min(n, c1) - c0, nc, n_pad, S + c0, P + c0, m, l, acc, slope,
+        softmax_tile<TC>(pb, sc, r0, rs, j0 + c0, std::min(n, c1) - c0, nc, GEMM_KV, S + c0, P + c0, m, l, acc, slope,
                          qk_scale);
         // acc [rows][dv_pad] += P V over the columns [c0, c1) (V's rows past n are zeros)
         float* acc0 = acc + static_cast<size_t>(r0) * dvp;
         const TC* vc0 = V + static_cast<size_t>(c0) * dv_n;  // (the VNNI form: pair row c0 / 2 of 2 * dv_n values)
-        at::native::cpublas::brgemm(rs, dv, nc, n_pad, dv_n, dvp, true, P + c0, vc0, acc0, low);
+        at::native::cpublas::brgemm(rm, dv, nc, GEMM_KV, dv_n, dvp, true, P + c0, vc0, acc0, low);
       }
     }
   }
