@@ -6,7 +6,7 @@
 // Per tile of up to GEMM_KV positions (outer) and KV head (inner): the tile's K and V rows are gathered from their
 // blocks into scratch in the layout the GEMM reads (read once, in their stored dtype, for all of the item's up to
 // GEMM_ITEM_ROWS rows, which then go through the GEMMs GEMM_ROWS at a time: softmax_tile; each such sub-tile multiplies
-// only the tile's columns its rows see, from the first to the last visible position rounded out to 16), S = Q K^T,
+// only the tile's columns its rows see, from the first to the last visible position rounded out to 64), S = Q K^T,
 // masking / softcap / ALiBi / custom mask are the register kernel's (mask_scores), the online softmax is per row over
 // those columns (in hardware-width vectors), and acc = acc * alpha + P V. Every GEMM is a call of
 // at::native::cpublas::brgemm (oneDNN's brgemm ukernel, what torch's CPU flash attention and Inductor's CPP GEMM

@@ -115,7 +115,7 @@ class TestGemmPath(unittest.TestCase):
 
     def test_sub_tile_columns_odd_shapes(self):
         # each 256-row sub-tile multiplies only the columns of a KV tile its rows see (from the window's start to the
-        # causal diagonal, in multiples of 16): GQA 7, head_dim 80, tiles whose length is no multiple of 16 (600 =
+        # causal diagonal, in multiples of 64): GQA 7, head_dim 80, tiles whose length is no multiple of 16 (600 =
         # 512 + 88, 700 = 512 + 188 positions), the prompt's diagonal crossing sub-tiles, windows starting inside a
         # tile, sink tokens
         for dtype in (torch.float32, torch.bfloat16):
