@@ -111,7 +111,7 @@ inline void store_bf16(c10::BFloat16* dst, nv p) {
 }
 
 // The online softmax of rows [r0, r0 + rs) over n KV positions from j0: S [rs][n_pad] (fp32 scores, row stride ld,
-// n_pad a multiple of L) is scaled (qk_scale: the cache-dtype form's softmax scale), masked (mask_scores: softcap,
+// n_pad a multiple of GEMM_COLS, itself one of the 4 vectors of a vexpn_k step) is scaled (qk_scale: the cache-dtype form's softmax scale), masked (mask_scores: softcap,
 // ALiBi, the rows' ranges, the custom mask), its exp is P [rs][n_pad] in TC (row stride ld; in place over S in the
 // fp32 form; bf16 rounded to nearest even; zeros from n on), and m, l, acc of the rows (indexed by row) are rescaled.
 // A row that sees all n positions with nothing to mask (prefill's cached positions) is read as stored: its max is
@@ -189,6 +189,7 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
     const float m_new = std::max(m[r], mx), alpha = std::exp(m[r] - m_new);  // 0 when m was -inf
     nv sum{};
     constexpr int K = 4;  // vectors per step: vexpn_k interleaves them
+    static_assert(GEMM_COLS % (K * NW) == 0, "a sub-tile's column range is whole steps");
     for (int c0 = 0; c0 < n_pad; c0 += K * NW) {
       nv p[K];
       for (int k = 0; k < K; ++k) {
@@ -198,7 +199,6 @@ void softmax_tile(const Problem& pb, const Scratch& sc, int r0, int rs, int64_t 
       vexpn_k<K>(p);
       for (int k = 0; k < K; ++k) {
         const int c = c0 + k * NW;
-        if (c >= n_pad) break;  // (past n_pad: the next row's S in the fp32 form)
         sum += p[k];
         if constexpr (std::is_same_v<TC, c10::BFloat16>) {
           store_bf16(pr + c, p[k]);
@@ -374,7 +374,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
         // the GEMMs' M: rs rounded up to 32 (pad_rows; rows past `rows`: zero queries, never finalized) and the
         // columns to GEMM_COLS, with fixed row strides, so that few distinct micro-kernels are generated: oneDNN JITs
         // one per shape (~55 us) and keeps it per thread for the process's life (fp32, 3000 chunked prefills of
-        // varied lengths, 1 thread, AMD EPYC Zen 4: +131 MB RSS at M / columns rounded to 8 / 16, +54 at 8 / 64)
+        // varied lengths, 1 thread, AMD EPYC Zen 4, AVX-512 build: +131 MB RSS at M / columns rounded to 8 / 16, +54 at 8 / 64)
         const int rm = std::min(round_up(rs, 32), rows_pad - r0);
         // the sub-tile's columns [c0, c1) of the tile: those its rows see (the causal diagonal, a window's start),
         // widened to multiples of GEMM_COLS (V's rows past n are zeros)

@@ -25,17 +25,11 @@ HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 
 
 def bf16_dots() -> bool:
-    """Whether this host's oneDNN multiplies bf16 with the CPU's own bf16 instructions (AVX512-BF16 or AMX-BF16, read
-    from /proc/cpuinfo) and no ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA caps it: where the GEMM path takes its bf16
-    form."""
+    """Whether this host's oneDNN multiplies bf16 with the CPU's own bf16 instructions (AVX512-BF16 or AMX-BF16 among
+    the CPU's flags) and no ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA caps it: where the GEMM path takes its bf16 form."""
     if os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"):
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return bool(set(native._cpu_flags().split()) & {"avx512_bf16", "amx_bf16"})
 
 
 def gemm_calls(fn):
