@@ -151,33 +151,44 @@ template <int NV = 1>
 inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0, int n, float* m, vf* lv,
                            const float* slope) {
   constexpr int W = NV * L;
-  const float* S = sc.s.data();
+  float* S = sc.s.data();
   float* P = sc.p.data();
   float* alpha = sc.alpha.data();
   // masks only where some row needs them: softcap, ALiBi, a custom mask, a row's range not covering the chunk
   bool plain = !(pb.softcap > 0.f) && !slope && !pb.mask && n == W;
   for (int r = 0; plain && r < rows; ++r) plain = sc.row_lo[r] <= j0 && j0 + W <= sc.row_hi[r];
-  // 1. per row: masks, the running max and alpha; P holds S - m (-inf where nothing is visible: exp gives 0)
+  // 1. per row: masks, the running max and alpha; P holds S - m (-inf where nothing is visible: exp gives 0). The row
+  // is handled as VR hardware-width parts (nv): on AVX2 a 16-lane vf lives on the stack, and its loads and stores went
+  // through 16-byte moves that 32-byte loads then read back (store-forwarding stalls: perf, x86-64-v3 build,
+  // Qwen2.5-0.5B bf16 decode, a quarter of online_softmax's samples on one such load)
+  constexpr int VR = W / NW;  // hardware-width parts of a row
   for (int r = 0; r < rows; ++r) {
-    vf s[NV];
-    for (int v = 0; v < NV; ++v) {
-      s[v] = loadu(S + r * W + v * L);
-      if (!plain) mask_scores(pb, sc, r, j0 + v * L, std::clamp(n - v * L, 0, L), s[v], slope);
-    }
+    float* Sr = S + r * W;
+    if (!plain)  // masked in place (S is scratch: read again only below)
+      for (int v = 0; v < NV; ++v) {
+        vf x = loadu(Sr + v * L);
+        mask_scores(pb, sc, r, j0 + v * L, std::clamp(n - v * L, 0, L), x, slope);
+        storeu(Sr + v * L, x);
+      }
+    nv s[VR];
+    for (int k = 0; k < VR; ++k) s[k] = loadn(Sr + k * NW);
     // the running max is raised only when a score passes it by more than RESCALE_SLACK (as FlashAttention-4 does):
     // P = exp(S - m) stays below 256, and most chunks skip the max over lanes and alpha (a NaN score
     // passes nothing: it reaches P and l as below)
     if (m[r] != NEG_INF) {
       bool over = false;
-      for (int v = 0; v < NV; ++v) over |= any_gt(s[v], m[r] + RESCALE_SLACK);
+      for (int k = 0; k < VR; ++k) over |= any_gt_n(s[k], m[r] + RESCALE_SLACK);
       if (!over) {
         alpha[r] = 1.f;
-        for (int v = 0; v < NV; ++v) storeu(P + r * W + v * L, s[v] - m[r]);
+        for (int k = 0; k < VR; ++k) storen(P + r * W + k * NW, s[k] - m[r]);
         continue;
       }
     }
-    vf mx = s[0];
-    for (int v = 1; v < NV; ++v) mx = vsel(vgt(s[v], mx), s[v], mx);
+    nv mp[NH];  // the lane-wise max over the row's 16-lane vectors, then over lanes
+    for (int k = 0; k < NH; ++k) mp[k] = s[k];
+    for (int k = NH; k < VR; ++k) mp[k % NH] = (nv)((s[k] > mp[k % NH] & (nvi)s[k]) | (~(s[k] > mp[k % NH]) & (nvi)mp[k % NH]));
+    vf mx;
+    std::memcpy(&mx, mp, sizeof mx);
     // a visible key's NaN score (NaN in q or K, a NaN slope) makes the row NaN, as SDPA's: the max over lanes drops
     // NaN, so with a finite max the NaN lanes reach exp, P and l (finalize then writes NaN); only a chunk whose
     // other lanes are all masked needs the explicit check
@@ -186,9 +197,9 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
       alpha[r] = 1.f;
       if (mc == NEG_INF) {
         bool nan = false;
-        for (int v = 0; v < NV; ++v) {
-          nan |= any_nan(s[v]);
-          storeu(P + r * W + v * L, splat(NEG_INF));
+        for (int k = 0; k < VR; ++k) {
+          nan |= any_nan_n(s[k]);
+          storen(P + r * W + k * NW, nv{} + NEG_INF);
         }
         if (nan) lv[r] = splat(std::numeric_limits<float>::quiet_NaN());
         continue;
@@ -197,21 +208,23 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
       alpha[r] = std::exp(m[r] - mc);  // 0 when m was -inf
       m[r] = mc;
     }
-    for (int v = 0; v < NV; ++v) storeu(P + r * W + v * L, s[v] - m[r]);
+    for (int k = 0; k < VR; ++k) storen(P + r * W + k * NW, s[k] - m[r]);
   }
   // 2. P = exp(P) in place, two rows per step (vexpn_k interleaves their vectors' polynomial steps), and the rows'
-  // per-lane sums lv = lv * alpha + P
-  constexpr int VR = W / NW;  // hardware-width vectors per row
+  // per-lane sums lv = lv * alpha + P (part k of a row adds to lane part k mod NH of lv, in the row's order)
   auto exp_rows = [&](int r0, auto two) {
-    constexpr int K = decltype(two)::value ? 2 * VR : VR;
+    constexpr int R = decltype(two)::value ? 2 : 1, K = R * VR;
     nv x[K];
     for (int k = 0; k < K; ++k) x[k] = loadn(P + r0 * W + k * NW);
     vexpn_k<K>(x);
     for (int k = 0; k < K; ++k) storen(P + r0 * W + k * NW, x[k]);
-    for (int r = r0; r < r0 + (decltype(two)::value ? 2 : 1); ++r) {
-      vf sum = lv[r] * alpha[r];
-      for (int v = 0; v < NV; ++v) sum += loadu(P + r * W + v * L);
-      lv[r] = sum;
+    for (int i = 0; i < R; ++i) {
+      float* l = reinterpret_cast<float*>(&lv[r0 + i]);
+      for (int h = 0; h < NH; ++h) {
+        nv sum = loadn(l + h * NW) * alpha[r0 + i];
+        for (int k = h; k < VR; k += NH) sum += x[i * VR + k];
+        storen(l + h * NW, sum);
+      }
     }
   };
   int r = 0;

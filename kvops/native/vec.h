@@ -103,6 +103,23 @@ inline bool any_gt(vf v, float th) {
   return any;
 #endif
 }
+// any_gt and any_nan of one hardware-width vector (the softmax's row parts)
+inline bool any_gt_n(nv v, float th) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(th), _CMP_GT_OQ) != 0;
+#elif defined(__AVX2__)
+  return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_set1_ps(th), _CMP_GT_OQ)) != 0;
+#else
+  bool any = false;
+  for (int i = 0; i < NW; ++i) any |= v[i] > th;
+  return any;
+#endif
+}
+inline bool any_nan_n(nv v) {
+  bool any = false;
+  for (int i = 0; i < NW; ++i) any |= v[i] != v[i];
+  return any;
+}
 // whether a lane is NaN (a visible key's NaN score makes its row NaN, as SDPA's: the kernels check it explicitly,
 // because a max over lanes may drop a NaN)
 inline bool any_nan(vf v) {
