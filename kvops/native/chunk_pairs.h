@@ -141,7 +141,7 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
   }
   online_softmax<NV>(pb, sc, rows, j0, n, m, lv, slope);
   // acc = acc * alpha + P V: WP groups of 2 * NW dims per pass where the registers hold both halves of a group for RB
-  // rows; otherwise (AVX2 at RB 8) the even, then the odd dims of each group
+  // rows; otherwise (AVX2 at RB > 4) two blocks of rows
   const int groups = dvp / (2 * NW);
   constexpr int WP = ACC_REGS / (2 * RB);
   if constexpr (WP >= 1) {
@@ -149,23 +149,16 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
     for (; g + WP <= groups; g += WP) pv_words<RB, WP, W>(P, alpha, vp, n, g, rows_pad, dvp, acc, pf);
     for (; g < groups; ++g) pv_words<RB, 1, W>(P, alpha, vp, n, g, rows_pad, dvp, acc, pf);
   } else {
-    for (int g0 = 0; g0 < dvp; g0 += 2 * NW) {
-      for (int odd = 0; odd < 2; ++odd) {
-        float* ab = acc + g0 + odd * NW;
-        for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-          nv a[RB];
-          for (int i = 0; i < RB; ++i) a[i] = loadn(ab + static_cast<size_t>(r0 + i) * dvp) * alpha[r0 + i];
-          for (int t = 0; t < n; ++t) {
-            pf.step();
-            nv w;
-            std::memcpy(&w, vp[t] + g0, sizeof w);
-            const nv vv = odd ? odd_dims(w) : even_dims(w);
-            for (int i = 0; i < RB; ++i) a[i] += P[(r0 + i) * W + t] * vv;
-          }
-          for (int i = 0; i < RB; ++i) storen(ab + static_cast<size_t>(r0 + i) * dvp, a[i]);
-        }
+    // AVX2 at RB > 4: each block of RB rows as two of R1 and RB - R1 rows, both halves of a group at once (one V word
+    // load and two integer ops per R1 rows; per row a P broadcast feeds two FMAs). The even, then the odd dims of all
+    // RB rows (one broadcast per FMA, a V load per half) was slower: x86-64-v3 build, Qwen2.5-0.5B bf16 decode at GQA 7
+    constexpr int R1 = (RB + 1) / 2, R2 = RB - R1;
+    for (int r0 = 0; r0 < rows_pad; r0 += RB)
+      for (int g = 0; g < groups; ++g) {
+        pv_words<R1, 1, W>(P + r0 * W, alpha + r0, vp, n, g, R1, dvp, acc + static_cast<size_t>(r0) * dvp, pf);
+        pv_words<R2, 1, W>(P + (r0 + R1) * W, alpha + r0 + R1, vp, n, g, R2, dvp,
+                           acc + static_cast<size_t>(r0 + R1) * dvp, pf);
       }
-    }
   }
   pf.rest();
 }
