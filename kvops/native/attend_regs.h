@@ -147,11 +147,13 @@ constexpr float RESCALE_SLACK = 5.5451774f;
 // (mask_scores), running max m, per-lane sums lv, the rescale alpha of each row's accumulator (sc.alpha) and
 // P = exp(S - m) (sc.p, the same layout; m raised lazily: RESCALE_SLACK); lane c is position j0 + c. Shared by chunk
 // (NV = 1), chunk_pairs and chunk_dot.
+// Out of line: where GCC inlined it, chunk_dot (its caller) no longer was inlined into attend (AVX-512 build, Qwen2.5-0.5B
+// bf16 decode ~3% slower).
 template <int NV = 1>
-inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0, int n, float* m, vf* lv,
-                           const float* slope) {
+__attribute__((noinline)) void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0, int n, float* m,
+                                               vf* lv, const float* slope) {
   constexpr int W = NV * L;
-  float* S = sc.s.data();
+  const float* S = sc.s.data();
   float* P = sc.p.data();
   float* alpha = sc.alpha.data();
   // masks only where some row needs them: softcap, ALiBi, a custom mask, a row's range not covering the chunk
@@ -163,15 +165,17 @@ inline void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0,
   // Qwen2.5-0.5B bf16 decode, a quarter of online_softmax's samples on one such load)
   constexpr int VR = W / NW;  // hardware-width parts of a row
   for (int r = 0; r < rows; ++r) {
-    float* Sr = S + r * W;
-    if (!plain)  // masked in place (S is scratch: read again only below)
-      for (int v = 0; v < NV; ++v) {
+    const float* Sr = S + r * W;
+    nv s[VR];
+    for (int v = 0; v < NV; ++v) {
+      if (plain) {
+        for (int h = 0; h < NH; ++h) s[v * NH + h] = loadn(Sr + v * L + h * NW);
+      } else {
         vf x = loadu(Sr + v * L);
         mask_scores(pb, sc, r, j0 + v * L, std::clamp(n - v * L, 0, L), x, slope);
-        storeu(Sr + v * L, x);
+        std::memcpy(&s[v * NH], &x, sizeof x);
       }
-    nv s[VR];
-    for (int k = 0; k < VR; ++k) s[k] = loadn(Sr + k * NW);
+    }
     // the running max is raised only when a score passes it by more than RESCALE_SLACK (as FlashAttention-4 does):
     // P = exp(S - m) stays below 256, and most chunks skip the max over lanes and alpha (a NaN score
     // passes nothing: it reaches P and l as below)
