@@ -280,12 +280,15 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
     }
   if (NV == 1 && pb.rope_freq) {  // RoPE at read time: turn the 16 keys by their positions (sc.rc / sc.rs, set by attend)
     const int half = pb.d / 2;
-    for (int i = 0; i < half; ++i) {
-      const vf a = loadu(kt + static_cast<size_t>(i) * L), b = loadu(kt + static_cast<size_t>(i + half) * L);
-      const vf c = loadu(sc.rc.data() + static_cast<size_t>(i) * L), sn = loadu(sc.rs.data() + static_cast<size_t>(i) * L);
-      storeu(kt + static_cast<size_t>(i) * L, a * c - b * sn);
-      storeu(kt + static_cast<size_t>(i + half) * L, b * c + a * sn);
-    }
+    for (int i = 0; i < half; ++i)  // per hardware-width part (nv: on AVX2 a 16-lane vf round-trips the stack)
+      for (int k = 0; k < L; k += NW) {
+        float* x1 = kt + static_cast<size_t>(i) * L + k;
+        float* x2 = kt + static_cast<size_t>(i + half) * L + k;
+        const nv a = loadn(x1), b = loadn(x2);
+        const nv c = loadn(sc.rc.data() + static_cast<size_t>(i) * L + k), sn = loadn(sc.rs.data() + static_cast<size_t>(i) * L + k);
+        storen(x1, a * c - b * sn);
+        storen(x2, b * c + a * sn);
+      }
   }
   // scores: S[r] = q_r . k_t for the W tokens, RB rows at a time (each query broadcast feeds NV FMAs, each kt load RB);
   // NA accumulator sets (dims e = j mod NA, NA a power of 2) keep about ACC_REGS (vec.h) FMA chains in flight
