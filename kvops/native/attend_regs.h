@@ -147,8 +147,8 @@ constexpr float RESCALE_SLACK = 5.5451774f;
 // (mask_scores), running max m, per-lane sums lv, the rescale alpha of each row's accumulator (sc.alpha) and
 // P = exp(S - m) (sc.p, the same layout; m raised lazily: RESCALE_SLACK); lane c is position j0 + c. Shared by chunk
 // (NV = 1), chunk_pairs and chunk_dot.
-// Out of line: where GCC inlined it, chunk_dot (its caller) no longer was inlined into attend (AVX-512 build, Qwen2.5-0.5B
-// bf16 decode ~3% slower).
+// Out of line: where GCC inlined it, chunk_dot (its caller) no longer was inlined into attend (AVX-512 build,
+// Qwen2.5-0.5B bf16 decode ~3% slower).
 template <int NV = 1>
 __attribute__((noinline)) void online_softmax(const Problem& pb, Scratch& sc, int rows, int64_t j0, int n, float* m,
                                                vf* lv, const float* slope) {
@@ -190,7 +190,10 @@ __attribute__((noinline)) void online_softmax(const Problem& pb, Scratch& sc, in
     }
     nv mp[NH];  // the lane-wise max over the row's 16-lane vectors, then over lanes
     for (int k = 0; k < NH; ++k) mp[k] = s[k];
-    for (int k = NH; k < VR; ++k) mp[k % NH] = (nv)((s[k] > mp[k % NH] & (nvi)s[k]) | (~(s[k] > mp[k % NH]) & (nvi)mp[k % NH]));
+    for (int k = NH; k < VR; ++k) {
+      const nvi gt = s[k] > mp[k % NH];
+      mp[k % NH] = (nv)((gt & (nvi)s[k]) | (~gt & (nvi)mp[k % NH]));
+    }
     vf mx;
     std::memcpy(&mx, mp, sizeof mx);
     // a visible key's NaN score (NaN in q or K, a NaN slope) makes the row NaN, as SDPA's: the max over lanes drops
@@ -285,7 +288,8 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
         float* x1 = kt + static_cast<size_t>(i) * L + k;
         float* x2 = kt + static_cast<size_t>(i + half) * L + k;
         const nv a = loadn(x1), b = loadn(x2);
-        const nv c = loadn(sc.rc.data() + static_cast<size_t>(i) * L + k), sn = loadn(sc.rs.data() + static_cast<size_t>(i) * L + k);
+        const nv c = loadn(sc.rc.data() + static_cast<size_t>(i) * L + k);
+        const nv sn = loadn(sc.rs.data() + static_cast<size_t>(i) * L + k);
         storen(x1, a * c - b * sn);
         storen(x2, b * c + a * sn);
       }

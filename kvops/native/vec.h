@@ -87,23 +87,8 @@ inline vi visnan(vf a) { return cmp_parts(a, a, [](auto x, auto y) { return x !=
 inline vi ilt(vi a, vi b) { return cmp_parts(a, b, [](auto x, auto y) { return x < y; }); }
 inline vi ige(vi a, vi b) { return cmp_parts(a, b, [](auto x, auto y) { return x >= y; }); }
 inline vi ine(vi a, vi b) { return cmp_parts(a, b, [](auto x, auto y) { return x != y; }); }
-// whether a lane is greater than th (false for NaN lanes)
-inline bool any_gt(vf v, float th) {
-#if defined(__AVX512F__)
-  return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(th), _CMP_GT_OQ) != 0;
-#elif defined(__AVX2__)
-  __m256 h[2];
-  std::memcpy(h, &v, sizeof v);
-  const __m256 t = _mm256_set1_ps(th);
-  return (_mm256_movemask_ps(_mm256_cmp_ps(h[0], t, _CMP_GT_OQ)) |
-          _mm256_movemask_ps(_mm256_cmp_ps(h[1], t, _CMP_GT_OQ))) != 0;
-#else
-  bool any = false;
-  for (int i = 0; i < L; ++i) any |= v[i] > th;
-  return any;
-#endif
-}
-// any_gt and any_nan of one hardware-width vector (the softmax's row parts)
+// whether a lane of one hardware-width vector is greater than th (false for NaN lanes), or is NaN (the softmax's
+// row parts)
 inline bool any_gt_n(nv v, float th) {
 #if defined(__AVX512F__)
   return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(th), _CMP_GT_OQ) != 0;
