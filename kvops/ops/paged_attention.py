@@ -209,7 +209,8 @@ def paged_attention(
             ``position / rope_scale * rope_theta ** (-2i / D)`` inside the kernel; q's position is its sequence
             position ``pos - cache_leftpad``, a key's its row ``j - cache_leftpad``. With ``sink_tokens`` and a
             window the kept keys take contiguous positions (StreamingLLM): a sink is seen at distance
-            ``pos - gap - j`` with ``gap = max(0, pos - window_left - sink_end)``. ``None``: no rotation.
+            ``pos - gap - j`` with ``gap = max(0, pos - window_left - sink_end)``, ``sink_end = cache_leftpad +
+            sink_tokens`` (the first key past the sinks). ``None``: no rotation.
         custom_mask: bool ``[sum_b q_len_b ** 2]``: a mask among each sequence's new keys (docs/tree-mask.md,
             FlashInfer's ``custom_mask`` restricted to the new keys), e.g. a speculative draft tree's: sequence
             ``b``'s ``q_len_b x q_len_b`` block, row-major (query row ``i``, new key ``c``, True = visible), the
@@ -222,17 +223,19 @@ def paged_attention(
             ``packbits``/``segment_packbits`` with ``bitorder="little"``). At most one of the two.
 
     Returns:
-        ``out [T_q, H_q, D_v]`` in q's dtype (fp32 accumulation), or ``(out, lse)`` with ``lse [H_q, T_q]`` float32,
-        natural log (FlashAttention's varlen ``softmax_lse`` layout) of the softmax denominator **including the sink
-        term** ``exp(sinks[h])`` (as FlashAttention's ``learnable_sink`` in ``flash_attn/cute``), so
-        ``out == sum_j exp(s_j - lse) v_j`` holds in every case. A query with no visible key gets ``out = 0``
-        (never NaN) and ``lse = -inf`` (or ``sinks[h]`` when sinks are given). GQA: query head ``h`` reads KV head
-        ``h // (H_q // H_kv)``. Values stored in slots at or beyond ``seq_len`` never reach the output, even when
-        NaN/inf; a NaN score of a visible key (NaN in q or K) makes the query's output and LSE NaN, as SDPA's math
-        backend's (docs/semantics.md). The native CPU kernel's output is guaranteed finite while max ``|v|`` times
+        ``out [T_q, H_q, D_v]`` in q's dtype (fp32 accumulation; for 16-bit inputs the native CPU kernel's low-precision
+        GEMM form and its AVX512-BF16 decode form round the probabilities P to that dtype before P V, as FlashAttention
+        and PyTorch's CPU flash attention do: docs/native-kernel.md, "Which form the GEMM path takes"), or
+        ``(out, lse)`` with ``lse [H_q, T_q]`` float32, natural log (FlashAttention's varlen ``softmax_lse`` layout)
+        of the softmax denominator **including the sink term** ``exp(sinks[h])`` (as FlashAttention's
+        ``learnable_sink`` in ``flash_attn/cute``), so ``out == sum_j exp(s_j - lse) v_j`` holds in every case. A query with no visible key
+        gets ``out = 0`` (never NaN) and ``lse = -inf`` (or ``sinks[h]`` when sinks are given). GQA: query head ``h``
+        reads KV head ``h // (H_q // H_kv)``. Values stored in slots at or beyond ``seq_len`` never reach the output,
+        even when NaN/inf; a NaN score of a visible key (NaN in q or K) makes the query's output and LSE NaN, as SDPA's
+        math backend's (docs/semantics.md). The native CPU kernel's output is guaranteed finite while max ``|v|`` times
         the number of visible keys stays below the fp32 maximum / 256 (1.3e36; its lazy softmax rescale), the other
-        kernels' below the fp32 maximum (docs/native-kernel.md, "Lazy rescale").
-        Windows and ``sink_tokens`` of ``2**31`` or more (e.g. ``sys.maxsize``) are unbounded.
+        kernels' below the fp32 maximum (docs/native-kernel.md, "Lazy rescale"). Windows and ``sink_tokens`` of
+        ``2**31`` or more (e.g. ``sys.maxsize``) are unbounded.
 
     Raises:
         ValueError: ``kv_layout`` not "NHD"/"HND"; ``"v_cache must be provided"``; ``block_size``, ``H_kv`` or a
