@@ -111,8 +111,8 @@ inline void store_bf16(c10::BFloat16* dst, nv p) {
 }
 
 // The online softmax of rows [r0, r0 + rs) over n KV positions from j0: S [rs][n_pad] (fp32 scores, row stride ld,
-// n_pad a multiple of GEMM_COLS, itself one of the 4 vectors of a vexpn_k step) is scaled (qk_scale: the cache-dtype form's softmax scale), masked (mask_scores: softcap,
-// ALiBi, the rows' ranges, the custom mask), its exp is P [rs][n_pad] in TC (row stride ld; in place over S in the
+// n_pad a multiple of GEMM_COLS: whole vexpn_k steps of 4 vectors) is scaled (qk_scale: the cache-dtype form's
+// softmax scale), masked (mask_scores: softcap, ALiBi, the rows' ranges, the custom mask), its exp is P [rs][n_pad] in TC (row stride ld; in place over S in the
 // fp32 form; bf16 rounded to nearest even; zeros from n on), and m, l, acc of the rows (indexed by row) are rescaled.
 // A row that sees all n positions with nothing to mask (prefill's cached positions) is read as stored: its max is
 // max(S) * qk_scale (the scale is positive, so the same value) and P = exp(S * qk_scale - m) in one FMA, without a
@@ -245,7 +245,7 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
     TC* q = reinterpret_cast<TC*>(gs.q.data());
     const TQ* src = static_cast<const TQ*>(pb.q);
     const int64_t t0 = pb.cu[it.b] + it.q0;
-    for (int h = 0; h < nh; ++h)  // rows [rows, rows_pad): zeros (the GEMMs' M is rounded up to 8)
+    for (int h = 0; h < nh; ++h)  // rows [rows, rows_pad): zeros (the GEMMs' M is rounded up to 32)
       std::memset(q + (static_cast<size_t>(h) * rows_pad + rows) * d, 0, sizeof(TC) * (rows_pad - rows) * d);
     for (int h = 0; h < nh; ++h)
       for (int r = 0; r < rows; ++r) {
@@ -374,7 +374,8 @@ void attend_gemm(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int 
         // the GEMMs' M: rs rounded up to 32 (pad_rows; rows past `rows`: zero queries, never finalized) and the
         // columns to GEMM_COLS, with fixed row strides, so that few distinct micro-kernels are generated: oneDNN JITs
         // one per shape (~55 us) and keeps it per thread for the process's life (fp32, 3000 chunked prefills of
-        // varied lengths, 1 thread, AMD EPYC Zen 4, AVX-512 build: +131 MB RSS at M / columns rounded to 8 / 16, +54 at 8 / 64)
+        // varied lengths, 1 thread, AMD EPYC Zen 4, AVX-512 build: +131 MB RSS at M / columns rounded to 8 / 16, +54
+        // at 8 / 64)
         const int rm = std::min(round_up(rs, 32), rows_pad - r0);
         // the sub-tile's columns [c0, c1) of the tile: those its rows see (the causal diagonal, a window's start),
         // widened to multiples of GEMM_COLS (V's rows past n are zeros)

@@ -83,10 +83,10 @@ inline void load_row(const T* src, int64_t st, int n, float* dst, int n_pad) {
 }
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
-// rows of a KV head padded to the row block of the math: none up to 8 (decode at GQA ratios 1-8: Qwen2.5's 5, 6 and 7
-// padded to 8 spent 12-37% of the FMAs on zero rows), else a multiple of 8
-// rows of an item's state and query scratch: as many as there are up to 8 (the register kernel's templates), else a
-// multiple of 8; from 32 rows (the GEMM path: GEMM_MIN_ROWS) a multiple of 32, so its GEMMs come in few shapes
+// rows of a KV head in an item's state and query scratch, padded to the row block of the math: none up to 8 (the
+// register kernel's templates; decode at GQA ratios 1-8: Qwen2.5's 5, 6 and 7 padded to 8 spent 12-37% of the FMAs on
+// zero rows), else a multiple of 8; from 32 rows (the GEMM path: GEMM_MIN_ROWS) a multiple of 32, so its GEMMs come
+// in few shapes
 inline int pad_rows(int rows) { return rows <= 8 ? rows : round_up(rows, rows >= 32 ? 32 : 8); }
 
 // The K/V rows of one KV head of a later chunk, prefetched one cache line per inner-loop step of the current chunk's
