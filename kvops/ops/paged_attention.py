@@ -224,8 +224,9 @@ def paged_attention(
 
     Returns:
         ``out [T_q, H_q, D_v]`` in q's dtype (fp32 accumulation; for 16-bit inputs the native CPU kernel's low-precision
-        GEMM form and its AVX512-BF16 decode form round the probabilities P to that dtype before P V, as FlashAttention
-        and PyTorch's CPU flash attention do: docs/native-kernel.md, "Which form the GEMM path below takes"), or
+        GEMM form and its AVX512-BF16 decode form (by default on AMD CPUs with AVX512-BF16; ``KVOPS_NATIVE_BF16_DOT``
+        1 / 0 forces it on / off) round the probabilities P to that dtype before P V, as FlashAttention and PyTorch's
+        CPU flash attention do: docs/native-kernel.md, "Which form the GEMM path below takes"), or
         ``(out, lse)`` with ``lse [H_q, T_q]`` float32, natural log (FlashAttention's varlen ``softmax_lse`` layout) of
         the softmax denominator **including the sink term** ``exp(sinks[h])`` (as FlashAttention's ``learnable_sink`` in
         ``flash_attn/cute``), so ``out == sum_j exp(s_j - lse) v_j`` holds in every case. A query with no visible key
