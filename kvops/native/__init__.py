@@ -71,7 +71,7 @@ SOURCES = [
     SOURCE.with_name("eager_entry.cpp"),  # the build's Python module: eager_entry (paged attention, no dispatcher)
 ]
 HEADERS = [SOURCE.with_name(h) for h in ("vec.h", "paged_problem.h", "attend_regs.h", "chunk_pairs.h", "chunk_dot.h",
-                                          "attend_gemm.h", "paged_checks.h", "packed_tile.h")]  # included by the sources: part of the build hash
+                                          "scores_rows.h", "attend_gemm.h", "paged_checks.h", "packed_tile.h")]  # included by the sources: part of the build hash
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # and the variant's -march flag: cflags()
 OP_NAME = "kvops::_paged_attention_native"
 

@@ -382,6 +382,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
         for (int e = 0; e < dp; ++e)
           for (int i = 0; i < RB; ++i) dst[e * RB + i] = src[static_cast<size_t>(i) * dp + e];
       }
+  if (pairs && !dot && !wide && ROWS_FORM<RB>) split_queries(pb, rows_pad, sc);  // what chunk_pairs' scores_rows reads
   const TK* kb[2 * L];
   const TK* vb[2 * L];
   const TK* kp[2 * L];

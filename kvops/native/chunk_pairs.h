@@ -16,8 +16,7 @@
 // FMAs), and the online softmax (row max, rescale) and the PV accumulators' loads and stores run once per 32 tokens.
 #pragma once
 
-inline nv even_dims(nv w) { return (nv)((nvi)w << 16); }
-inline nv odd_dims(nv w) { return (nv)((nvi)w & (nvi{} + static_cast<int32_t>(0xffff0000u))); }
+#include "scores_rows.h"  // AVX2 at 1-5 rows: the scores along K rows
 
 // acc rows [rows][dvp]: plain dim order -> [even dims | odd dims] per group of 2 * NW dims (to_pairs), or back
 inline void pair_layout(float* acc, int rows, int dvp, bool to_pairs) {
@@ -95,13 +94,17 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
   const float* P = sc.p.data();
   const float* alpha = sc.alpha.data();
   float* kt = sc.kt.data();  // kt[w * W + t]: word w (dims 2w, 2w + 1) of token t
-  transpose_k_words<NV>(kp, words, kt);
+  constexpr bool rows_form = NV == 1 && ROWS_FORM<RB>;  // AVX2 at 1-5 rows: scores along K rows (scores_rows.h)
+  if constexpr (rows_form)
+    scores_rows<RB>(kp, qt, dp, words, S, pf);  // qt: the queries split by attend (split_queries)
+  else
+    transpose_k_words<NV>(kp, words, kt);
   // scores: as chunk(), with the dims of a word taken apart, for the NV vectors of tokens at once (one query broadcast
   // feeds NV FMAs); NA accumulator sets over words, and where the registers allow (SPLIT) the even and the odd dims
   // accumulate apart, keep about ACC_REGS FMA chains in flight
   constexpr int NA = pow2_floor(ACC_REGS / (RB * NV) > 0 ? ACC_REGS / (RB * NV) : 1);
   constexpr bool SPLIT = ACC_REGS >= 2 * NA * RB * NV;
-  for (int r0 = 0; r0 < rows_pad; r0 += RB) {
+  for (int r0 = 0; r0 < (rows_form ? 0 : rows_pad); r0 += RB) {
     const float* q0 = qt + static_cast<size_t>(r0) * dp;
     const float* qr = qf + static_cast<size_t>(r0) * dp;
     for (int c = 0; c < NH; ++c) {

@@ -61,6 +61,10 @@ inline vf splat(float x) { return vf{} + x; }
 inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < L; ++i) s += v[i]; return s; }
 typedef int32_t nvi __attribute__((vector_size(NW * 4)));
+// a 32-bit word holding the bf16 of dims (2w, 2w + 1): the fp32 of the even dim is the word shifted up by 16, of the
+// odd dim its high half (chunk_pairs.h, scores_rows.h)
+inline nv even_dims(nv w) { return (nv)((nvi)w << 16); }
+inline nv odd_dims(nv w) { return (nv)((nvi)w & (nvi{} + static_cast<int32_t>(0xffff0000u))); }
 // Compares of 16-lane vectors (all-ones lanes where true). GCC 12 lowers a compare of two 16-lane float or int32
 // vectors to 16 scalar compares where the hardware vector is narrower (the x86-64-v3 build: vcomiss / cmp and seta
 // per lane, in vexp, the softmax's masks and NaN checks: online_softmax took 19% of Qwen2.5-0.5B decode there, 13%
