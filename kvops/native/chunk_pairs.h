@@ -94,7 +94,8 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
   const float* P = sc.p.data();
   const float* alpha = sc.alpha.data();
   float* kt = sc.kt.data();  // kt[w * W + t]: word w (dims 2w, 2w + 1) of token t
-  constexpr bool rows_form = NV == 1 && ROWS_FORM<RB>;  // AVX2 at 1-5 rows: scores along K rows (scores_rows.h)
+  // AVX2 at 1-5 rows (then RB = rows_pad: one row block): scores along K rows (scores_rows.h)
+  constexpr bool rows_form = NV == 1 && ROWS_FORM<RB>;
   if constexpr (rows_form)
     scores_rows<RB>(kp, qt, dp, words, S, pf);  // qt: the queries split by attend (split_queries)
   else
