@@ -70,8 +70,9 @@ SOURCES = [
     SOURCE.with_name("paged_write.cpp"),  # kvops::_paged_write_native (CPU kernel of paged_cache_write)
     SOURCE.with_name("eager_entry.cpp"),  # the build's Python module: eager_entry (paged attention, no dispatcher)
 ]
+# included by the sources: part of the build hash
 HEADERS = [SOURCE.with_name(h) for h in ("vec.h", "paged_problem.h", "attend_regs.h", "chunk_pairs.h", "chunk_dot.h",
-                                          "scores_rows.h", "attend_gemm.h", "paged_checks.h", "packed_tile.h")]  # included by the sources: part of the build hash
+                                          "scores_rows.h", "attend_gemm.h", "paged_checks.h", "packed_tile.h")]
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # and the variant's -march flag: cflags()
 OP_NAME = "kvops::_paged_attention_native"
 

@@ -112,8 +112,9 @@ inline void store_bf16(c10::BFloat16* dst, nv p) {
 
 // The online softmax of rows [r0, r0 + rs) over n KV positions from j0: S [rs][n_pad] (fp32 scores, row stride ld,
 // n_pad a multiple of GEMM_COLS: whole vexpn_k steps of 4 vectors) is scaled (qk_scale: the cache-dtype form's
-// softmax scale), masked (mask_scores: softcap, ALiBi, the rows' ranges, the custom mask), its exp is P [rs][n_pad] in TC (row stride ld; in place over S in the
-// fp32 form; bf16 rounded to nearest even; zeros from n on), and m, l, acc of the rows (indexed by row) are rescaled.
+// softmax scale), masked (mask_scores: softcap, ALiBi, the rows' ranges, the custom mask), its exp is P [rs][n_pad]
+// in TC (row stride ld; in place over S in the fp32 form; bf16 rounded to nearest even; zeros from n on), and m, l,
+// acc of the rows (indexed by row) are rescaled.
 // A row that sees all n positions with nothing to mask (prefill's cached positions) is read as stored: its max is
 // max(S) * qk_scale (the scale is positive, so the same value) and P = exp(S * qk_scale - m) in one FMA, without a
 // scaled copy of S.

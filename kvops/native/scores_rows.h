@@ -1,17 +1,17 @@
 // The scores of chunk_pairs (bf16 caches read as 32-bit words) on AVX2 builds at 1-5 query rows per KV head
 // (included by chunk_pairs.h; hashed with the sources by kvops/native/__init__.py).
 //
-// chunk_pairs() transposes a chunk's K words (kt: words x tokens) and multiplies each vector of 8 tokens with
-// broadcast queries. On AVX2 at few rows per KV head that costs a broadcast per FMA, an 8 x 8 transpose per 8 words
-// and tokens, and (at 1-2 rows) too few FMA chains to hide their latency. Here each token's K row is read as stored
-// and multiplied with the rows' queries as vectors along the dims: per row two accumulators (the row's word vectors
-// alternate between them), one K load per 2 RB FMAs, no broadcast, no transpose; per token the RB sums across lanes
-// (hsum4) go to a 16 x 8 tile that one 8 x 8 transpose per 8 tokens turns into S's rows. Microbenchmark (x86-64-v3
-// build, AMD EPYC Zen 4, K in L1, one 16-token chunk): K transposed + scores took 1.3-2.2x as long as this at 1-4
-// rows (head_dim 64 and 128) and 1.5x at 5 rows (128); at 7 rows both took the same, so 6-8 rows keep the transposed
-// form. The kernel: Llama-3.1-8B bf16 decode (GQA 4), docs/native-kernel.md. The same form for fp32 caches (chunk())
-// was slower there (Llama fp32 B 8 ctx 1024: 5.5 -> 6.0 ms) and is not used. The sums run in another order than the
-// transposed form's (the same fp32 FMAs).
+// chunk_pairs() transposes a chunk's K words (kt: words x tokens) and multiplies each vector of 8 tokens with broadcast
+// queries. On AVX2 at few rows per KV head that costs a broadcast per FMA, an 8 x 8 transpose per 8 words and tokens,
+// and (at 1-2 rows) too few FMA chains to hide their latency. Here each token's K row is read as stored and multiplied
+// with the rows' queries as vectors along the dims: per row two accumulators (the row's word vectors alternate between
+// them), one K load per 2 RB FMAs, no broadcast, no transpose; per token the RB sums across lanes (hsum4) go to a 16 x
+// 8 tile that one 8 x 8 transpose per 8 tokens turns into S's rows. Microbenchmark (x86-64-v3 build, AMD EPYC Zen 4, K
+// in L1, one 16-token chunk): K transposed + scores took 1.3-2.2x as long as this at 1-4 rows (head_dim 64 and 128) and
+// 1.1-1.5x at 5 rows; 0.99-1.4x at 6 rows in three runs and the same at 7, so 6-8 rows keep the transposed form. The
+// kernel: Llama-3.1-8B bf16 decode (GQA 4), docs/native-kernel.md. The same form for fp32 caches (chunk()) was slower
+// there (Llama fp32 B 8 ctx 1024: 5.5 -> 6.0 ms) and is not used. The sums run in another order than the transposed
+// form's (the same fp32 FMAs).
 #pragma once
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
