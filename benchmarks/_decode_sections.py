@@ -79,8 +79,12 @@ def bounds(c: dict, r: dict, mode: str, copy_gbs: float, gflops: float) -> dict:
     batch, h_kv, _, d = c["k_dense"].shape
     fmas = 2 * batch * c["q_len"] * h_kv * c["group"] * c["context"] * d
     bytes_ms, fma_ms = kv_bytes / (copy_gbs * 1e9) * 1e3, fmas / (gflops * 1e9 / 2) * 1e3
-    return dict(kv_bytes=kv_bytes, fmas=fmas, bytes_ms=bytes_ms, fma_ms=fma_ms,
-                larger="bytes" if bytes_ms >= fma_ms else "FMAs", fraction=r["bw"][mode].scaled(1 / copy_gbs))
+    b = dict(kv_bytes=kv_bytes, fmas=fmas, bytes_ms=bytes_ms, fma_ms=fma_ms,
+             larger="bytes" if bytes_ms >= fma_ms else "FMAs", fraction=r["bw"][mode].scaled(1 / copy_gbs))
+    cached = f"{mode} in cache"  # measured with ``in_cache`` (paged_decode.measure): the same calls, K/V in the caches
+    if cached in r["bw"]:
+        b.update(in_cache_fraction=r["bw"][cached].scaled(1 / copy_gbs), in_cache_ms=r["ms"][cached])
+    return b
 
 
 def bounds_text(b: dict, r: dict, mode: str, copy_gbs: float, gflops: float, verdict: str) -> str:
@@ -97,7 +101,11 @@ def bounds_text(b: dict, r: dict, mode: str, copy_gbs: float, gflops: float, ver
             f"FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at {gflops:.0f} GFLOP/s, the faster of "
             f"fp32 and bf16 torch.mm): the "
             f"{b['larger']} bound is the larger; {mode} {ms:.3f} ms = "
-            f"{ms / max(b['bytes_ms'], b['fma_ms']):.2f}x it")
+            f"{ms / max(b['bytes_ms'], b['fma_ms']):.2f}x it"
+            + ("" if "in_cache_fraction" not in b else
+               f"; with the K/V in the caches (every table cycling over {r['in_cache_blocks']} blocks, the same calls) "
+               f"{b['in_cache_ms']:.3f} ms, {b['in_cache_fraction']} of the copy's GB/s: the fraction the kernel's "
+               f"own work allows, memory aside"))
 
 
 @contextlib.contextmanager

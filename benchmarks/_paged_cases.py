@@ -15,6 +15,8 @@ import _harness as harness
 
 BLOCK_SIZE = 16
 FLEX_PAGE = 128
+# K + V of the blocks an in-cache case's tables cycle over (in_cache_case): within a core's L2 on current x86 CPUs
+IN_CACHE_BYTES = 256 << 10
 sync = lambda: None  # noqa: E731  (paged_decode.py sets torch.cuda.synchronize on CUDA)
 
 
@@ -129,10 +131,23 @@ def unfold(c, out_f):
     return out_f.view(b, h_kv, c["q_len"], c["group"], d).permute(0, 2, 1, 3, 4).reshape(-1, h_kv * c["group"], d)
 
 
-def measure(c, cands_wanted, rounds, clock, extras=False):
+def in_cache_case(c):
+    """``c`` with every sequence's block table cycling over the first few blocks of the case's tables (their K + V at
+    most ``IN_CACHE_BYTES``): the same calls and math, each block read many times, so the reads hit the core's caches.
+    Its time is the kernel's without the memory's cost (outputs differ from ``c``'s: other K/V)."""
+    t = c["block_table"]
+    block_bytes = 2 * c["k_cache"][0].numel() * c["k_cache"].element_size()
+    few = t.flatten()[: max(1, IN_CACHE_BYTES // block_bytes)]
+    return dict(c, block_table=few.repeat(-(-t.numel() // few.numel()))[: t.numel()].view_as(t).contiguous(),
+                in_cache_blocks=few.numel())
+
+
+def measure(c, cands_wanted, rounds, clock, extras=False, in_cache=False):
     """Ratios (Spreads) of every candidate to the ideal, and the largest difference of any candidate's output from
     the ideal's. With ``extras`` (B = 1: per-call overheads matter) also compiled kvops vs the compiled ideal (both
-    pay the graph entry) and eager kvops with the default value checks."""
+    pay the graph entry) and eager kvops with the default value checks. With ``in_cache`` also eager kvops over
+    :func:`in_cache_case` ("eager in cache": ``ms``, ``gbs`` and ``bw`` count the case's K/V bytes; its number of
+    blocks in ``in_cache_blocks``)."""
     fns = {"eager": run_kvops, "compiled": run_compiled, "gather": lambda c: unfold(c, run_gather(c)),
            "flex": lambda c: run_flex(c).transpose(1, 2).flatten(0, 1)}  # [B, H_q, 1, D] -> [B, H_q, D]
     ref = unfold(c, run_ideal(c)).float()
@@ -144,6 +159,9 @@ def measure(c, cands_wanted, rounds, clock, extras=False):
     if extras:
         cands["ideal_compiled"] = lambda: run_ideal_compiled(c)
         cands["checked"] = lambda: run_checked(c)
+    if in_cache and "eager" in cands:
+        cached = in_cache_case(c)
+        cands["eager in cache"] = lambda: run_kvops(cached)
     t = interleaved(cands, rounds, clock)
     res = {"err": err, "ms": {n: t.time(n, 1e3).median for n in cands}}
     res.update({n: t.ratio(n, "ideal") for n in cands if n != "ideal"})
@@ -155,4 +173,6 @@ def measure(c, cands_wanted, rounds, clock, extras=False):
     kv_bytes = c["k_dense"].numel() * 2 * c["k_dense"].element_size()
     res["gbs"] = {n: kv_bytes / (ms * 1e-3) / 1e9 for n, ms in res["ms"].items()}
     res["bw"] = {n: harness.Spread.of(kv_bytes / s / 1e9 for s in t.times[n]) for n in cands}  # GB/s per round
+    if "eager in cache" in cands:
+        res["in_cache_blocks"] = cached["in_cache_blocks"]
     return res

@@ -39,7 +39,8 @@ Targets (the ``TARGETS`` table below, the one place they live), "CPU kernels at 
   bandwidth measured in the same run (a tensor copy's read + write bytes per second; a sub-line under each such row
   gives the fraction, the bytes bound (the K/V at the copy's rate), the FMA bound (the row's score and PV FMAs at the
   faster of the fp32 and the bf16 FMA rate of a ``torch.mm`` timed in the same run; at GQA 7 the FMAs may bound
-  first) and which is the larger);
+  first) and which is the larger, and the same calls timed with every block table cycling over a few blocks, so
+  that the K/V sit in the core's caches: the fraction the kernel's own work allows, memory aside);
 * chunked prefill, eager and compiled: <= 1.0x gather-then-SDPA and <= 1.2x the ideal;
 * two threads, eager kvops, decode B = 8 x context 4096 and the prefill case: >= 1.7x the one-thread throughput, when
   the run has threads 1 and 2 (a dedicated section times both thread counts interleaved with the wall clock).
@@ -176,7 +177,8 @@ MEANING = {  # what a miss means for a user: per kind of row for ratios ({baseli
     "bandwidth": "on this host, eager kvops reads a long bf16 context's K/V at {value:.2f}x the copy's read + write "
                  "bytes per second ({over:.0%} short of {bound}x): long-context decode, whose attention is mostly "
                  "reading the cache, runs slower than the memory allows (unless the row's FMA bound is the larger: "
-                 "then the FMAs set the pace)",
+                 "then the FMAs set the pace; where the sub-line's fraction with the K/V in the caches is short of "
+                 "the target too, the kernel's own work binds, not the memory)",
     "speedup": "on this host, eager kvops at 2 threads is only {value:.2f}x as fast as at 1 thread ({over:.0%} short "
                "of {bound}x): a second core shortens this attention by less than it should (work split, "
                "imbalance or shared memory bandwidth)",
@@ -259,6 +261,8 @@ def row_targets_and_bounds(report, table, c, r, name: str, dtype_name: str, thre
             table.sub(sections.bounds_text(b, r, mode, host["copy_gbs"], gflops, verdict))
             table.rows[-1].update(bandwidth_fraction=b["fraction"].json(), bytes_bound_ms=b["bytes_ms"],
                                   fma_bound_ms=b["fma_ms"], larger_bound=b["larger"])
+            if "in_cache_fraction" in b:
+                table.rows[-1].update(in_cache_fraction=b["in_cache_fraction"].json(), in_cache_ms=b["in_cache_ms"])
             if timely:
                 report.target(run_label(target, t, args), f"{name}, {mode}", b["fraction"], t["bound"], t["op"],
                               meaning(t))
@@ -297,7 +301,8 @@ def thread_section(report, args, device, threads: int, panels: dict) -> float:
                 row_cands = [n for n in cand_cols if not (n == "flex" and kind == "prefill")]
                 c = make_case(GEOMETRIES[geometry], batch, q_len, context, getattr(torch, dtype_name), device,
                               flex="flex" in row_cands)
-                r = measure(c, row_cands, args.rounds, clock_name, extras=batch == 1)
+                bw_row = kind == "decode" and bool(targets_for(kind, batch, context, dtype_name, metric="bandwidth"))
+                r = measure(c, row_cands, args.rounds, clock_name, extras=batch == 1, in_cache=bw_row)
                 max_err = max(max_err, r["err"])
                 case = f"B={batch} ctx={context}" if kind == "decode" else "prefill"
                 kv = args.modes[0] if args.modes else None

@@ -194,6 +194,10 @@ class TestJsonOutput(unittest.TestCase):
             rate = max(figures["gflops"], figures["gflops_bfloat16"])
             self.assertAlmostEqual(row["fma_bound_ms"], 2 * 14 * 4096 * 64 / (rate * 1e9 / 2) * 1e3, places=9)
         self.assertEqual(decode[0]["bandwidth_fraction"]["rounds"], 1)
+        for row in decode:  # the same calls over K/V in the caches: Qwen's K + V block is 8 KiB, 256 KiB of them
+            self.assertIn("with the K/V in the caches (every table cycling over 32 blocks", " ".join(row["note"].split()))
+            self.assertEqual(row["in_cache_fraction"]["rounds"], 1)
+            self.assertGreater(row["in_cache_ms"], 0)
         names = [t["target"] for t in doc["targets"]]
         bandwidth = [n for n in names if "copy's read+write GB/s" in n]
         speedup = [n for n in names if "2 threads >= 1.7x" in n]
@@ -330,6 +334,36 @@ class TestPagedDecodeLabels(unittest.TestCase):
         for name, t in decode.TARGETS.items():  # the others name one shape, or none
             if "B in {" not in name:
                 self.assertEqual(decode.run_label(name, t, quick), name)
+
+
+class TestInCacheCase(unittest.TestCase):
+    def test_tables_cycle_over_few_blocks(self):
+        """``in_cache_case``: every block table reads the first blocks of the case's tables in turn (their K + V at
+        most ``IN_CACHE_BYTES``), the shape and the other inputs unchanged; kvops runs over it and matches the ideal
+        over the K/V it names."""
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        try:
+            import torch
+
+            import _paged_cases as cases
+        finally:
+            sys.path.remove(str(ROOT / "benchmarks"))
+        c = cases.make_case((12, 2, 128), 3, 1, 1000, torch.bfloat16, "cpu", flex=False)  # GQA 6, 63 blocks each
+        cached = cases.in_cache_case(c)
+        block_bytes = 2 * 16 * 2 * 128 * 2  # K + V of a block: 16 tokens x 2 KV heads x 128 dims, bf16
+        few = cases.IN_CACHE_BYTES // block_bytes
+        self.assertEqual((few, cached["in_cache_blocks"]), (16, 16))
+        flat = c["block_table"].flatten()
+        self.assertEqual(cached["block_table"].shape, c["block_table"].shape)
+        self.assertEqual(cached["block_table"].flatten().tolist(), [flat[i % few].item() for i in range(flat.numel())])
+        self.assertIs(cached["k_cache"], c["k_cache"])
+        self.assertIs(cached["seq_lens"], c["seq_lens"])
+        table = cached["block_table"].long()
+        k = c["k_cache"][table].flatten(1, 2)[:, :1000].transpose(1, 2).float()
+        v = c["v_cache"][table].flatten(1, 2)[:, :1000].transpose(1, 2).float()
+        ref = torch.nn.functional.scaled_dot_product_attention(c["q_f"].float(), k, v)
+        out = cases.unfold(c, ref)
+        torch.testing.assert_close(cases.run_kvops(cached).float(), out, atol=2e-2, rtol=2e-2)
 
 
 if __name__ == "__main__":
