@@ -36,11 +36,22 @@ COPY_BYTES = 256 << 20  # per tensor: source and destination (512 MiB) exceed th
 MM_SIZE = 512  # fp32 [512, 512] @ [512, 512]: 0.27 GFLOP a call, compute bound on CPUs (fits L2)
 
 
+_COPIES = {}
+
+
+def copy_fn(device):
+    """``dst.copy_(src)`` over two ``COPY_BYTES`` tensors on ``device`` (allocated on the first call, then kept): the
+    copy whose read + write bytes (``2 * COPY_BYTES`` per call) per second the bandwidth target divides by."""
+    if str(device) not in _COPIES:
+        src = torch.ones(COPY_BYTES // 4, device=device)
+        dst = torch.empty_like(src)
+        _COPIES[str(device)] = lambda: dst.copy_(src)
+    return _COPIES[str(device)]
+
+
 def copy_bandwidth_gbs(device, clock: str, sync=None, rounds: int = 5) -> float:
-    """Read + write bytes per second of ``dst.copy_(src)`` over two ``COPY_BYTES`` tensors (median over rounds)."""
-    src = torch.ones(COPY_BYTES // 4, device=device)
-    dst = torch.empty_like(src)
-    t = harness.interleave({"copy": lambda: dst.copy_(src)}, rounds, clock=clock, sync=sync).time("copy").median
+    """Read + write bytes per second of :func:`copy_fn`'s copy (median over rounds)."""
+    t = harness.interleave({"copy": copy_fn(device)}, rounds, clock=clock, sync=sync).time("copy").median
     return 2 * COPY_BYTES / t / 1e9
 
 
@@ -73,33 +84,42 @@ def bounds(c: dict, r: dict, mode: str, copy_gbs: float, gflops: float) -> dict:
     """A decode row's bounds (ms) and the fraction of the copy's bandwidth ``mode`` reaches (a Spread over rounds).
 
     ``c``: the case (``paged_decode.make_case``); ``r``: its measurement (``paged_decode.measure``: ``bw`` per
-    candidate, K/V GB/s per round). Bytes bound: K/V bytes / the copy's read + write GB/s. FMA bound: the score and PV
-    FMAs (``2 * B * q_len * H_q * context * D``) at ``gflops`` / 2 FMA/s."""
+    candidate, K/V GB/s per round; measured with ``copy``, also the copy's GB/s and each candidate's fraction of it per
+    round, which are used then instead of ``copy_gbs``, the copy timed before the table). Bytes bound: K/V bytes / the
+    copy's read + write GB/s. FMA bound: the score and PV FMAs (``2 * B * q_len * H_q * context * D``) at ``gflops`` /
+    2 FMA/s."""
     kv_bytes = c["k_dense"].numel() * 2 * c["k_dense"].element_size()
     batch, h_kv, _, d = c["k_dense"].shape
     fmas = 2 * batch * c["q_len"] * h_kv * c["group"] * c["context"] * d
-    bytes_ms, fma_ms = kv_bytes / (copy_gbs * 1e9) * 1e3, fmas / (gflops * 1e9 / 2) * 1e3
-    b = dict(kv_bytes=kv_bytes, fmas=fmas, bytes_ms=bytes_ms, fma_ms=fma_ms,
-             larger="bytes" if bytes_ms >= fma_ms else "FMAs", fraction=r["bw"][mode].scaled(1 / copy_gbs))
-    cached = f"{mode} in cache"  # measured with ``in_cache`` (paged_decode.measure): the same calls, K/V in the caches
+    same_rounds = "copy_gbs" in r
+    copy = r["copy_gbs"] if same_rounds else harness.Spread.of([copy_gbs])
+    fraction = (lambda n: r["fraction"][n]) if same_rounds else (lambda n: r["bw"][n].scaled(1 / copy_gbs))
+    bytes_ms, fma_ms = kv_bytes / (copy.median * 1e9) * 1e3, fmas / (gflops * 1e9 / 2) * 1e3
+    b = dict(kv_bytes=kv_bytes, fmas=fmas, bytes_ms=bytes_ms, fma_ms=fma_ms, copy_gbs=copy, same_rounds=same_rounds,
+             larger="bytes" if bytes_ms >= fma_ms else "FMAs", fraction=fraction(mode))
+    cached = f"{mode} in cache"  # measured with ``copy`` (paged_decode.measure): the same calls, K/V in the caches
     if cached in r["bw"]:
-        b.update(in_cache_fraction=r["bw"][cached].scaled(1 / copy_gbs), in_cache_ms=r["ms"][cached])
+        b.update(in_cache_fraction=fraction(cached), in_cache_ms=r["ms"][cached])
     return b
 
 
-def bounds_text(b: dict, r: dict, mode: str, copy_gbs: float, gflops: float, verdict: str) -> str:
+def bounds_text(b: dict, r: dict, mode: str, gflops: float, verdict: str) -> str:
     """The sub-line under a decode row: the fraction of the copy's bandwidth, both bounds and which is larger."""
     ms = r["ms"][mode]
     llc = last_level_cache_bytes()
     where = "" if llc is None else (
+        f"; more than the {llc >> 20} MiB last-level cache" if b["kv_bytes"] > llc else
+        f"; it fits in the {llc >> 20} MiB last-level cache, which the copy timed in the same rounds evicts"
+        if b["same_rounds"] else
         f"; it fits in the {llc >> 20} MiB last-level cache: repeated calls read it from there, the copy's "
-        f"{2 * COPY_BYTES >> 20} MiB mostly from memory" if b["kv_bytes"] <= llc else
-        f"; more than the {llc >> 20} MiB last-level cache")
+        f"{2 * COPY_BYTES >> 20} MiB mostly from memory")
+    copy = (f"{b['copy_gbs']} GB/s timed in the same rounds" if b["same_rounds"] else
+            f"{b['copy_gbs'].median:.1f} GB/s")
     return (f"bandwidth: {mode} kvops reads the K/V ({b['kv_bytes'] / 1e6:.1f} MB{where}) at {r['bw'][mode]} GB/s = "
-            f"{b['fraction']} of the copy's {copy_gbs:.1f} GB/s (K/V bytes read per second over the copy's read + "
-            f"write bytes per second){verdict}; bounds: bytes {b['bytes_ms']:.3f} ms (the K/V at the copy's rate), "
-            f"FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at {gflops:.0f} GFLOP/s, the faster of "
-            f"fp32 and bf16 torch.mm): the "
+            f"{b['fraction']} of the copy's {copy} (K/V bytes read per second over the copy's read + "
+            f"write bytes per second, per round){verdict}; bounds: bytes {b['bytes_ms']:.3f} ms (the K/V at the copy's "
+            f"rate), FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at {gflops:.0f} GFLOP/s, the "
+            f"faster of fp32 and bf16 torch.mm): the "
             f"{b['larger']} bound is the larger; {mode} {ms:.3f} ms = "
             f"{ms / max(b['bytes_ms'], b['fma_ms']):.2f}x it"
             + ("" if "in_cache_fraction" not in b else

@@ -142,12 +142,14 @@ def in_cache_case(c):
                 in_cache_blocks=few.numel())
 
 
-def measure(c, cands_wanted, rounds, clock, extras=False, in_cache=False):
+def measure(c, cands_wanted, rounds, clock, extras=False, copy=None):
     """Ratios (Spreads) of every candidate to the ideal, and the largest difference of any candidate's output from
     the ideal's. With ``extras`` (B = 1: per-call overheads matter) also compiled kvops vs the compiled ideal (both
-    pay the graph entry) and eager kvops with the default value checks. With ``in_cache`` also eager kvops over
-    :func:`in_cache_case` ("eager in cache": ``ms``, ``gbs`` and ``bw`` count the case's K/V bytes; its number of
-    blocks in ``in_cache_blocks``)."""
+    pay the graph entry) and eager kvops with the default value checks. With ``copy``, a pair ``(fn, bytes)``: a tensor
+    copy and the bytes it reads and writes per call (rows under a bandwidth target), the same rounds also time the copy
+    and eager kvops over :func:`in_cache_case` ("eager in cache": ``ms``, ``gbs`` and ``bw`` count the case's K/V
+    bytes; its number of blocks in ``in_cache_blocks``), and give the copy's GB/s (``copy_gbs``) and every kvops
+    candidate's K/V GB/s over the copy's per round (``fraction``)."""
     fns = {"eager": run_kvops, "compiled": run_compiled, "gather": lambda c: unfold(c, run_gather(c)),
            "flex": lambda c: run_flex(c).transpose(1, 2).flatten(0, 1)}  # [B, H_q, 1, D] -> [B, H_q, D]
     ref = unfold(c, run_ideal(c)).float()
@@ -159,12 +161,15 @@ def measure(c, cands_wanted, rounds, clock, extras=False, in_cache=False):
     if extras:
         cands["ideal_compiled"] = lambda: run_ideal_compiled(c)
         cands["checked"] = lambda: run_checked(c)
-    if in_cache and "eager" in cands:
-        cached = in_cache_case(c)
-        cands["eager in cache"] = lambda: run_kvops(cached)
+    if copy is not None:
+        cands["copy"] = copy[0]
+        if "eager" in cands:
+            cached = in_cache_case(c)
+            cands["eager in cache"] = lambda: run_kvops(cached)
     t = interleaved(cands, rounds, clock)
-    res = {"err": err, "ms": {n: t.time(n, 1e3).median for n in cands}}
-    res.update({n: t.ratio(n, "ideal") for n in cands if n != "ideal"})
+    timed = [n for n in cands if n != "copy"]
+    res = {"err": err, "ms": {n: t.time(n, 1e3).median for n in timed}}
+    res.update({n: t.ratio(n, "ideal") for n in timed if n != "ideal"})
     if extras and "compiled" in cands:
         res["compiled_vs_compiled"] = t.ratio("compiled", "ideal_compiled")
     # kvops over each peer measured in the same rounds, for targets against a peer (TARGETS' baseline)
@@ -172,7 +177,10 @@ def measure(c, cands_wanted, rounds, clock, extras=False, in_cache=False):
                  for b in ("gather", "flex") if b in cands}
     kv_bytes = c["k_dense"].numel() * 2 * c["k_dense"].element_size()
     res["gbs"] = {n: kv_bytes / (ms * 1e-3) / 1e9 for n, ms in res["ms"].items()}
-    res["bw"] = {n: harness.Spread.of(kv_bytes / s / 1e9 for s in t.times[n]) for n in cands}  # GB/s per round
+    res["bw"] = {n: harness.Spread.of(kv_bytes / s / 1e9 for s in t.times[n]) for n in timed}  # GB/s per round
+    if copy is not None:
+        res["copy_gbs"] = harness.Spread.of(copy[1] / s / 1e9 for s in t.times["copy"])
+        res["fraction"] = {n: t.ratio("copy", n).scaled(kv_bytes / copy[1]) for n in timed}
     if "eager in cache" in cands:
         res["in_cache_blocks"] = cached["in_cache_blocks"]
     return res
