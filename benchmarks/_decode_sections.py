@@ -139,9 +139,13 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def thread_speedup(fn, rounds: int, sync=None) -> harness.Timings:
-    """``fn`` at 1 and at 2 torch threads, interleaved (each sample in its own ``torch_threads``), wall clock both."""
-    return harness.interleave({"1 thread": (fn, lambda: torch_threads(1)), "2 threads": (fn, lambda: torch_threads(2))},
+def thread_speedup(fn, rounds: int, sync=None, cached=None) -> harness.Timings:
+    """``fn`` at 1 and at 2 torch threads, interleaved (each sample in its own ``torch_threads``), wall clock both; with
+    ``cached`` (the same calls over K/V in the caches: ``in_cache_case``) that too, as "1 thread in cache" and
+    "2 threads in cache"."""
+    fns = {"": fn} if cached is None else {"": fn, " in cache": cached}
+    return harness.interleave({f"{n} thread{'s' * (n > 1)}{tag}": (f, lambda n=n: torch_threads(n))
+                               for tag, f in fns.items() for n in (1, 2)},
                               rounds, clock="wall", sync=sync, max_reps=200)
 
 

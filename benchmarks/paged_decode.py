@@ -347,13 +347,21 @@ def speedup_section(report, args, device) -> None:
                 for batch, q_len, context in shapes:
                     c = make_case(GEOMETRIES[geometry], batch, q_len, context, getattr(torch, dtype_name), device,
                                   flex=False)
-                    tm = sections.thread_speedup(lambda: run_kvops(c), args.rounds, cases.sync)
+                    cached = cases.in_cache_case(c) if q_len == 1 else None  # decode: also K/V in the caches
+                    tm = sections.thread_speedup(lambda: run_kvops(c), args.rounds, cases.sync,
+                                                 cached=None if cached is None else lambda: run_kvops(cached))
                     del c
                     speedup = tm.ratio("1 thread", "2 threads")
                     case = f"{geometry} {dtype_name} " + (f"B={batch} ctx={context}" if q_len == 1 else "prefill")
                     table.row(case, tm.time("1 thread", 1e3), tm.time("2 threads", 1e3), speedup,
                               f"{t['op']} {t['bound']:g} {'ok' if met(speedup.median, t) else 'MISS'}",
                               geometry=geometry, dtype=dtype_name, batch=batch, context=context, q_len=q_len)
+                    if cached:
+                        in_cache = tm.ratio("1 thread in cache", "2 threads in cache")
+                        table.sub(f"with the K/V in the caches (every table cycling over {cached['in_cache_blocks']} "
+                                  f"blocks, the same calls, in the same rounds): speedup {in_cache}, how the kernel's "
+                                  f"own work scales, memory aside")
+                        table.rows[-1].update(in_cache_speedup=in_cache.json())
                     report.target(target, f"{case}, eager", speedup, t["bound"], t["op"], meaning(t))
 
 

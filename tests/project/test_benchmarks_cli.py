@@ -209,6 +209,9 @@ class TestJsonOutput(unittest.TestCase):
         (threads_table,) = [t for t in doc["tables"] if t["title"].startswith("two threads vs one")]
         self.assertIn("WALL clock at both", threads_table["title"])
         self.assertEqual([r["case"] for r in threads_table["rows"]], ["qwen2.5-0.5b bfloat16 B=8 ctx=4096"])
+        (speedup_row,) = threads_table["rows"]  # and the same calls with the K/V in the caches
+        self.assertIn("with the K/V in the caches (every table cycling over 32 blocks", speedup_row["note"])
+        self.assertEqual(speedup_row["in_cache_speedup"]["rounds"], 1)
         (packed,) = [t for t in doc["tables"] if t["title"].startswith("packed (quantized) vs dense")]
         (row,) = packed["rows"]
         self.assertEqual((row["batch"], row["context"]), (8, 64))
