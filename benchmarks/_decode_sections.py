@@ -80,48 +80,39 @@ def row_gflops(host: dict, dtype) -> float:
     return max(host["gflops"], host.get("gflops_" + str(dtype).removeprefix("torch."), 0.0))
 
 
-def bounds(c: dict, r: dict, mode: str, copy_gbs: float, gflops: float) -> dict:
+def bounds(c: dict, r: dict, mode: str, gflops: float) -> dict:
     """A decode row's bounds (ms) and the fraction of the copy's bandwidth ``mode`` reaches (a Spread over rounds).
 
-    ``c``: the case (``paged_decode.make_case``); ``r``: its measurement (``paged_decode.measure``: ``bw`` per
-    candidate, K/V GB/s per round; measured with ``copy``, also the copy's GB/s and each candidate's fraction of it per
-    round, which are used then instead of ``copy_gbs``, the copy timed before the table). Bytes bound: K/V bytes / the
-    copy's read + write GB/s. FMA bound: the score and PV FMAs (``2 * B * q_len * H_q * context * D``) at ``gflops`` /
-    2 FMA/s."""
+    ``c``: the case (``paged_decode.make_case``); ``r``: its measurement with the copy in its rounds
+    (``paged_decode.measure(..., copy=...)``: ``copy_gbs``, and per candidate ``bw``, K/V GB/s, and ``fraction``, that
+    over the copy's GB/s, per round). Bytes bound: K/V bytes / the copy's read + write GB/s (median). FMA bound: the
+    score and PV FMAs (``2 * B * q_len * H_q * context * D``) at ``gflops`` / 2 FMA/s."""
     kv_bytes = c["k_dense"].numel() * 2 * c["k_dense"].element_size()
     batch, h_kv, _, d = c["k_dense"].shape
     fmas = 2 * batch * c["q_len"] * h_kv * c["group"] * c["context"] * d
-    same_rounds = "copy_gbs" in r
-    copy = r["copy_gbs"] if same_rounds else harness.Spread.of([copy_gbs])
-    fraction = (lambda n: r["fraction"][n]) if same_rounds else (lambda n: r["bw"][n].scaled(1 / copy_gbs))
-    bytes_ms, fma_ms = kv_bytes / (copy.median * 1e9) * 1e3, fmas / (gflops * 1e9 / 2) * 1e3
-    b = dict(kv_bytes=kv_bytes, fmas=fmas, bytes_ms=bytes_ms, fma_ms=fma_ms, copy_gbs=copy, same_rounds=same_rounds,
-             larger="bytes" if bytes_ms >= fma_ms else "FMAs", fraction=fraction(mode))
-    cached = f"{mode} in cache"  # measured with ``copy`` (paged_decode.measure): the same calls, K/V in the caches
-    if cached in r["bw"]:
-        b.update(in_cache_fraction=fraction(cached), in_cache_ms=r["ms"][cached])
+    bytes_ms, fma_ms = kv_bytes / (r["copy_gbs"].median * 1e9) * 1e3, fmas / (gflops * 1e9 / 2) * 1e3
+    b = dict(kv_bytes=kv_bytes, fmas=fmas, bytes_ms=bytes_ms, fma_ms=fma_ms,
+             larger="bytes" if bytes_ms >= fma_ms else "FMAs", fraction=r["fraction"][mode])
+    cached = f"{mode} in cache"  # the same calls, K/V in the caches (measure: in_cache_case)
+    if cached in r["fraction"]:
+        b.update(in_cache_fraction=r["fraction"][cached], in_cache_ms=r["ms"][cached])
     return b
 
 
 def bounds_text(b: dict, r: dict, mode: str, gflops: float, verdict: str) -> str:
-    """The sub-line under a decode row: the fraction of the copy's bandwidth, both bounds and which is larger."""
+    """The sub-line under a decode row: the fraction of the copy's bandwidth, both bounds and which is larger, and the
+    fraction with the K/V in the caches."""
     ms = r["ms"][mode]
     llc = last_level_cache_bytes()
     where = "" if llc is None else (
         f"; more than the {llc >> 20} MiB last-level cache" if b["kv_bytes"] > llc else
-        f"; it fits in the {llc >> 20} MiB last-level cache, which the copy timed in the same rounds evicts"
-        if b["same_rounds"] else
-        f"; it fits in the {llc >> 20} MiB last-level cache: repeated calls read it from there, the copy's "
-        f"{2 * COPY_BYTES >> 20} MiB mostly from memory")
-    copy = (f"{b['copy_gbs']} GB/s timed in the same rounds" if b["same_rounds"] else
-            f"{b['copy_gbs'].median:.1f} GB/s")
+        f"; it fits in the {llc >> 20} MiB last-level cache, which the copy timed in the same rounds evicts")
     return (f"bandwidth: {mode} kvops reads the K/V ({b['kv_bytes'] / 1e6:.1f} MB{where}) at {r['bw'][mode]} GB/s = "
-            f"{b['fraction']} of the copy's {copy} (K/V bytes read per second over the copy's read + "
-            f"write bytes per second, per round){verdict}; bounds: bytes {b['bytes_ms']:.3f} ms (the K/V at the copy's "
-            f"rate), FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at {gflops:.0f} GFLOP/s, the "
-            f"faster of fp32 and bf16 torch.mm): the "
-            f"{b['larger']} bound is the larger; {mode} {ms:.3f} ms = "
-            f"{ms / max(b['bytes_ms'], b['fma_ms']):.2f}x it"
+            f"{b['fraction']} of the copy's {r['copy_gbs']} GB/s timed in the same rounds (K/V bytes read per second "
+            f"over the copy's read + write bytes per second, per round){verdict}; bounds: bytes {b['bytes_ms']:.3f} ms "
+            f"(the K/V at the copy's rate), FMAs {b['fma_ms']:.3f} ms ({b['fmas'] / 1e6:.1f} M score+PV FMAs at "
+            f"{gflops:.0f} GFLOP/s, the faster of fp32 and bf16 torch.mm): the {b['larger']} bound is the larger; "
+            f"{mode} {ms:.3f} ms = {ms / max(b['bytes_ms'], b['fma_ms']):.2f}x it"
             + ("" if "in_cache_fraction" not in b else
                f"; with the K/V in the caches (every table cycling over {r['in_cache_blocks']} blocks, the same calls) "
                f"{b['in_cache_ms']:.3f} ms, {b['in_cache_fraction']} of the copy's GB/s: the fraction the kernel's "

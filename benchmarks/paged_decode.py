@@ -37,10 +37,10 @@ Targets (the ``TARGETS`` table below, the one place they live), "CPU kernels at 
   row times it: per-call overhead counted);
 * decode bandwidth, context >= 4096, bf16, 1 thread: the K/V bytes eager kvops reads per second >= 0.6x the copy
   bandwidth measured in the row's own rounds (a tensor copy's read + write bytes per second, per round; a sub-line
-  under each such row gives the fraction, the bytes bound (the K/V at the copy's rate), the FMA bound (the row's score and PV FMAs at the
-  faster of the fp32 and the bf16 FMA rate of a ``torch.mm`` timed in the same run; at GQA 7 the FMAs may bound
-  first) and which is the larger, and the same calls timed with every block table cycling over a few blocks, so
-  that the K/V sit in the core's caches: the fraction the kernel's own work allows, memory aside);
+  under each such row gives the fraction, the bytes bound (the K/V at the copy's rate), the FMA bound (the row's
+  score and PV FMAs at the faster of the fp32 and the bf16 FMA rate of a ``torch.mm`` timed in the same run; at GQA 7
+  the FMAs may bound first) and which is the larger, and the same calls timed with every block table cycling over a
+  few blocks, so that the K/V sit in the core's caches: the fraction the kernel's own work allows, memory aside);
 * chunked prefill, eager and compiled: <= 1.0x gather-then-SDPA and <= 1.2x the ideal;
 * two threads, eager kvops, decode B = 8 x context 4096 and the prefill case: >= 1.7x the one-thread throughput, when
   the run has threads 1 and 2 (a dedicated section times both thread counts interleaved with the wall clock).
@@ -254,7 +254,7 @@ def row_targets_and_bounds(report, table, c, r, name: str, dtype_name: str, thre
     for target, t in targets_for(kind, c["batch"], c["context"], dtype_name, metric="bandwidth").items():
         for mode in (m for m in t["modes"] if m in r["bw"]):
             gflops = sections.row_gflops(host, c["k_cache"].dtype)
-            b = sections.bounds(c, r, mode, host["copy_gbs"], gflops)
+            b = sections.bounds(c, r, mode, gflops)
             timely = t.get("threads") is None or threads in t["threads"]
             verdict = (f": target {t['op']} {t['bound']:g} {'ok' if met(b['fraction'].median, t) else 'MISS'}"
                        if timely else f" (the target applies at {'/'.join(map(str, t['threads']))} thread(s))")
@@ -301,7 +301,8 @@ def thread_section(report, args, device, threads: int, panels: dict) -> float:
                 row_cands = [n for n in cand_cols if not (n == "flex" and kind == "prefill")]
                 c = make_case(GEOMETRIES[geometry], batch, q_len, context, getattr(torch, dtype_name), device,
                               flex="flex" in row_cands)
-                bw_row = kind == "decode" and bool(targets_for(kind, batch, context, dtype_name, metric="bandwidth"))
+                bw_row = kind == "decode" and any(m in row_cands for t in targets_for(
+                    kind, batch, context, dtype_name, metric="bandwidth").values() for m in t["modes"])
                 r = measure(c, row_cands, args.rounds, clock_name, extras=batch == 1,
                             copy=(sections.copy_fn(device), 2 * sections.COPY_BYTES) if bw_row else None)
                 max_err = max(max_err, r["err"])
@@ -356,7 +357,7 @@ def speedup_section(report, args, device) -> None:
                     table.row(case, tm.time("1 thread", 1e3), tm.time("2 threads", 1e3), speedup,
                               f"{t['op']} {t['bound']:g} {'ok' if met(speedup.median, t) else 'MISS'}",
                               geometry=geometry, dtype=dtype_name, batch=batch, context=context, q_len=q_len)
-                    if cached:
+                    if cached is not None:
                         in_cache = tm.ratio("1 thread in cache", "2 threads in cache")
                         table.sub(f"with the K/V in the caches (every table cycling over {cached['in_cache_blocks']} "
                                   f"blocks, the same calls, in the same rounds): speedup {in_cache}, how the kernel's "
