@@ -8,11 +8,14 @@
   cache dtype (bf16 rows on a CPU with AVX512-BF16 or AMX: torch's bf16 mm does two products per lane and
   instruction, as kvops' bf16 dot form does; the bf16 word form, ``KVOPS_NATIVE_BF16_DOT=0``, does fp32 FMAs, so its own
   FMA bound is up to twice this one); and the fraction of the copy's
-  bandwidth eager kvops reaches (K/V bytes read per second over the copy's read + write bytes per second), and
-  whether the K/V fits in the last-level cache (then repeated calls read it from the cache, the copy from memory).
+  bandwidth eager kvops reaches (K/V bytes read per second over the copy's read + write bytes per second, the copy
+  timed in the row's own rounds), whether the K/V fits in the last-level cache (then a sample's calls after its first
+  read it from there), and the same calls with the K/V in the core's caches (``in_cache_case``: the fraction the
+  kernel's own work allows; below the target, the kernel binds whatever the memory does).
 * **Two threads against one** (``thread_speedup``): eager kvops timed at 1 and 2 torch threads interleaved in the same
   rounds, both with the wall clock (``torch.set_num_threads`` switched between samples, outside the timed region), so
-  the speedup compares like with like (the per-row tables time 1 thread with the thread CPU clock).
+  the speedup compares like with like (the per-row tables time 1 thread with the thread CPU clock); for decode also
+  the same calls with the K/V in the core's caches (how the kernel's own work scales).
 * **Packed against dense** (``packed_vs_dense``): ``kvops.packed.packed_attention`` over int8 and int4 packed K/V
   against dense ``kvops.paged_attention`` over the same values, bf16 decode.
 * **Native build** (``native_build``): which kvops native build variant is loaded (``kvops.native.isa()``), for the
@@ -106,7 +109,7 @@ def bounds_text(b: dict, r: dict, mode: str, gflops: float, verdict: str) -> str
     llc = last_level_cache_bytes()
     where = "" if llc is None else (
         f"; more than the {llc >> 20} MiB last-level cache" if b["kv_bytes"] > llc else
-        f"; it fits in the {llc >> 20} MiB last-level cache, which the copy timed in the same rounds evicts")
+        f"; it fits in the {llc >> 20} MiB last-level cache: a sample's calls after its first read it from there")
     return (f"bandwidth: {mode} kvops reads the K/V ({b['kv_bytes'] / 1e6:.1f} MB{where}) at {r['bw'][mode]} GB/s = "
             f"{b['fraction']} of the copy's {r['copy_gbs']} GB/s timed in the same rounds (K/V bytes read per second "
             f"over the copy's read + write bytes per second, per round){verdict}; bounds: bytes {b['bytes_ms']:.3f} ms "
@@ -114,9 +117,10 @@ def bounds_text(b: dict, r: dict, mode: str, gflops: float, verdict: str) -> str
             f"{gflops:.0f} GFLOP/s, the faster of fp32 and bf16 torch.mm): the {b['larger']} bound is the larger; "
             f"{mode} {ms:.3f} ms = {ms / max(b['bytes_ms'], b['fma_ms']):.2f}x it"
             + ("" if "in_cache_fraction" not in b else
-               f"; with the K/V in the caches (every table cycling over {r['in_cache_blocks']} blocks, the same calls) "
-               f"{b['in_cache_ms']:.3f} ms, {b['in_cache_fraction']} of the copy's GB/s: the fraction the kernel's "
-               f"own work allows, memory aside"))
+               f"; with the K/V in the core's caches (every table cycling over {r['in_cache_blocks']} blocks, "
+               f"{r['in_cache_kib']} KiB of K + V; the same calls) {b['in_cache_ms']:.3f} ms, "
+               f"{b['in_cache_fraction']} of the copy's GB/s: the fraction the kernel's own work allows (below the "
+               f"target, the kernel binds; above it, the reads)"))
 
 
 @contextlib.contextmanager

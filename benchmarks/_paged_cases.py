@@ -133,13 +133,15 @@ def unfold(c, out_f):
 
 def in_cache_case(c):
     """``c`` with every sequence's block table cycling over the first few blocks of the case's tables (their K + V at
-    most ``IN_CACHE_BYTES``): the same calls and math, each block read many times, so the reads hit the core's caches.
-    Its time is the kernel's without the memory's cost (outputs differ from ``c``'s: other K/V)."""
+    most ``IN_CACHE_BYTES``, or one block where a block is larger; ``make_case``'s tables hold no padding): the same
+    calls and math, each block read many times, so the reads hit the core's caches. Its time is the kernel's without
+    the memory's cost (outputs differ from ``c``'s: other K/V). ``in_cache_blocks``, ``in_cache_kib``: how many blocks,
+    their K + V in KiB."""
     t = c["block_table"]
     block_bytes = 2 * c["k_cache"][0].numel() * c["k_cache"].element_size()
     few = t.flatten()[: max(1, IN_CACHE_BYTES // block_bytes)]
     return dict(c, block_table=few.repeat(-(-t.numel() // few.numel()))[: t.numel()].view_as(t).contiguous(),
-                in_cache_blocks=few.numel())
+                in_cache_blocks=few.numel(), in_cache_kib=few.numel() * block_bytes >> 10)
 
 
 def measure(c, cands_wanted, rounds, clock, extras=False, copy=None):
@@ -148,8 +150,8 @@ def measure(c, cands_wanted, rounds, clock, extras=False, copy=None):
     pay the graph entry) and eager kvops with the default value checks. With ``copy``, a pair ``(fn, bytes)``: a tensor
     copy and the bytes it reads and writes per call (rows under a bandwidth target), the same rounds also time the copy
     and eager kvops over :func:`in_cache_case` ("eager in cache": ``ms``, ``gbs`` and ``bw`` count the case's K/V
-    bytes; its number of blocks in ``in_cache_blocks``), and give the copy's GB/s (``copy_gbs``) and every kvops
-    candidate's K/V GB/s over the copy's per round (``fraction``)."""
+    bytes; its blocks in ``in_cache_blocks`` and ``in_cache_kib``), and give the copy's GB/s (``copy_gbs``) and every
+    kvops candidate's K/V GB/s over the copy's per round (``fraction``)."""
     fns = {"eager": run_kvops, "compiled": run_compiled, "gather": lambda c: unfold(c, run_gather(c)),
            "flex": lambda c: run_flex(c).transpose(1, 2).flatten(0, 1)}  # [B, H_q, 1, D] -> [B, H_q, D]
     ref = unfold(c, run_ideal(c)).float()
@@ -182,5 +184,5 @@ def measure(c, cands_wanted, rounds, clock, extras=False, copy=None):
         res["copy_gbs"] = harness.Spread.of(copy[1] / s / 1e9 for s in t.times["copy"])
         res["fraction"] = {n: t.ratio("copy", n).scaled(kv_bytes / copy[1]) for n in timed}
     if "eager in cache" in cands:
-        res["in_cache_blocks"] = cached["in_cache_blocks"]
+        res.update(in_cache_blocks=cached["in_cache_blocks"], in_cache_kib=cached["in_cache_kib"])
     return res

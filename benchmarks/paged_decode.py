@@ -40,10 +40,12 @@ Targets (the ``TARGETS`` table below, the one place they live), "CPU kernels at 
   under each such row gives the fraction, the bytes bound (the K/V at the copy's rate), the FMA bound (the row's
   score and PV FMAs at the faster of the fp32 and the bf16 FMA rate of a ``torch.mm`` timed in the same run; at GQA 7
   the FMAs may bound first) and which is the larger, and the same calls timed with every block table cycling over a
-  few blocks, so that the K/V sit in the core's caches: the fraction the kernel's own work allows, memory aside);
+  few blocks, so that the K/V sit in the core's caches: the fraction the kernel's own work allows; below the target,
+  the kernel binds, above it the reads);
 * chunked prefill, eager and compiled: <= 1.0x gather-then-SDPA and <= 1.2x the ideal;
 * two threads, eager kvops, decode B = 8 x context 4096 and the prefill case: >= 1.7x the one-thread throughput, when
-  the run has threads 1 and 2 (a dedicated section times both thread counts interleaved with the wall clock).
+  the run has threads 1 and 2 (a dedicated section times both thread counts interleaved with the wall clock; under a
+  decode row, the same calls with the K/V in the core's caches: how the kernel's own work scales).
 
 The target column gives, per kvops mode (eager/compiled), whether its median meets the row's ratio targets; the
 verdict block at the end gives one line per target (ok or MISS, how many cases hold, the worst case's value and, for a
@@ -261,8 +263,10 @@ def row_targets_and_bounds(report, table, c, r, name: str, dtype_name: str, thre
             table.sub(sections.bounds_text(b, r, mode, gflops, verdict))
             table.rows[-1].update(bandwidth_fraction=b["fraction"].json(), bytes_bound_ms=b["bytes_ms"],
                                   fma_bound_ms=b["fma_ms"], larger_bound=b["larger"])
+            table.rows[-1].update(copy_gbs=r["copy_gbs"].json())
             if "in_cache_fraction" in b:
-                table.rows[-1].update(in_cache_fraction=b["in_cache_fraction"].json(), in_cache_ms=b["in_cache_ms"])
+                table.rows[-1].update(in_cache_fraction=b["in_cache_fraction"].json(), in_cache_ms=b["in_cache_ms"],
+                                      in_cache_blocks=r["in_cache_blocks"], in_cache_kib=r["in_cache_kib"])
             if timely:
                 report.target(run_label(target, t, args), f"{name}, {mode}", b["fraction"], t["bound"], t["op"],
                               meaning(t))
@@ -359,10 +363,14 @@ def speedup_section(report, args, device) -> None:
                               geometry=geometry, dtype=dtype_name, batch=batch, context=context, q_len=q_len)
                     if cached is not None:
                         in_cache = tm.ratio("1 thread in cache", "2 threads in cache")
-                        table.sub(f"with the K/V in the caches (every table cycling over {cached['in_cache_blocks']} "
-                                  f"blocks, the same calls, in the same rounds): speedup {in_cache}, how the kernel's "
-                                  f"own work scales, memory aside")
-                        table.rows[-1].update(in_cache_speedup=in_cache.json())
+                        ms1, ms2 = tm.time("1 thread in cache", 1e3), tm.time("2 threads in cache", 1e3)
+                        table.sub(f"with the K/V in the core's caches (every table cycling over "
+                                  f"{cached['in_cache_blocks']} blocks, {cached['in_cache_kib']} KiB of K + V; the "
+                                  f"same calls, in the same rounds): 1 thread {ms1} ms, 2 threads {ms2} ms, speedup "
+                                  f"{in_cache}: how the kernel's own work scales (near 2 while the row misses: the "
+                                  f"memory path binds)")
+                        table.rows[-1].update(in_cache_speedup=in_cache.json(), in_cache_ms_1_thread=ms1.json(),
+                                              in_cache_ms_2_threads=ms2.json())
                     report.target(target, f"{case}, eager", speedup, t["bound"], t["op"], meaning(t))
 
 
@@ -417,7 +425,8 @@ def main(args) -> None:
                 "(eager/compiled), ok or MISS by the median (the verdict at the end names each target); prefill = "
                 f"{PREFILL[0]} x ({PREFILL[2] - PREFILL[1]} cached + {PREFILL[1]} new). Under decode rows at context "
                 ">= 4096 in bf16: eager kvops' K/V bytes read per second as a fraction of the copy's read + write "
-                "bytes per second, the bytes and FMA bounds.")
+                "bytes per second (the copy timed in the row's rounds), the bytes and FMA bounds, and the fraction "
+                "with the K/V in the core's caches.")
     panels, max_err = {}, 0.0
     for threads in args.threads:
         max_err = max(max_err, thread_section(report, args, device, threads, panels))

@@ -198,9 +198,11 @@ class TestJsonOutput(unittest.TestCase):
             # is 8 KiB, 256 KiB of them
             self.assertIn("GB/s timed in the same rounds", row["note"])
             note = " ".join(row["note"].split())
-            self.assertIn("with the K/V in the caches (every table cycling over 32 blocks", note)
+            self.assertIn("with the K/V in the core's caches (every table cycling over 32 blocks, 256 KiB of K + V",
+                          note)
             self.assertEqual(row["in_cache_fraction"]["rounds"], 1)
             self.assertGreater(row["in_cache_ms"], 0)
+            self.assertEqual((row["in_cache_blocks"], row["in_cache_kib"], row["copy_gbs"]["rounds"]), (32, 256, 1))
         names = [t["target"] for t in doc["targets"]]
         bandwidth = [n for n in names if "copy's read+write GB/s" in n]
         speedup = [n for n in names if "2 threads >= 1.7x" in n]
@@ -210,8 +212,10 @@ class TestJsonOutput(unittest.TestCase):
         self.assertIn("WALL clock at both", threads_table["title"])
         self.assertEqual([r["case"] for r in threads_table["rows"]], ["qwen2.5-0.5b bfloat16 B=8 ctx=4096"])
         (speedup_row,) = threads_table["rows"]  # and the same calls with the K/V in the caches
-        self.assertIn("with the K/V in the caches (every table cycling over 32 blocks", speedup_row["note"])
+        self.assertIn("with the K/V in the core's caches (every table cycling over 32 blocks, 256 KiB of K + V",
+                      " ".join(speedup_row["note"].split()))
         self.assertEqual(speedup_row["in_cache_speedup"]["rounds"], 1)
+        self.assertGreater(speedup_row["in_cache_ms_2_threads"]["median"], 0)
         (packed,) = [t for t in doc["tables"] if t["title"].startswith("packed (quantized) vs dense")]
         (row,) = packed["rows"]
         self.assertEqual((row["batch"], row["context"]), (8, 64))
@@ -354,11 +358,13 @@ class TestInCacheCase(unittest.TestCase):
             import _paged_cases as cases
         finally:
             sys.path.remove(str(ROOT / "benchmarks"))
+        big = cases.in_cache_case(cases.make_case((32, 8, 512), 1, 1, 64, torch.float32, "cpu", flex=False))
+        self.assertEqual((big["in_cache_blocks"], big["in_cache_kib"]), (1, 512))  # K + V of a block > 256 KiB: one
         c = cases.make_case((12, 2, 128), 3, 1, 1000, torch.bfloat16, "cpu", flex=False)  # GQA 6, 63 blocks each
         cached = cases.in_cache_case(c)
         block_bytes = 2 * 16 * 2 * 128 * 2  # K + V of a block: 16 tokens x 2 KV heads x 128 dims, bf16
         few = cases.IN_CACHE_BYTES // block_bytes
-        self.assertEqual((few, cached["in_cache_blocks"]), (16, 16))
+        self.assertEqual((few, cached["in_cache_blocks"], cached["in_cache_kib"]), (16, 16, 256))
         flat = c["block_table"].flatten()
         self.assertEqual(cached["block_table"].shape, c["block_table"].shape)
         self.assertEqual(cached["block_table"].flatten().tolist(), [flat[i % few].item() for i in range(flat.numel())])
