@@ -217,10 +217,12 @@ __attribute__((noinline)) void online_softmax(const Problem& pb, Scratch& sc, in
     }
     for (int k = 0; k < VR; ++k) storen(P + r * W + k * NW, s[k] - m[r]);
   }
-  // 2. P = exp(P) in place, two rows per step (vexpn_k interleaves their vectors' polynomial steps), and the rows'
-  // per-lane sums lv = lv * alpha + P (part k of a row adds to lane part k mod NH of lv, in the row's order)
-  auto exp_rows = [&](int r0, auto two) {
-    constexpr int R = decltype(two)::value ? 2 : 1, K = R * VR;
+  // 2. P = exp(P) in place, four rows per step on AVX-512 (32 registers), else two (vexpn_k interleaves their vectors'
+  // polynomial steps: one exp is a chain of ~11 dependent 4-cycle steps, so 4 vectors in flight left it latency-bound),
+  // and the rows' per-lane sums lv = lv * alpha + P (part k of a row adds to lane part k mod NH of lv, in the row's
+  // order)
+  auto exp_rows = [&](int r0, auto rows_per_step) {
+    constexpr int R = decltype(rows_per_step)::value, K = R * VR;
     nv x[K];
     for (int k = 0; k < K; ++k) x[k] = loadn(P + r0 * W + k * NW);
     vexpn_k<K>(x);
@@ -235,8 +237,10 @@ __attribute__((noinline)) void online_softmax(const Problem& pb, Scratch& sc, in
     }
   };
   int r = 0;
-  for (; r + 2 <= rows; r += 2) exp_rows(r, std::true_type{});
-  if (r < rows) exp_rows(r, std::false_type{});
+  if constexpr (ACC_REGS >= 16)  // AVX-512
+    for (; r + 4 <= rows; r += 4) exp_rows(r, std::integral_constant<int, 4>{});
+  for (; r + 2 <= rows; r += 2) exp_rows(r, std::integral_constant<int, 2>{});
+  if (r < rows) exp_rows(r, std::integral_constant<int, 1>{});
 }
 
 // acc[r, dims [e0, e0 + VP * NW)] = acc * alpha + P V, RB rows at a time (RB x VP accumulators; one prefetch step per
@@ -390,16 +394,26 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   const float* kps[L];
   const float* vps[L];
   const TK* zeros = reinterpret_cast<const TK*>(sc.zeros.data());
-  // head 0's rows of positions [j, j + n): one division per run of positions, then (block, row) steps
-  auto token_bases = [&](int64_t j, int n, const TK** k, const TK** v) {
-    int64_t blk_i = j / pb.block_size, row = j % pb.block_size;
-    int64_t blk = table[blk_i];
+  // head 0's rows of positions [j, j + n) (as const TK* or const char*): one division per run of positions, then
+  // pointer steps along a block's rows (the strides in locals: stored through k / v, pb's would be reloaded per row)
+  auto token_bases = [&](int64_t j, int n, auto* k, auto* v) {
+    using P = std::remove_pointer_t<decltype(k)>;
+    const int64_t bs = pb.block_size, sk0 = pb.sk[0], sk1 = pb.sk[1], sv0 = pb.sv[0], sv1 = pb.sv[1];
+    int64_t blk_i = j / bs, row = j % bs;
+    const TK* kr = kc + table[blk_i] * sk0 + row * sk1;
+    const TK* vr = vc + table[blk_i] * sv0 + row * sv1;
     for (int t = 0; t < n; ++t) {
-      k[t] = kc + blk * pb.sk[0] + row * pb.sk[1];
-      v[t] = vc + blk * pb.sv[0] + row * pb.sv[1];
-      if (++row == pb.block_size && t + 1 < n) {
+      k[t] = reinterpret_cast<P>(kr);
+      v[t] = reinterpret_cast<P>(vr);
+      if (t + 1 == n) break;
+      if (++row == bs) {
         row = 0;
-        blk = table[++blk_i];
+        ++blk_i;
+        kr = kc + table[blk_i] * sk0;
+        vr = vc + table[blk_i] * sv0;
+      } else {
+        kr += sk1;
+        vr += sv1;
       }
     }
   };
@@ -408,11 +422,9 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
   // inner step of its math (Prefetcher), `ahead` sized so that ~PREFETCH_BYTES of K/V are in flight
   const int unit_bytes = CW * (k_bytes + v_bytes);
   const int ahead = std::max(1, (PREFETCH_BYTES + unit_bytes - 1) / unit_bytes);
-  const TK* fk[2 * L];
-  const TK* fv[2 * L];
-  const char* fkc[2 * L];  // the same as bytes (what the Prefetcher walks)
+  const char* fkc[2 * L];  // the prefetched chunk's token bases, as bytes (what the Prefetcher walks)
   const char* fvc[2 * L];
-  int64_t fj = -1;  // the chunk whose bases fk/fv hold
+  int64_t fj = -1;  // the chunk whose bases fkc/fvc hold
   int fn = 0;  // its tokens
   const int kl = pb.sk[3] == 1 ? (k_bytes + 63) / 64 : 0, vl = pb.sv[3] == 1 ? (v_bytes + 63) / 64 : 0;
   auto list_lines = [&](int64_t j, int h) {
@@ -420,11 +432,7 @@ void attend(const Problem& pb, const Item& it, int64_t lo, int64_t hi, int rows,
     if (j != fj) {
       fj = j;
       fn = static_cast<int>(std::min<int64_t>(CW, hi - j));
-      token_bases(j, fn, fk, fv);
-      for (int t = 0; t < fn; ++t) {
-        fkc[t] = reinterpret_cast<const char*>(fk[t]);
-        fvc[t] = reinterpret_cast<const char*>(fv[t]);
-      }
+      token_bases(j, fn, fkc, fvc);
     }
     return Prefetcher(fkc, fvc, h * pb.sk[2] * static_cast<int64_t>(sizeof(TK)), h * pb.sv[2] * static_cast<int64_t>(sizeof(TK)),
                       fn, kl, vl);

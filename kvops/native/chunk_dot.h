@@ -91,7 +91,7 @@ inline void chunk_dot(const Problem& pb, const c10::BFloat16* const* kp, const c
       for (int j = 0; j < NA; ++j) {
 #pragma GCC unroll 2
         for (int v = 0; v < NV; ++v) {
-          pf.step();
+          pf.step<true>();
           const __m512bh kw = as_bh(_mm512_loadu_si512(kw_p + j * W + v * L));
           for (int i = 0; i < RB; ++i)
             a[j][v][i] = _mm512_dpbf16_ps(a[j][v][i], kw, as_bh(_mm512_set1_epi32(static_cast<int>(qe[j * RB + i]))));
@@ -134,10 +134,10 @@ inline void chunk_dot(const Problem& pb, const c10::BFloat16* const* kp, const c
       for (int t = 0; t < n; t += 2) {
 #pragma GCC unroll 4
         for (int w = 0; w < P_; ++w) {
-          pf.step();
+          pf.step<true>();
           const __m512i v0 = _mm512_loadu_si512(vp[t] + (g0 + w) * 32);
           const __m512i v1 = _mm512_loadu_si512(vp[t + 1] + (g0 + w) * 32);
-          pf.step();
+          pf.step<true>();
           const __m512bh lo = as_bh(_mm512_unpacklo_epi16(v0, v1)), hi = as_bh(_mm512_unpackhi_epi16(v0, v1));
           for (int i = 0; i < RB; ++i) {
             const __m512bh pp = as_bh(_mm512_set1_epi32(static_cast<int>(pr[i * (W / 2) + t / 2])));
