@@ -119,8 +119,8 @@ def bounds_text(b: dict, r: dict, mode: str, gflops: float, verdict: str) -> str
             + ("" if "in_cache_fraction" not in b else
                f"; with the K/V in the core's caches (every table cycling over {r['in_cache_blocks']} blocks, "
                f"{r['in_cache_kib']} KiB of K + V; the same calls) {b['in_cache_ms']:.3f} ms, "
-               f"{b['in_cache_fraction']} of the copy's GB/s: the fraction the kernel's own work allows (below the "
-               f"target, the kernel binds; above it, the reads)"))
+               f"{b['in_cache_fraction']} of the copy's GB/s: the fraction the kernel's own work allows (it can "
+               f"pass 1: cache against a copy from memory; below the target, the kernel binds; above it, the reads)"))
 
 
 @contextlib.contextmanager

@@ -368,7 +368,8 @@ def speedup_section(report, args, device) -> None:
                                   f"{cached['in_cache_blocks']} blocks, {cached['in_cache_kib']} KiB of K + V; the "
                                   f"same calls, in the same rounds): 1 thread {ms1} ms, 2 threads {ms2} ms, speedup "
                                   f"{in_cache}: how the kernel's own work scales (near 2 while the row misses: the "
-                                  f"memory path binds)")
+                                  f"memory path binds; short of the target too: the kernel's work or its split, or a "
+                                  f"second core slowed by other load)")
                         table.rows[-1].update(in_cache_speedup=in_cache.json(), in_cache_ms_1_thread=ms1.json(),
                                               in_cache_ms_2_threads=ms2.json())
                     report.target(target, f"{case}, eager", speedup, t["bound"], t["op"], meaning(t))
