@@ -281,9 +281,13 @@ inline void chunk(const Problem& pb, const T* const* kp, const T* const* vp, int
   // K of the W tokens, transposed: kt[e * W + t] holds dim e of token t
   for (int v = 0; v < NV; ++v)
     for (int e0 = 0; e0 < dp; e0 += L) {
-      vf tile[L];
-      for (int t = 0; t < L; ++t) tile[t] = load16(kp[v * L + t] + e0);
-      transpose16_to(tile, kt + static_cast<size_t>(e0) * W + v * L, W);
+      if constexpr (std::is_same_v<T, float>) {  // fp32 rows read in place (vec.h: transpose16_rows)
+        transpose16_rows([&](int t) { return kp[v * L + t] + e0; }, kt + static_cast<size_t>(e0) * W + v * L, W);
+      } else {
+        vf tile[L];
+        for (int t = 0; t < L; ++t) tile[t] = load16(kp[v * L + t] + e0);
+        transpose16_to(tile, kt + static_cast<size_t>(e0) * W + v * L, W);
+      }
     }
   if (NV == 1 && pb.rope_freq) {  // RoPE at read time: turn the 16 keys by their positions (sc.rc / sc.rs, set by attend)
     const int half = pb.d / 2;

@@ -43,11 +43,9 @@ template <int NV>
 inline void transpose_k_words(const c10::BFloat16* const* kp, int words, float* kt) {
   constexpr int W = NV * L;
   for (int v = 0; v < NV; ++v)
-    for (int w0 = 0; w0 < words; w0 += L) {
-      vf tile[L];
-      for (int t = 0; t < L; ++t) std::memcpy(&tile[t], kp[v * L + t] + 2 * w0, sizeof(vf));
-      transpose16_to(tile, kt + static_cast<size_t>(w0) * W + v * L, W);
-    }
+    for (int w0 = 0; w0 < words; w0 += L)
+      transpose16_rows([&](int t) { return reinterpret_cast<const float*>(kp[v * L + t] + 2 * w0); },
+                       kt + static_cast<size_t>(w0) * W + v * L, W);
 }
 
 // acc[r, groups [g0, g0 + WP)] = acc * alpha + P V for RB rows at a time: each V word vector gives the even and the
@@ -65,7 +63,7 @@ inline void pv_words(const float* P, const float* alpha, const c10::BFloat16* co
     for (int t = 0; t < n; ++t) {
 #pragma GCC unroll 8
       for (int w = 0; w < WP; ++w) {
-        pf.step();
+        pf.step<true>();
         nv word;
         std::memcpy(&word, vp[t] + (g0 + w) * 2 * NW, sizeof word);
         const nv ve = even_dims(word), vo = odd_dims(word);
@@ -119,7 +117,7 @@ inline void chunk_pairs(const Problem& pb, const c10::BFloat16* const* kp, const
         for (int j = 0; j < NA; ++j) {
 #pragma GCC unroll 2
           for (int v = 0; v < NV; ++v) {
-            pf.step();
+            pf.step<true>();
             const nv kw = loadn(kw_p + j * W + v * L);
             const nv ke = even_dims(kw), ko = odd_dims(kw);
             if constexpr (NV == 1) {  // row-major queries, as chunk()
