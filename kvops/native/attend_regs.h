@@ -80,6 +80,8 @@ inline nv load_nw(const T* p) {
     vhn h;
     std::memcpy(&h, p, sizeof h);
     return (nv)(__builtin_convertvector(h, vun) << 16);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return half_nw(reinterpret_cast<const uint16_t*>(p));
   } else {
     nv v;
     for (int i = 0; i < NW; ++i) v[i] = to_f(p[i]);
@@ -95,6 +97,8 @@ inline vf load16(const T* p) {
     vh h;
     std::memcpy(&h, p, sizeof h);
     return (vf)(__builtin_convertvector(h, vu) << 16);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return half16(reinterpret_cast<const uint16_t*>(p));
   } else {
     vf v;
     for (int i = 0; i < L; ++i) v[i] = to_f(p[i]);

@@ -25,19 +25,13 @@ struct Field {
 
 
 // 16 int32 lanes from 16 bytes: sign-extended (int8 codes) or zero-extended (GCC lowers __builtin_convertvector of
-// byte vectors to scalar code: a quarter of int8 decode's time, perf), and 16 fp16 values -> fp32
+// byte vectors to scalar code: a quarter of int8 decode's time, perf); 16 fp16 values -> fp32: half16 (vec.h)
 #if defined(__AVX512F__)
 inline vi widen(__m512i w) { vi r; std::memcpy(&r, &w, sizeof r); return r; }
 inline vi sext16(const int8_t* x) { return widen(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)))); }
 inline vi zext16(__m128i b) { return widen(_mm512_cvtepu8_epi32(b)); }
 inline vi zext16w(const uint16_t* x) {
   return widen(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
-}
-inline vf half16(const uint16_t* x) {
-  vf r;
-  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  std::memcpy(&r, &v, sizeof r);
-  return r;
 }
 #elif defined(__AVX2__)
 inline vi widen(__m256i lo, __m256i hi) {
@@ -55,22 +49,9 @@ inline vi zext16w(const uint16_t* x) {
   return widen(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))),
                _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8))));
 }
-inline vf half16(const uint16_t* x) {
-  vf r;
-  const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8)));
-  std::memcpy(&r, &a, 32);
-  std::memcpy(reinterpret_cast<float*>(&r) + 8, &b, 32);
-  return r;
-}
 #else
 inline vi sext16(const int8_t* x) { vi r; for (int i = 0; i < L; ++i) r[i] = x[i]; return r; }
 inline vi zext16w(const uint16_t* x) { vi r; for (int i = 0; i < L; ++i) r[i] = x[i]; return r; }
-inline vf half16(const uint16_t* x) {
-  vf r;
-  for (int i = 0; i < L; ++i) r[i] = static_cast<float>(c10::Half(x[i], c10::Half::from_bits()));
-  return r;
-}
 #endif
 
 // the codes of 16 consecutive values packed PER to a byte (int4: 2, int2: 4), value i in bits (i % PER) * 8 / PER:

@@ -72,6 +72,8 @@ inline void load_row(const T* src, int64_t st, int n, float* dst, int n_pad) {
         std::memcpy(&h, s + i, sizeof h);
         storeu(dst + i, (vf)(__builtin_convertvector(h, vu) << 16));
       }
+    } else if constexpr (std::is_same_v<T, c10::Half>) {
+      for (; i + L <= n; i += L) storeu(dst + i, half16(reinterpret_cast<const uint16_t*>(src) + i));
     } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
       const float* lut = fp8_lut().v;
       const uint8_t* s = reinterpret_cast<const uint8_t*>(src);

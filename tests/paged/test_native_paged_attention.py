@@ -109,6 +109,16 @@ class TestNativeKernel(unittest.TestCase):
                     run_and_check(self, rising_scores(len(name), profile, dtype))
                     run_and_check(self, rising_scores(len(name), profile, dtype), window_left=100)
 
+    def test_fp16_caches(self):
+        # fp16 K/V converted 16 (or NW) values at a time (vec.h: half16 / half_nw): rows read in place (head_dim 64,
+        # 128), staged rows of head_dim 80 (5 full vectors) and 72 (4 and a tail), GQA 5:1 and 7:1, block_size 1, a
+        # zero-length sequence, decode and several query rows
+        cases = [dict(h_q=14, h_kv=2, d=64, block_size=16), dict(h_q=8, h_kv=2, d=128, block_size=16),
+                 dict(h_q=5, h_kv=1, d=80, block_size=1), dict(h_q=7, h_kv=1, d=72, block_size=16)]
+        for i, case in enumerate(cases):
+            with self.subTest(**case):
+                run_and_check(self, make_inputs(40 + i, [300, 0, 45], [1, 1, 3], dtype=torch.float16, **case))
+
     def test_built_once_cached_and_used(self):
         self.assertTrue(native.available())
         build_dir = pathlib.Path(torch.utils.cpp_extension._get_build_directory(native.build_name(), False))
