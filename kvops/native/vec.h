@@ -35,9 +35,7 @@ typedef int32_t vi __attribute__((vector_size(64)));
 // (AVX-512, NEON: unchanged), looping over the NH = L / NW parts of a 16-lane row; the sums are the same.
 #if defined(__x86_64__) && !defined(__AVX512F__)
 constexpr int NW = 8;
-#define NW_IS_YMM 1
 #else
-#define NW_IS_YMM 0
 constexpr int NW = L;
 #endif
 constexpr int NH = L / NW;
@@ -88,7 +86,7 @@ inline vf half16(const uint16_t* x) {
 }
 inline nv half_nw(const uint16_t* x) {
   nv r;
-#if defined(__F16C__) && NW_IS_YMM
+#if defined(__F16C__) && !defined(__AVX512F__)  // NW = 8
   const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
   std::memcpy(&r, &a, sizeof r);
 #else
